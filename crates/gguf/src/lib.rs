@@ -1,0 +1,51 @@
+//! GGUF files: a reader that treats every byte as hostile, and a writer for the synthetic
+//! models that tests generate.
+//!
+//! The reader never trusts a count or an offset: every length is checked against the bytes
+//! that remain before anything is allocated for it, so a malicious header cannot make the
+//! process allocate more than the file's own size.
+
+mod reader;
+mod types;
+mod writer;
+
+pub use reader::{GgufFile, TensorInfo};
+pub use types::{GgmlType, MetaValue};
+pub use writer::GgufWriter;
+
+/// Everything that can be wrong with a GGUF file.
+#[derive(Debug, thiserror::Error)]
+pub enum GgufError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("not a GGUF file (magic {0:#010x})")]
+    BadMagic(u32),
+    #[error("unsupported GGUF version {0} (1 is obsolete; 2 and 3 are supported)")]
+    UnsupportedVersion(u32),
+    #[error("file truncated: needed {needed} bytes at offset {offset}, file has {len}")]
+    Truncated { offset: u64, needed: u64, len: u64 },
+    #[error("implausible {what}: {value} (limit {limit})")]
+    Implausible {
+        what: &'static str,
+        value: u64,
+        limit: u64,
+    },
+    #[error("unknown metadata value type {0}")]
+    UnknownValueType(u32),
+    #[error("tensor {name}: unsupported or unknown ggml type {ty}")]
+    UnknownTensorType { name: String, ty: u32 },
+    #[error("tensor {name}: {reason}")]
+    BadTensor { name: String, reason: String },
+    #[error("string is not valid UTF-8 at offset {0}")]
+    BadUtf8(u64),
+    #[error("duplicate {what} {name:?}")]
+    Duplicate { what: &'static str, name: String },
+    #[error("metadata key {key:?}: {reason}")]
+    Metadata { key: String, reason: String },
+}
+
+pub type Result<T> = std::result::Result<T, GgufError>;

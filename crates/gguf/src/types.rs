@@ -1,0 +1,336 @@
+use half::{bf16, f16};
+
+/// Tensor element types that kvwarden can load. Values are ggml's type ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    BF16,
+}
+
+impl GgmlType {
+    pub fn from_id(id: u32) -> Option<Self> {
+        Some(match id {
+            0 => Self::F32,
+            1 => Self::F16,
+            2 => Self::Q4_0,
+            3 => Self::Q4_1,
+            8 => Self::Q8_0,
+            30 => Self::BF16,
+            _ => return None,
+        })
+    }
+
+    pub fn id(self) -> u32 {
+        match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Q4_0 => 2,
+            Self::Q4_1 => 3,
+            Self::Q8_0 => 8,
+            Self::BF16 => 30,
+        }
+    }
+
+    /// Elements per block; a row's length must be a multiple of it.
+    pub fn block_elems(self) -> usize {
+        match self {
+            Self::F32 | Self::F16 | Self::BF16 => 1,
+            Self::Q4_0 | Self::Q4_1 | Self::Q8_0 => 32,
+        }
+    }
+
+    /// Bytes per block, as ggml lays them out.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::BF16 => 2,
+            Self::Q4_0 => 2 + 16,
+            Self::Q4_1 => 2 + 2 + 16,
+            Self::Q8_0 => 2 + 32,
+        }
+    }
+
+    /// Bytes of `n` elements, or `None` when `n` is not whole blocks or overflows.
+    pub fn bytes_for(self, n: u64) -> Option<u64> {
+        let be = self.block_elems() as u64;
+        if n % be != 0 {
+            return None;
+        }
+        (n / be).checked_mul(self.block_bytes() as u64)
+    }
+
+    /// Dequantizes whole blocks from `src` into `dst` (`dst.len()` elements).
+    ///
+    /// Follows ggml's definitions: Q4_0 `x = (q - 8) * d`; Q4_1 `x = q * d + m`; Q8_0
+    /// `x = q * d`; in 4-bit blocks byte `j` holds element `j` in its low nibble and element
+    /// `j + 16` in its high nibble.
+    pub fn dequantize(self, src: &[u8], dst: &mut [f32]) {
+        let be = self.block_elems();
+        let bb = self.block_bytes();
+        assert_eq!(dst.len() % be, 0, "dequantize: partial block");
+        assert!(src.len() >= dst.len() / be * bb, "dequantize: short source");
+        for (block, out) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(be)) {
+            match self {
+                Self::F32 => out[0] = f32::from_le_bytes([block[0], block[1], block[2], block[3]]),
+                Self::F16 => out[0] = f16::from_le_bytes([block[0], block[1]]).to_f32(),
+                Self::BF16 => out[0] = bf16::from_le_bytes([block[0], block[1]]).to_f32(),
+                Self::Q4_0 => {
+                    let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+                    for j in 0..16 {
+                        let q = block[2 + j];
+                        out[j] = ((q & 0x0f) as i32 - 8) as f32 * d;
+                        out[j + 16] = ((q >> 4) as i32 - 8) as f32 * d;
+                    }
+                }
+                Self::Q4_1 => {
+                    let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+                    let m = f16::from_le_bytes([block[2], block[3]]).to_f32();
+                    for j in 0..16 {
+                        let q = block[4 + j];
+                        out[j] = (q & 0x0f) as f32 * d + m;
+                        out[j + 16] = (q >> 4) as f32 * d + m;
+                    }
+                }
+                Self::Q8_0 => {
+                    let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+                    for j in 0..32 {
+                        out[j] = block[2 + j] as i8 as f32 * d;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Quantizes `src` (whole blocks) the way ggml's reference quantizers do; used by the
+    /// synthetic-model writer and by tests.
+    pub fn quantize(self, src: &[f32]) -> Vec<u8> {
+        let be = self.block_elems();
+        assert_eq!(src.len() % be, 0, "quantize: partial block");
+        let mut out = Vec::with_capacity(src.len() / be * self.block_bytes());
+        for x in src.chunks_exact(be) {
+            match self {
+                Self::F32 => out.extend_from_slice(&x[0].to_le_bytes()),
+                Self::F16 => out.extend_from_slice(&f16::from_f32(x[0]).to_le_bytes()),
+                Self::BF16 => out.extend_from_slice(&bf16::from_f32(x[0]).to_le_bytes()),
+                Self::Q4_0 => {
+                    // ggml: d = max / -8 where max is the signed value of largest magnitude.
+                    let mut max = 0f32;
+                    for &v in x {
+                        if v.abs() > max.abs() {
+                            max = v;
+                        }
+                    }
+                    let d = max / -8.0;
+                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                    for j in 0..16 {
+                        let lo = ((x[j] * id + 8.5) as i32).clamp(0, 15) as u8;
+                        let hi = ((x[j + 16] * id + 8.5) as i32).clamp(0, 15) as u8;
+                        out.push(lo | (hi << 4));
+                    }
+                }
+                Self::Q4_1 => {
+                    let min = x.iter().copied().fold(f32::INFINITY, f32::min);
+                    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let d = (max - min) / 15.0;
+                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                    out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
+                    for j in 0..16 {
+                        let lo = (((x[j] - min) * id + 0.5) as i32).clamp(0, 15) as u8;
+                        let hi = (((x[j + 16] - min) * id + 0.5) as i32).clamp(0, 15) as u8;
+                        out.push(lo | (hi << 4));
+                    }
+                }
+                Self::Q8_0 => {
+                    let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
+                    let d = amax / 127.0;
+                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                    out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                    for &v in x {
+                        out.push((v * id).round() as i8 as u8);
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A metadata value. Arrays keep their element type so that an empty array still says what
+/// it is an array of.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MetaValue {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    F32(f32),
+    Bool(bool),
+    String(String),
+    Array(Vec<MetaValue>),
+    U64(u64),
+    I64(i64),
+    F64(f64),
+}
+
+impl MetaValue {
+    /// Any integer type that fits a u64 without loss.
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            Self::U8(v) => Some(v as u64),
+            Self::U16(v) => Some(v as u64),
+            Self::U32(v) => Some(v as u64),
+            Self::U64(v) => Some(v),
+            Self::I8(v) => u64::try_from(v).ok(),
+            Self::I16(v) => u64::try_from(v).ok(),
+            Self::I32(v) => u64::try_from(v).ok(),
+            Self::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    pub fn as_i64(&self) -> Option<i64> {
+        match *self {
+            Self::U8(v) => Some(v as i64),
+            Self::U16(v) => Some(v as i64),
+            Self::U32(v) => Some(v as i64),
+            Self::U64(v) => i64::try_from(v).ok(),
+            Self::I8(v) => Some(v as i64),
+            Self::I16(v) => Some(v as i64),
+            Self::I32(v) => Some(v as i64),
+            Self::I64(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            Self::F32(v) => Some(v as f64),
+            Self::F64(v) => Some(v),
+            _ => self.as_i64().map(|v| v as f64),
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Self::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[MetaValue]> {
+        match self {
+            Self::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn type_id(&self) -> u32 {
+        match self {
+            Self::U8(_) => 0,
+            Self::I8(_) => 1,
+            Self::U16(_) => 2,
+            Self::I16(_) => 3,
+            Self::U32(_) => 4,
+            Self::I32(_) => 5,
+            Self::F32(_) => 6,
+            Self::Bool(_) => 7,
+            Self::String(_) => 8,
+            Self::Array(_) => 9,
+            Self::U64(_) => 10,
+            Self::I64(_) => 11,
+            Self::F64(_) => 12,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q4_1_dequantizes_per_definition() {
+        // d = 0.5, m = -1.0, byte j = (j+1)%16 low, (15-j) high.
+        let mut block = Vec::new();
+        block.extend_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        block.extend_from_slice(&f16::from_f32(-1.0).to_le_bytes());
+        for j in 0..16u8 {
+            block.push(((j + 1) % 16) | ((15 - j) << 4));
+        }
+        let mut out = [0f32; 32];
+        GgmlType::Q4_1.dequantize(&block, &mut out);
+        for j in 0..16 {
+            assert_eq!(out[j], ((j as u8 + 1) % 16) as f32 * 0.5 - 1.0);
+            assert_eq!(out[j + 16], (15 - j) as f32 * 0.5 - 1.0);
+        }
+    }
+
+    #[test]
+    fn q4_0_dequantizes_per_definition() {
+        let mut block = Vec::new();
+        block.extend_from_slice(&f16::from_f32(0.25).to_le_bytes());
+        for j in 0..16u8 {
+            block.push(j | ((15 - j) << 4));
+        }
+        let mut out = [0f32; 32];
+        GgmlType::Q4_0.dequantize(&block, &mut out);
+        for j in 0..16 {
+            assert_eq!(out[j], (j as f32 - 8.0) * 0.25);
+            assert_eq!(out[j + 16], (15.0 - j as f32 - 8.0) * 0.25);
+        }
+    }
+
+    #[test]
+    fn q8_0_dequantizes_per_definition() {
+        let mut block = Vec::new();
+        block.extend_from_slice(&f16::from_f32(2.0).to_le_bytes());
+        for j in 0..32i32 {
+            block.push((j * 8 - 128) as i8 as u8);
+        }
+        let mut out = [0f32; 32];
+        GgmlType::Q8_0.dequantize(&block, &mut out);
+        for (j, v) in out.iter().enumerate() {
+            assert_eq!(*v, (j as f32 * 8.0 - 128.0) * 2.0);
+        }
+    }
+
+    #[test]
+    fn half_types_dequantize() {
+        let mut out = [0f32; 2];
+        let mut src = f16::from_f32(1.5).to_le_bytes().to_vec();
+        src.extend_from_slice(&f16::from_f32(-2.25).to_le_bytes());
+        GgmlType::F16.dequantize(&src, &mut out);
+        assert_eq!(out, [1.5, -2.25]);
+        let mut src = bf16::from_f32(3.0).to_le_bytes().to_vec();
+        src.extend_from_slice(&bf16::from_f32(-0.5).to_le_bytes());
+        GgmlType::BF16.dequantize(&src, &mut out);
+        assert_eq!(out, [3.0, -0.5]);
+    }
+
+    #[test]
+    fn quantize_roundtrip_error_is_bounded() {
+        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0).collect();
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F16] {
+            let q = ty.quantize(&x);
+            assert_eq!(q.len() as u64, ty.bytes_for(64).unwrap());
+            let mut y = vec![0f32; 64];
+            ty.dequantize(&q, &mut y);
+            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let step = match ty {
+                GgmlType::Q4_0 | GgmlType::Q4_1 => amax / 7.0,
+                GgmlType::Q8_0 => amax / 127.0,
+                _ => 1e-3,
+            };
+            for (a, b) in x.iter().zip(&y) {
+                assert!((a - b).abs() <= step, "{ty:?}: {a} vs {b}");
+            }
+        }
+    }
+}
