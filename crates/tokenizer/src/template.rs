@@ -1,0 +1,146 @@
+//! Chat templates: the Jinja templates GGUF files carry in `tokenizer.chat_template`.
+
+use minijinja::value::Value;
+use minijinja::{context, Environment, Error, ErrorKind};
+
+const TEMPLATE_NAME: &str = "chat";
+
+/// Prefix that marks an error as coming from the template's own `raise_exception` call,
+/// so it can be told apart from a broken template.
+const RAISE_MARKER: &str = "\u{1}raise_exception\u{1}";
+
+/// One chat turn.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error("chat template does not compile: {0}")]
+    Compile(#[source] Error),
+    /// The template rejected the conversation itself (e.g. roles that do not alternate);
+    /// the request, not the template, is at fault.
+    #[error("chat template rejected the conversation: {0}")]
+    Raised(String),
+    #[error("chat template failed to render: {0}")]
+    Render(#[source] Error),
+}
+
+/// A compiled chat template.
+///
+/// Whitespace handling follows what both Hugging Face transformers and llama.cpp (minja)
+/// use for chat templates — `trim_blocks` and `lstrip_blocks` on, trailing newline
+/// dropped — since templates are written against those settings.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChatTemplate {
+    /// Compiles `source`. `bos_token` and `eos_token` render as empty strings unless set
+    /// with [`Self::with_special_tokens`].
+    pub fn new(source: &str) -> Result<Self, TemplateError> {
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .keep_trailing_newline(false)
+            .build()
+            .map_err(TemplateError::Compile)?;
+        env.set_syntax(syntax);
+        // Python string/dict/list methods (`.strip()`, `.startswith()`, `.items()`, ...)
+        // that Hugging Face templates call freely.
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
+            Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("{RAISE_MARKER}{msg}"),
+            ))
+        });
+        env.add_template_owned(TEMPLATE_NAME, source.to_owned())
+            .map_err(TemplateError::Compile)?;
+        Ok(ChatTemplate {
+            env,
+            bos_token: String::new(),
+            eos_token: String::new(),
+        })
+    }
+
+    /// Sets the text the `bos_token` and `eos_token` template variables render as.
+    pub fn with_special_tokens(
+        mut self,
+        bos_token: impl Into<String>,
+        eos_token: impl Into<String>,
+    ) -> Self {
+        self.bos_token = bos_token.into();
+        self.eos_token = eos_token.into();
+        self
+    }
+
+    /// Renders the prompt for `messages`; with `add_generation_prompt` the template appends
+    /// the header that opens the assistant's turn.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
+        let messages: Value = messages
+            .iter()
+            .map(|m| {
+                Value::from_pairs([
+                    ("role", Value::from(m.role.clone())),
+                    ("content", Value::from(m.content.clone())),
+                ])
+            })
+            .collect();
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(TemplateError::Render)?;
+        template
+            .render(context! {
+                messages,
+                add_generation_prompt,
+                bos_token => self.bos_token.clone(),
+                eos_token => self.eos_token.clone(),
+            })
+            .map_err(|e| match raised_message(&e) {
+                Some(msg) => TemplateError::Raised(msg),
+                None => TemplateError::Render(e),
+            })
+    }
+}
+
+fn raised_message(e: &Error) -> Option<String> {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(mj) = err.downcast_ref::<Error>() {
+            if let Some(msg) = mj.detail().and_then(|d| d.strip_prefix(RAISE_MARKER)) {
+                return Some(msg.to_owned());
+            }
+        }
+        cur = err.source();
+    }
+    None
+}
