@@ -148,7 +148,7 @@ fn min_value_bytes(ty: u32) -> Option<u64> {
     Some(match ty {
         0 | 1 | 7 => 1,
         2 | 3 => 2,
-        4 | 5 | 6 => 4,
+        4..=6 => 4,
         8 => 8,
         9 => 12,
         10..=12 => 8,
@@ -264,9 +264,7 @@ impl GgufFile {
                 .bytes_for(elements)
                 .ok_or_else(|| bad(format!("size of {elements} elements overflows")))?;
             if offset % alignment != 0 {
-                return Err(bad(format!(
-                    "offset {offset} not aligned to {alignment}"
-                )));
+                return Err(bad(format!("offset {offset} not aligned to {alignment}")));
             }
             let start = data_start
                 .checked_add(offset)

@@ -57,7 +57,7 @@ impl GgmlType {
     /// Bytes of `n` elements, or `None` when `n` is not whole blocks or overflows.
     pub fn bytes_for(self, n: u64) -> Option<u64> {
         let be = self.block_elems() as u64;
-        if n % be != 0 {
+        if !n.is_multiple_of(be) {
             return None;
         }
         (n / be).checked_mul(self.block_bytes() as u64)
@@ -316,8 +316,15 @@ mod tests {
 
     #[test]
     fn quantize_roundtrip_error_is_bounded() {
-        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0).collect();
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F16] {
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+            .collect();
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+            GgmlType::F16,
+        ] {
             let q = ty.quantize(&x);
             assert_eq!(q.len() as u64, ty.bytes_for(64).unwrap());
             let mut y = vec![0f32; 64];

@@ -24,10 +24,17 @@ impl GgufWriter {
 
     /// Adds a tensor from f32 values, quantized to `ty`. `dims` in ggml order (row length
     /// first).
-    pub fn tensor_f32(&mut self, name: &str, dims: &[u64], ty: GgmlType, values: &[f32]) -> &mut Self {
+    pub fn tensor_f32(
+        &mut self,
+        name: &str,
+        dims: &[u64],
+        ty: GgmlType,
+        values: &[f32],
+    ) -> &mut Self {
         assert_eq!(dims.iter().product::<u64>() as usize, values.len());
         let data = ty.quantize(values);
-        self.tensors.push((name.to_string(), dims.to_vec(), ty, data));
+        self.tensors
+            .push((name.to_string(), dims.to_vec(), ty, data));
         self
     }
 

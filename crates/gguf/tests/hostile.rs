@@ -6,7 +6,10 @@ use gguf::{GgmlType, GgufError, GgufFile, GgufWriter, MetaValue};
 fn valid_file() -> Vec<u8> {
     let mut w = GgufWriter::new();
     w.meta("general.architecture", MetaValue::String("llama".into()));
-    w.meta("test.list", MetaValue::Array(vec![MetaValue::U32(1), MetaValue::U32(2)]));
+    w.meta(
+        "test.list",
+        MetaValue::Array(vec![MetaValue::U32(1), MetaValue::U32(2)]),
+    );
     let vals: Vec<f32> = (0..64).map(|i| i as f32 / 10.0).collect();
     w.tensor_f32("a", &[32, 2], GgmlType::Q8_0, &vals);
     w.tensor_f32("b", &[64], GgmlType::F32, &vals);
@@ -39,24 +42,36 @@ fn every_truncation_is_an_error() {
 fn bad_magic() {
     let mut bytes = valid_file();
     bytes[0] = b'X';
-    assert!(matches!(GgufFile::parse(bytes), Err(GgufError::BadMagic(_))));
+    assert!(matches!(
+        GgufFile::parse(bytes),
+        Err(GgufError::BadMagic(_))
+    ));
 }
 
 #[test]
 fn bad_version() {
     let mut bytes = valid_file();
     bytes[4..8].copy_from_slice(&1u32.to_le_bytes());
-    assert!(matches!(GgufFile::parse(bytes), Err(GgufError::UnsupportedVersion(1))));
+    assert!(matches!(
+        GgufFile::parse(bytes),
+        Err(GgufError::UnsupportedVersion(1))
+    ));
 }
 
 #[test]
 fn absurd_counts_are_rejected_before_allocation() {
     let mut bytes = valid_file();
     bytes[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
-    assert!(matches!(GgufFile::parse(bytes), Err(GgufError::Implausible { .. })));
+    assert!(matches!(
+        GgufFile::parse(bytes),
+        Err(GgufError::Implausible { .. })
+    ));
     let mut bytes = valid_file();
     bytes[16..24].copy_from_slice(&(1u64 << 60).to_le_bytes());
-    assert!(matches!(GgufFile::parse(bytes), Err(GgufError::Implausible { .. })));
+    assert!(matches!(
+        GgufFile::parse(bytes),
+        Err(GgufError::Implausible { .. })
+    ));
 }
 
 fn header(n_tensors: u64, n_kv: u64) -> Vec<u8> {
@@ -77,7 +92,10 @@ fn absurd_string_and_array_lengths() {
     let mut b = header(0, 1);
     b.extend_from_slice(&(u64::MAX - 3).to_le_bytes());
     b.extend_from_slice(&[0u8; 64]);
-    assert!(matches!(GgufFile::parse(b), Err(GgufError::Truncated { .. })));
+    assert!(matches!(
+        GgufFile::parse(b),
+        Err(GgufError::Truncated { .. })
+    ));
 
     let mut b = header(0, 1);
     push_str(&mut b, "k");
@@ -85,7 +103,10 @@ fn absurd_string_and_array_lengths() {
     b.extend_from_slice(&4u32.to_le_bytes()); // of u32
     b.extend_from_slice(&(1u64 << 40).to_le_bytes());
     b.extend_from_slice(&[0u8; 64]);
-    assert!(matches!(GgufFile::parse(b), Err(GgufError::Implausible { .. })));
+    assert!(matches!(
+        GgufFile::parse(b),
+        Err(GgufError::Implausible { .. })
+    ));
 }
 
 #[test]
@@ -94,7 +115,10 @@ fn unknown_value_and_tensor_types() {
     push_str(&mut b, "k");
     b.extend_from_slice(&99u32.to_le_bytes());
     b.extend_from_slice(&[0u8; 16]);
-    assert!(matches!(GgufFile::parse(b), Err(GgufError::UnknownValueType(99))));
+    assert!(matches!(
+        GgufFile::parse(b),
+        Err(GgufError::UnknownValueType(99))
+    ));
 
     let mut b = header(1, 0);
     push_str(&mut b, "t");
@@ -103,7 +127,10 @@ fn unknown_value_and_tensor_types() {
     b.extend_from_slice(&77u32.to_le_bytes());
     b.extend_from_slice(&0u64.to_le_bytes());
     b.extend_from_slice(&[0u8; 256]);
-    assert!(matches!(GgufFile::parse(b), Err(GgufError::UnknownTensorType { ty: 77, .. })));
+    assert!(matches!(
+        GgufFile::parse(b),
+        Err(GgufError::UnknownTensorType { ty: 77, .. })
+    ));
 }
 
 fn one_tensor(dims: &[u64], ty: u32, offset: u64, data: usize) -> Vec<u8> {
@@ -149,6 +176,8 @@ fn tensor_data_out_of_bounds() {
 fn errors_have_readable_messages() {
     let e = GgufFile::parse(b"GGU".to_vec()).unwrap_err().to_string();
     assert!(e.contains("truncated"), "{e}");
-    let e = GgufFile::open("/nonexistent/x.gguf").unwrap_err().to_string();
+    let e = GgufFile::open("/nonexistent/x.gguf")
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("/nonexistent/x.gguf"), "{e}");
 }

@@ -1,0 +1,94 @@
+//! The paged KV cache, with ownership enforced by construction.
+//!
+//! The incident this project answers (see `ARCHITECTURE.md`) was a decode step reading KV
+//! pages that had been handed to a request but never rewritten for it. Here:
+//!
+//! * Page memory lives inside the page's current owner. A [`PageLease`] *moves* the page's
+//!   buffer out of the pool; nothing else can name it. Dropping the lease scrubs the buffer
+//!   and moves it back, bumping its generation. There is no raw page index anywhere in the
+//!   public API, so "read page 17" cannot be expressed.
+//! * Each lease records, per layer, how many slots were written under it. Reading past that
+//!   extent is [`KvError::UnwrittenRead`], a hard error in release builds too.
+//! * A full page can be frozen into a [`SharedPage`]: immutable, reference-counted, tagged
+//!   with the isolation domain it may be read from. A sequence of another domain cannot
+//!   read it (checked at every read), and the prefix cache never offers it across domains.
+//! * The per-request view that attention reads ([`SequenceKv`]) is built only from that
+//!   request's leases and its own domain's shared pages.
+
+mod error;
+mod pool;
+mod sequence;
+
+pub use error::KvError;
+pub use pool::{
+    KvDtype, KvLayout, KvPool, PageDescriptor, PageLease, PoolConfig, PoolCounts, ScrubPolicy,
+    SharedPage,
+};
+pub use sequence::{KvRun, KvSlice, SequenceKv};
+
+/// The unit of isolation: requests in one domain may share cached prefixes, requests in
+/// different domains never see each other's pages. Built by the server from the
+/// authenticated tenant (and optionally narrowed by a client-supplied salt); never taken
+/// from the client alone.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IsolationDomain {
+    tenant: String,
+    salt: Option<String>,
+}
+
+impl IsolationDomain {
+    /// The domain of an authenticated tenant.
+    pub fn tenant(tenant: impl Into<String>) -> Self {
+        Self {
+            tenant: tenant.into(),
+            salt: None,
+        }
+    }
+
+    /// Narrows this domain by a client salt: the result shares nothing with the unsalted
+    /// domain or with any other salt, and it can never widen to another tenant.
+    pub fn narrowed(&self, salt: impl Into<String>) -> Self {
+        Self {
+            tenant: self.tenant.clone(),
+            salt: Some(salt.into()),
+        }
+    }
+
+    pub fn tenant_name(&self) -> &str {
+        &self.tenant
+    }
+}
+
+/// Who may read a page: its own domain, or everyone when the operator published it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Visibility {
+    Domain(IsolationDomain),
+    /// A prefix the operator marked public in configuration (e.g. a shared system prompt).
+    Public,
+}
+
+impl Visibility {
+    pub fn readable_by(&self, domain: &IsolationDomain) -> bool {
+        match self {
+            Visibility::Public => true,
+            Visibility::Domain(d) => d == domain,
+        }
+    }
+}
+
+/// Identifies one request for the lifetime of the process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "req-{}", self.0)
+    }
+}
+
+/// The owner a lease is bound to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Owner {
+    pub request: RequestId,
+    pub domain: IsolationDomain,
+}
