@@ -1,0 +1,130 @@
+//! Every capacity limit, checked in one place before any resource exists.
+
+use crate::GenerateRequest;
+
+/// Why a request was refused. Terminal: there is no way from here to the engine.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    #[error("This model's maximum context length is {limit} tokens. However, you requested {total} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion). Please reduce the length of the prompt or the completion.")]
+    ContextLengthExceeded {
+        limit: usize,
+        prompt_tokens: usize,
+        max_tokens: usize,
+        total: usize,
+    },
+    #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
+    TokenOutOfRange { id: u32, vocab: usize },
+}
+
+impl Rejection {
+    /// A stable label for metrics and error codes.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Rejection::EmptyPrompt => "empty_prompt",
+            Rejection::ZeroMaxTokens => "invalid_max_tokens",
+            Rejection::ContextLengthExceeded { .. } => "context_length_exceeded",
+            Rejection::TokenOutOfRange { .. } => "invalid_token",
+        }
+    }
+}
+
+/// A request that passed admission, with the pages it may ever need. Only
+/// [`Admission::admit`] constructs one.
+#[derive(Debug)]
+pub struct Admitted {
+    pub(crate) request: GenerateRequest,
+    pub(crate) total_tokens: usize,
+}
+
+impl Admitted {
+    pub fn request(&self) -> &GenerateRequest {
+        &self.request
+    }
+}
+
+/// The limits of one engine. `max_context` never exceeds what the pool holds (checked when
+/// the engine starts), so an admitted request can always be scheduled once others finish.
+#[derive(Debug, Clone, Copy)]
+pub struct Admission {
+    pub max_context: usize,
+    pub vocab_size: usize,
+}
+
+impl Admission {
+    /// The default completion budget when a client gives none: whatever room is left.
+    pub fn default_max_tokens(&self, prompt_tokens: usize) -> usize {
+        self.max_context.saturating_sub(prompt_tokens)
+    }
+
+    pub fn admit(&self, request: GenerateRequest) -> Result<Admitted, Rejection> {
+        if request.prompt.is_empty() {
+            return Err(Rejection::EmptyPrompt);
+        }
+        if let Some(&id) = request.prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(Rejection::TokenOutOfRange {
+                id,
+                vocab: self.vocab_size,
+            });
+        }
+        let prompt_tokens = request.prompt.len();
+        let total = prompt_tokens.saturating_add(request.max_tokens);
+        if total > self.max_context || prompt_tokens >= self.max_context {
+            return Err(Rejection::ContextLengthExceeded {
+                limit: self.max_context,
+                prompt_tokens,
+                max_tokens: request.max_tokens,
+                total,
+            });
+        }
+        if request.max_tokens == 0 {
+            return Err(Rejection::ZeroMaxTokens);
+        }
+        Ok(Admitted {
+            request,
+            total_tokens: total,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{IsolationDomain, SamplingParams};
+
+    fn req(prompt: usize, max_tokens: usize) -> GenerateRequest {
+        GenerateRequest {
+            domain: IsolationDomain::tenant("t"),
+            prompt: vec![5; prompt],
+            max_tokens,
+            sampling: SamplingParams::default(),
+            stop_tokens: vec![],
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+
+    #[test]
+    fn context_limit_counts_max_tokens() {
+        let a = Admission {
+            max_context: 100,
+            vocab_size: 10,
+        };
+        assert!(a.admit(req(99, 1)).is_ok());
+        assert!(a.admit(req(50, 50)).is_ok());
+        let e = a.admit(req(50, 51)).unwrap_err();
+        assert_eq!(e.code(), "context_length_exceeded");
+        assert!(e.to_string().contains("100 tokens") && e.to_string().contains("101"), "{e}");
+        assert_eq!(a.admit(req(100, 1)).unwrap_err().code(), "context_length_exceeded");
+        assert_eq!(a.admit(req(101, 0)).unwrap_err().code(), "context_length_exceeded");
+        assert_eq!(a.admit(req(0, 1)).unwrap_err(), Rejection::EmptyPrompt);
+        assert_eq!(a.admit(req(3, 0)).unwrap_err(), Rejection::ZeroMaxTokens);
+        let mut r = req(3, 1);
+        r.prompt[1] = 10;
+        assert_eq!(a.admit(r).unwrap_err().code(), "invalid_token");
+        assert_eq!(a.admit(req(1, usize::MAX)).unwrap_err().code(), "context_length_exceeded");
+    }
+}

@@ -1,0 +1,111 @@
+//! The engine: admission, scheduling and the request lifecycle. It knows nothing of HTTP.
+//!
+//! Lifecycle, enforced by types:
+//! * [`Admission::admit`] is the only way to make an [`Admitted`] request, and it checks
+//!   every capacity limit before any resource exists. A [`Rejection`] has no method that
+//!   leads anywhere but an error response.
+//! * [`EngineHandle::submit`] consumes the `Admitted` value. Inside the engine a request's
+//!   event sender is consumed by its terminal event (`Finished`, `Failed`), so nothing can
+//!   be sent after a request has ended; dropping the request record releases its pages.
+//! * A client that stops listening (drops its [`RequestHandle`]) is cancelled at the next
+//!   engine step and its pages go back to the pool then.
+
+mod admission;
+mod scheduler;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+pub use admission::{Admission, Admitted, Rejection};
+pub use scheduler::{start, EngineConfig, EngineHandle, RequestHandle, StartupError};
+
+pub use kv::{IsolationDomain, RequestId};
+pub use model::SamplingParams;
+
+/// What a client asked the engine to do, after the server validated and tokenized it.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub domain: IsolationDomain,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Tokens that end generation (besides EOS unless `ignore_eos`); not emitted.
+    pub stop_tokens: Vec<u32>,
+    pub ignore_eos: bool,
+    /// `Some(k)`: report each token's log-probability and the `k` most likely alternatives.
+    pub logprobs: Option<usize>,
+}
+
+/// One generated token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenEvent {
+    pub id: u32,
+    pub logprob: Option<f32>,
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop token.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache of the request's own domain.
+    pub cached_tokens: usize,
+}
+
+/// Everything the engine tells a client about its request. A stream ends with exactly one
+/// `Finished` or `Failed`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Token(TokenEvent),
+    Finished { reason: FinishReason, usage: Usage },
+    Failed(EngineError),
+}
+
+/// Failures after admission. Each ends its request with an error, never a partial success.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    /// A KV ownership or extent check refused an access: a bug caught, not a data leak.
+    #[error("KV isolation check failed: {0}")]
+    Isolation(kv::KvError),
+    #[error("model error: {0}")]
+    Model(String),
+    #[error("the engine is shutting down")]
+    Shutdown,
+}
+
+/// Counters the server exposes on `/metrics`. Monotonic unless named otherwise.
+#[derive(Debug, Default)]
+pub struct EngineMetrics {
+    pub finished_stop: AtomicU64,
+    pub finished_length: AtomicU64,
+    pub failed: AtomicU64,
+    pub cancelled: AtomicU64,
+    pub isolation_failures: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    pub cached_prompt_tokens: AtomicU64,
+    pub steps: AtomicU64,
+    /// Gauges.
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+}
+
+impl EngineMetrics {
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}
+
+pub type SharedMetrics = Arc<EngineMetrics>;

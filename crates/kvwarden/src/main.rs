@@ -1,0 +1,219 @@
+//! The `kvwarden` command line.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use engine::{EngineConfig, Event, GenerateRequest, IsolationDomain, SamplingParams};
+use gguf::GgmlType;
+
+const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Parser)]
+#[command(name = "kvwarden", version, about = "LLM inference server with KV isolation by construction")]
+struct Cli {
+    /// Compute threads (default: all cores).
+    #[arg(long, global = true, env = "KVWARDEN_THREADS")]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the token ids of a text.
+    Tokenize {
+        #[arg(long, default_value = DEFAULT_MODEL)]
+        model: PathBuf,
+        #[arg(long)]
+        text: String,
+    },
+    /// Generate a completion for one prompt.
+    Generate(GenerateArgs),
+    /// Write a synthetic llama GGUF model with deterministic random weights.
+    SynthModel(SynthArgs),
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    #[arg(long, default_value = DEFAULT_MODEL)]
+    model: PathBuf,
+    /// Prompt text (control tokens such as <|im_start|> are parsed).
+    #[arg(long, conflicts_with = "prompt_tokens", required_unless_present = "prompt_tokens")]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids.
+    #[arg(long, value_delimiter = ',')]
+    prompt_tokens: Option<Vec<u32>>,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print {"tokens":[...],"text":"..."} instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+struct SynthArgs {
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    #[arg(long, default_value_t = 64)]
+    dim: usize,
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    #[arg(long, default_value_t = 2)]
+    kv_heads: usize,
+    /// Feed-forward width (default: 2 x dim).
+    #[arg(long)]
+    ffn: Option<usize>,
+    #[arg(long, default_value_t = 512)]
+    vocab: usize,
+    #[arg(long, default_value_t = 4096)]
+    context: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Weight type of the layer matrices: f32, f16, q4_0, q4_1, q8_0.
+    #[arg(long, default_value = "q8_0")]
+    weight_type: String,
+    #[arg(short = 'o', long)]
+    output: PathBuf,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    if let Some(n) = cli.threads {
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring threads")?;
+    }
+    match cli.command {
+        Command::Tokenize { model, text } => {
+            let file = open_model(&model)?;
+            let tok = tokenizer::Tokenizer::from_gguf(&file)?;
+            println!("{}", serde_json::json!({ "tokens": tok.encode(&text) }));
+            Ok(())
+        }
+        Command::Generate(args) => generate(args),
+        Command::SynthModel(args) => synth(args),
+    }
+}
+
+fn open_model(path: &PathBuf) -> Result<gguf::GgufFile> {
+    if !path.exists() {
+        bail!(
+            "model file {} not found (the default model is fetched by scripts/fetch-model.sh)",
+            path.display()
+        );
+    }
+    gguf::GgufFile::open(path).with_context(|| format!("loading {}", path.display()))
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    let file = open_model(&args.model)?;
+    let tok = tokenizer::Tokenizer::from_gguf(&file)?;
+    let model = model::Model::load(&file)?;
+    drop(file);
+    let prompt = match (&args.prompt, args.prompt_tokens) {
+        (_, Some(ids)) => ids,
+        (Some(text), None) => tok.encode(text),
+        (None, None) => bail!("give --prompt or --prompt-tokens"),
+    };
+    let context = model.config.context_length;
+    let needed = prompt.len() + args.max_tokens;
+    let engine = engine::start(
+        model,
+        EngineConfig {
+            pool_tokens: needed.clamp(16, context),
+            max_running: 1,
+            ..EngineConfig::default()
+        },
+    )?;
+    let request = GenerateRequest {
+        domain: IsolationDomain::tenant("cli"),
+        prompt,
+        max_tokens: args.max_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: args.top_k,
+            seed: args.seed,
+        },
+        stop_tokens: Vec::new(),
+        ignore_eos: false,
+        logprobs: None,
+    };
+    let admitted = engine.admission().admit(request)?;
+    let mut handle = engine.submit(admitted);
+    let mut tokens = Vec::new();
+    let mut decoder = tokenizer::IncrementalDecoder::new();
+    let mut text = String::new();
+    use std::io::Write;
+    let mut stdout = std::io::stdout();
+    while let Some(ev) = handle.events.blocking_recv() {
+        match ev {
+            Event::Token(t) => {
+                tokens.push(t.id);
+                let piece = decoder.push(&tok, t.id)?;
+                if !args.json {
+                    write!(stdout, "{piece}")?;
+                    stdout.flush()?;
+                }
+                text.push_str(&piece);
+            }
+            Event::Finished { .. } => break,
+            Event::Failed(e) => bail!("generation failed: {e}"),
+        }
+    }
+    text.push_str(&decoder.finish());
+    if args.json {
+        println!("{}", serde_json::json!({ "tokens": tokens, "text": text }));
+    } else {
+        println!();
+    }
+    engine.shutdown();
+    Ok(())
+}
+
+fn synth(args: SynthArgs) -> Result<()> {
+    let weight_type = match args.weight_type.as_str() {
+        "f32" => GgmlType::F32,
+        "f16" => GgmlType::F16,
+        "q4_0" => GgmlType::Q4_0,
+        "q4_1" => GgmlType::Q4_1,
+        "q8_0" => GgmlType::Q8_0,
+        other => bail!("unknown weight type {other:?} (f32, f16, q4_0, q4_1, q8_0)"),
+    };
+    let spec = model::synth::SynthSpec {
+        layers: args.layers,
+        dim: args.dim,
+        heads: args.heads,
+        kv_heads: args.kv_heads,
+        ffn_dim: args.ffn.unwrap_or(args.dim * 2),
+        vocab: args.vocab,
+        context: args.context,
+        seed: args.seed,
+        weight_type,
+    };
+    let writer = spec.build().map_err(anyhow::Error::msg)?;
+    writer
+        .write_to(&args.output)
+        .with_context(|| format!("writing {}", args.output.display()))?;
+    eprintln!("wrote {}", args.output.display());
+    Ok(())
+}

@@ -1,0 +1,440 @@
+use gguf::GgufFile;
+use half::f16;
+use kv::{KvRun, SequenceKv};
+use rayon::prelude::*;
+
+use crate::kernels::matmul;
+use crate::weights::{load_vector, quantize_row_q8_1, BlockQ8_1, Matrix, QK};
+use crate::{LlamaConfig, ModelError};
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Matrix,
+    wk: Matrix,
+    wv: Matrix,
+    wo: Matrix,
+    ffn_norm: Vec<f32>,
+    w_gate: Matrix,
+    w_up: Matrix,
+    w_down: Matrix,
+}
+
+/// A loaded llama-family model.
+pub struct Model {
+    pub config: LlamaConfig,
+    embed: Matrix,
+    layers: Vec<Layer>,
+    output_norm: Vec<f32>,
+    /// `None` when the output projection is tied to the token embedding.
+    output: Option<Matrix>,
+}
+
+/// Which positions of an item need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// Intermediate prefill chunk: nothing to sample yet.
+    None,
+    /// The next-token distribution after the item's last token.
+    Last,
+    /// One distribution per input token (scoring, tests).
+    All,
+}
+
+/// `vocab_size` logits per wanted position, concatenated.
+pub type Logits = Vec<f32>;
+
+/// One sequence's share of a forward pass: its new tokens, appended at positions
+/// `kv.len()..kv.len() + tokens.len()`. The KV view must already hold pages for them.
+pub struct BatchItem<'a> {
+    pub kv: &'a mut SequenceKv,
+    pub tokens: &'a [u32],
+    pub logits: LogitsWanted,
+}
+
+impl Model {
+    pub fn load(file: &GgufFile) -> Result<Self, ModelError> {
+        let config = LlamaConfig::from_gguf(file)?;
+        let c = &config;
+        let tensor = |name: &str| {
+            file.tensor(name).ok_or_else(|| ModelError::Tensor {
+                name: name.to_string(),
+                reason: "missing".into(),
+            })
+        };
+        let mat = |name: &str, rows: usize, cols: usize| -> Result<Matrix, ModelError> {
+            if cols % QK != 0 {
+                return Err(ModelError::Unsupported(format!("{name}: row length {cols} is not a multiple of {QK}")));
+            }
+            Matrix::load(file, tensor(name)?, rows, cols)
+        };
+        let vec = |name: &str, len: usize| load_vector(file, tensor(name)?, len);
+        let kv_dim = c.kv_dim();
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let p = |s: &str| format!("blk.{i}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: vec(&p("attn_norm"), c.dim)?,
+                wq: mat(&p("attn_q"), c.dim, c.dim)?,
+                wk: mat(&p("attn_k"), kv_dim, c.dim)?,
+                wv: mat(&p("attn_v"), kv_dim, c.dim)?,
+                wo: mat(&p("attn_output"), c.dim, c.dim)?,
+                ffn_norm: vec(&p("ffn_norm"), c.dim)?,
+                w_gate: mat(&p("ffn_gate"), c.ffn_dim, c.dim)?,
+                w_up: mat(&p("ffn_up"), c.ffn_dim, c.dim)?,
+                w_down: mat(&p("ffn_down"), c.dim, c.ffn_dim)?,
+            });
+        }
+        let embed = mat("token_embd.weight", c.vocab_size, c.dim)?;
+        let output = match file.tensor("output.weight") {
+            Some(_) => Some(mat("output.weight", c.vocab_size, c.dim)?),
+            None => None,
+        };
+        Ok(Self {
+            output_norm: vec("output_norm.weight", c.dim)?,
+            config,
+            embed,
+            layers,
+            output,
+        })
+    }
+
+    pub fn kv_layout(&self, page_tokens: usize, dtype: kv::KvDtype) -> kv::KvLayout {
+        kv::KvLayout {
+            n_layers: self.config.n_layers,
+            kv_dim: self.config.kv_dim(),
+            page_tokens,
+            dtype,
+        }
+    }
+
+    /// Runs one step over a batch. Each item's result is independent: an item whose KV
+    /// access fails gets its error and is left out of the rest of the step, the others go on.
+    pub fn forward(&self, items: &mut [BatchItem<'_>]) -> Vec<Result<Logits, ModelError>> {
+        let c = &self.config;
+        let (dim, kv_dim, hd) = (c.dim, c.kv_dim(), c.head_dim);
+        let mut status: Vec<Result<(), ModelError>> = items
+            .iter()
+            .map(|it| match it.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                Some(&id) => Err(ModelError::TokenOutOfRange { id, vocab: c.vocab_size }),
+                None => Ok(()),
+            })
+            .collect();
+        // Flat rows: (item, absolute position).
+        let mut rows: Vec<(usize, usize)> = Vec::new();
+        let mut starts = Vec::with_capacity(items.len());
+        for (i, it) in items.iter().enumerate() {
+            starts.push(rows.len());
+            let base = it.kv.len();
+            rows.extend((0..it.tokens.len()).map(|t| (i, base + t)));
+        }
+        let n = rows.len();
+        if n == 0 {
+            return status.into_iter().map(|s| s.map(|_| Vec::new())).collect();
+        }
+
+        let mut x = vec![0f32; n * dim];
+        for (i, it) in items.iter().enumerate() {
+            if status[i].is_err() {
+                continue;
+            }
+            for (t, &tok) in it.tokens.iter().enumerate() {
+                let r = starts[i] + t;
+                self.embed.row_f32(tok as usize, &mut x[r * dim..(r + 1) * dim]);
+            }
+        }
+        let rope = RopeTable::new(c, rows.iter().map(|&(_, p)| p));
+
+        let mut xn = vec![0f32; n * dim];
+        let mut xq = vec![BlockQ8_1::default(); n * dim / QK];
+        let mut q = vec![0f32; n * dim];
+        let mut k = vec![0f32; n * kv_dim];
+        let mut v = vec![0f32; n * kv_dim];
+        let mut attn = vec![0f32; n * dim];
+        let mut proj = vec![0f32; n * dim];
+        let mut gate = vec![0f32; n * c.ffn_dim];
+        let mut up = vec![0f32; n * c.ffn_dim];
+        let mut hq = vec![BlockQ8_1::default(); n * c.ffn_dim / QK];
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            rms_norm_rows(&x, &layer.attn_norm, c.rms_eps, dim, &mut xn);
+            quantize_rows(&xn, dim, &mut xq);
+            matmul(&layer.wq, &xn, &xq, n, &mut q);
+            matmul(&layer.wk, &xn, &xq, n, &mut k);
+            matmul(&layer.wv, &xn, &xq, n, &mut v);
+            for (r, _) in rows.iter().enumerate() {
+                rope.apply(r, &mut q[r * dim..(r + 1) * dim], hd);
+                rope.apply(r, &mut k[r * kv_dim..(r + 1) * kv_dim], hd);
+            }
+            for (i, it) in items.iter_mut().enumerate() {
+                if status[i].is_err() {
+                    continue;
+                }
+                let base = it.kv.len();
+                for t in 0..it.tokens.len() {
+                    let r = starts[i] + t;
+                    if let Err(e) = it.kv.write(li, base + t, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim]) {
+                        status[i] = Err(e.into());
+                        break;
+                    }
+                }
+            }
+            self.attention(li, items, &starts, &mut status, &q, &mut attn);
+            quantize_rows(&attn, dim, &mut xq);
+            matmul(&layer.wo, &attn, &xq, n, &mut proj);
+            add_in_place(&mut x, &proj);
+
+            rms_norm_rows(&x, &layer.ffn_norm, c.rms_eps, dim, &mut xn);
+            quantize_rows(&xn, dim, &mut xq);
+            matmul(&layer.w_gate, &xn, &xq, n, &mut gate);
+            matmul(&layer.w_up, &xn, &xq, n, &mut up);
+            for (g, u) in gate.iter_mut().zip(&up) {
+                *g = silu(*g) * u;
+            }
+            quantize_rows(&gate, c.ffn_dim, &mut hq);
+            matmul(&layer.w_down, &gate, &hq, n, &mut proj);
+            add_in_place(&mut x, &proj);
+        }
+
+        for (i, it) in items.iter_mut().enumerate() {
+            if status[i].is_ok() {
+                let new_len = it.kv.len() + it.tokens.len();
+                if let Err(e) = it.kv.commit(new_len) {
+                    status[i] = Err(e.into());
+                }
+            }
+        }
+
+        // Final norm and output projection only for the rows that are sampled from.
+        let mut wanted: Vec<usize> = Vec::new();
+        for (i, it) in items.iter().enumerate() {
+            if status[i].is_err() || it.tokens.is_empty() {
+                continue;
+            }
+            match it.logits {
+                LogitsWanted::None => {}
+                LogitsWanted::Last => wanted.push(starts[i] + it.tokens.len() - 1),
+                LogitsWanted::All => wanted.extend(starts[i]..starts[i] + it.tokens.len()),
+            }
+        }
+        let m = wanted.len();
+        let mut sel = vec![0f32; m * dim];
+        for (j, &r) in wanted.iter().enumerate() {
+            sel[j * dim..(j + 1) * dim].copy_from_slice(&x[r * dim..(r + 1) * dim]);
+        }
+        let mut seln = vec![0f32; m * dim];
+        rms_norm_rows(&sel, &self.output_norm, c.rms_eps, dim, &mut seln);
+        let mut selq = vec![BlockQ8_1::default(); m * dim / QK];
+        quantize_rows(&seln, dim, &mut selq);
+        let out_w = self.output.as_ref().unwrap_or(&self.embed);
+        let mut logits = vec![0f32; m * c.vocab_size];
+        if m > 0 {
+            matmul(out_w, &seln, &selq, m, &mut logits);
+        }
+
+        let mut cursor = 0;
+        items
+            .iter()
+            .zip(status)
+            .map(|(it, st)| {
+                st?;
+                let count = match it.logits {
+                    LogitsWanted::None => 0,
+                    _ if it.tokens.is_empty() => 0,
+                    LogitsWanted::Last => 1,
+                    LogitsWanted::All => it.tokens.len(),
+                };
+                let out = logits[cursor * c.vocab_size..(cursor + count) * c.vocab_size].to_vec();
+                cursor += count;
+                Ok(out)
+            })
+            .collect()
+    }
+
+    /// Causal attention of each item's new rows over its own KV view (pages leased to it and
+    /// its domain's shared prefix pages; nothing else is reachable from `SequenceKv`).
+    fn attention(
+        &self,
+        layer: usize,
+        items: &[BatchItem<'_>],
+        starts: &[usize],
+        status: &mut [Result<(), ModelError>],
+        q: &[f32],
+        attn: &mut [f32],
+    ) {
+        let c = &self.config;
+        let (dim, hd) = (c.dim, c.head_dim);
+        let group = c.n_heads / c.n_kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+
+        let mut views: Vec<Option<Vec<KvRun<'_>>>> = Vec::with_capacity(items.len());
+        for (i, it) in items.iter().enumerate() {
+            if status[i].is_err() {
+                views.push(None);
+                continue;
+            }
+            let upto = it.kv.len() + it.tokens.len();
+            match it.kv.runs(layer, upto) {
+                Ok(runs) => views.push(Some(runs)),
+                Err(e) => {
+                    status[i] = Err(e.into());
+                    views.push(None);
+                }
+            }
+        }
+        let tasks: Vec<(usize, usize)> = (0..items.len())
+            .filter(|&i| views[i].is_some())
+            .flat_map(|i| (0..c.n_kv_heads).map(move |g| (i, g)))
+            .collect();
+        let results: Vec<(usize, usize, Vec<f32>)> = tasks
+            .par_iter()
+            .map(|&(i, g)| {
+                let runs = views[i].as_deref().unwrap_or(&[]);
+                let it = &items[i];
+                let ctx: usize = runs.iter().map(|r| r.tokens).sum();
+                let (kg, vg) = gather_head(runs, g, hd, c.kv_dim(), ctx);
+                let n_new = it.tokens.len();
+                let base = ctx - n_new;
+                let mut out = vec![0f32; n_new * group * hd];
+                let mut scores = vec![0f32; ctx];
+                let mut qh = vec![0f32; hd];
+                for t in 0..n_new {
+                    let r = starts[i] + t;
+                    let visible = base + t + 1;
+                    for h in 0..group {
+                        let head = g * group + h;
+                        for (d, qv) in qh.iter_mut().enumerate() {
+                            // llama.cpp multiplies Q against f16 K in f16; rounding Q the
+                            // same way keeps our logits within its near-tie margins.
+                            *qv = f16::from_f32(q[r * dim + head * hd + d]).to_f32();
+                        }
+                        let o = &mut out[(t * group + h) * hd..(t * group + h + 1) * hd];
+                        attend_head(&qh, &kg[..visible * hd], &vg[..visible * hd], hd, scale, &mut scores[..visible], o);
+                    }
+                }
+                (i, g, out)
+            })
+            .collect();
+        for (i, g, out) in results {
+            for t in 0..items[i].tokens.len() {
+                let r = starts[i] + t;
+                let dst = &mut attn[r * dim + g * group * hd..r * dim + (g + 1) * group * hd];
+                dst.copy_from_slice(&out[t * group * hd..(t + 1) * group * hd]);
+            }
+        }
+    }
+}
+
+/// One query head over its visible positions, with llama.cpp's roundings for an f16
+/// cache: scores in f32, softmax normalized in f32, the weights rounded to f16 before they
+/// multiply V (ggml converts the activation side of an f16 product to f16). Matching them
+/// keeps greedy output within llama.cpp's near-tie margins; the order of every sum is fixed,
+/// so the result does not depend on the batch.
+fn attend_head(q: &[f32], k: &[f32], v: &[f32], hd: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+    let mut max = f32::NEG_INFINITY;
+    for (s, kr) in scores.iter_mut().zip(k.chunks_exact(hd)) {
+        *s = crate::kernels::dot_f32(q, kr) * scale;
+        max = max.max(*s);
+    }
+    let mut sum = 0f64;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    out.fill(0.0);
+    for (&s, vr) in scores.iter().zip(v.chunks_exact(hd)) {
+        let w = f16::from_f32(s * inv).to_f32();
+        for (o, &x) in out.iter_mut().zip(vr) {
+            *o = w.mul_add(x, *o);
+        }
+    }
+}
+
+/// K and V of one KV head over all positions, contiguous and in f32.
+fn gather_head(runs: &[KvRun<'_>], g: usize, hd: usize, kv_dim: usize, ctx: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut k = vec![0f32; ctx * hd];
+    let mut v = vec![0f32; ctx * hd];
+    let mut row = vec![0f32; kv_dim];
+    let mut pos = 0;
+    for run in runs {
+        let mut full_k = vec![0f32; run.tokens * kv_dim];
+        let mut full_v = vec![0f32; run.tokens * kv_dim];
+        run.k.to_f32(&mut full_k);
+        run.v.to_f32(&mut full_v);
+        for j in 0..run.tokens {
+            row.copy_from_slice(&full_k[j * kv_dim..(j + 1) * kv_dim]);
+            k[(pos + j) * hd..(pos + j + 1) * hd].copy_from_slice(&row[g * hd..(g + 1) * hd]);
+            v[(pos + j) * hd..(pos + j + 1) * hd].copy_from_slice(&full_v[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd]);
+        }
+        pos += run.tokens;
+    }
+    (k, v)
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+fn quantize_rows(x: &[f32], width: usize, out: &mut [BlockQ8_1]) {
+    let nb = width / QK;
+    for (row, o) in x.chunks_exact(width).zip(out.chunks_exact_mut(nb)) {
+        quantize_row_q8_1(row, o);
+    }
+}
+
+/// RMSNorm as ggml computes it (sum of squares in f64), then the learned scale.
+fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, width: usize, out: &mut [f32]) {
+    for (row, o) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+        let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
+        let mean = (sum / width as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
+        for ((ov, &xv), &w) in o.iter_mut().zip(row).zip(weight) {
+            *ov = (xv * scale) * w;
+        }
+    }
+}
+
+/// Rotary embedding angles per batch row, computed as ggml does for llama's "normal" mode:
+/// pairs of adjacent dimensions, `theta_i = pos * base^(-2i/d)` built by repeated
+/// multiplication.
+struct RopeTable {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    fn new(c: &LlamaConfig, positions: impl Iterator<Item = usize>) -> Self {
+        let half = c.rope_dims / 2;
+        let theta_scale = c.rope_base.powf(-2.0 / c.rope_dims as f32);
+        let mut cos = Vec::new();
+        let mut sin = Vec::new();
+        for p in positions {
+            let mut theta = p as f32;
+            for _ in 0..half {
+                cos.push(theta.cos());
+                sin.push(theta.sin());
+                theta *= theta_scale;
+            }
+        }
+        Self { half, cos, sin }
+    }
+
+    fn apply(&self, row: usize, x: &mut [f32], hd: usize) {
+        let cs = &self.cos[row * self.half..(row + 1) * self.half];
+        let sn = &self.sin[row * self.half..(row + 1) * self.half];
+        for head in x.chunks_exact_mut(hd) {
+            for i in 0..self.half {
+                let (a, b) = (head[2 * i], head[2 * i + 1]);
+                head[2 * i] = a * cs[i] - b * sn[i];
+                head[2 * i + 1] = a * sn[i] + b * cs[i];
+            }
+        }
+    }
+}

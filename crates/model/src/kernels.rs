@@ -1,0 +1,364 @@
+//! Matrix kernels. The work is split across threads by weight row only; each output value
+//! is one dot product computed by the same instruction sequence whatever the batch holds
+//! (tiles of several tokens run the identical per-token arithmetic side by side), which is
+//! what makes greedy output batch-invariant.
+
+use rayon::prelude::*;
+
+use crate::weights::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, Matrix, QK};
+
+/// Tokens processed together against one weight row (weights unpacked once per tile).
+const TILE: usize = 4;
+
+/// `out[t * rows + r] = dot(W[r], x[t])` for `n` input rows. `x_f32` is used by f32
+/// weights, `x_q8` (the same rows quantized with [`crate::weights::quantize_row_q8_1`]) by
+/// quantized ones; the caller provides whichever [`Matrix::wants_q8`] asks for.
+pub fn matmul(w: &Matrix, x_f32: &[f32], x_q8: &[BlockQ8_1], n: usize, out: &mut [f32]) {
+    let rows = w.rows();
+    let cols = w.cols();
+    assert_eq!(out.len(), n * rows, "matmul: output shape");
+    if w.wants_q8() {
+        assert_eq!(x_q8.len(), n * cols / QK, "matmul: quantized input shape");
+    } else {
+        assert_eq!(x_f32.len(), n * cols, "matmul: input shape");
+    }
+    // Row-major by weight row, so each task owns a contiguous slice.
+    let mut by_row = if n == 1 { Vec::new() } else { vec![0f32; n * rows] };
+    let target: &mut [f32] = if n == 1 { out } else { &mut by_row };
+    let threads = rayon::current_num_threads().max(1);
+    let rows_per_task = (rows / (threads * 8)).clamp(8, 512);
+    target
+        .par_chunks_mut(rows_per_task * n)
+        .enumerate()
+        .for_each(|(task, chunk)| {
+            let r0 = task * rows_per_task;
+            let nr = chunk.len() / n;
+            rows_kernel(w, r0, nr, x_f32, x_q8, n, chunk);
+        });
+    if n != 1 {
+        for r in 0..rows {
+            for t in 0..n {
+                out[t * rows + r] = by_row[r * n + t];
+            }
+        }
+    }
+}
+
+fn rows_kernel(w: &Matrix, r0: usize, nr: usize, x_f32: &[f32], x_q8: &[BlockQ8_1], n: usize, out: &mut [f32]) {
+    let cols = w.cols();
+    let nb = cols / QK;
+    match w {
+        Matrix::F32 { data, .. } => {
+            for r in 0..nr {
+                let wr = &data[(r0 + r) * cols..(r0 + r + 1) * cols];
+                for t in 0..n {
+                    out[r * n + t] = dot_f32(wr, &x_f32[t * cols..(t + 1) * cols]);
+                }
+            }
+        }
+        Matrix::Q4_0 { data, .. } => tiled(nr, n, nb, x_q8, out, |r, acts, res| {
+            dot_q4_0(&data[(r0 + r) * nb..(r0 + r + 1) * nb], acts, res)
+        }),
+        Matrix::Q4_1 { data, .. } => tiled(nr, n, nb, x_q8, out, |r, acts, res| {
+            dot_q4_1(&data[(r0 + r) * nb..(r0 + r + 1) * nb], acts, res)
+        }),
+        Matrix::Q8_0 { data, .. } => tiled(nr, n, nb, x_q8, out, |r, acts, res| {
+            dot_q8_0(&data[(r0 + r) * nb..(r0 + r + 1) * nb], acts, res)
+        }),
+    }
+}
+
+/// Runs `dot(row, tile of up to TILE activation rows)` over all rows and tokens.
+fn tiled(
+    nr: usize,
+    n: usize,
+    nb: usize,
+    x: &[BlockQ8_1],
+    out: &mut [f32],
+    dot: impl Fn(usize, &[&[BlockQ8_1]], &mut [f32]),
+) {
+    let mut acts: [&[BlockQ8_1]; TILE] = [&[]; TILE];
+    let mut res = [0f32; TILE];
+    for r in 0..nr {
+        let mut t = 0;
+        while t < n {
+            let k = (n - t).min(TILE);
+            for (j, a) in acts.iter_mut().enumerate().take(k) {
+                *a = &x[(t + j) * nb..(t + j + 1) * nb];
+            }
+            dot(r, &acts[..k], &mut res[..k]);
+            out[r * n + t..r * n + t + k].copy_from_slice(&res[..k]);
+            t += k;
+        }
+    }
+}
+
+/// f32 dot product with eight independent accumulators (a fixed order, so deterministic).
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for i in 0..chunks {
+        for j in 0..8 {
+            acc[j] = a[i * 8 + j].mul_add(b[i * 8 + j], acc[j]);
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for i in chunks * 8..a.len() {
+        s = a[i].mul_add(b[i], s);
+    }
+    s
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
+macro_rules! dispatch {
+    ($name:ident, $wt:ty, $scalar:path, $simd:ident) => {
+        /// One weight row against a tile of activation rows.
+        pub fn $name(w: &[$wt], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
+            #[cfg(target_arch = "x86_64")]
+            if has_avx2() {
+                // SAFETY: the CPU supports AVX2 and FMA (checked just above), the only
+                // requirement of the target-feature function; slice bounds are checked
+                // inside it.
+                unsafe { x86::$simd(w, acts, out) };
+                return;
+            }
+            for (a, o) in acts.iter().zip(out.iter_mut()) {
+                *o = $scalar(w, a);
+            }
+        }
+    };
+}
+
+dispatch!(dot_q4_1, BlockQ4_1, scalar::q4_1, q4_1);
+dispatch!(dot_q4_0, BlockQ4_0, scalar::q4_0, q4_0);
+dispatch!(dot_q8_0, BlockQ8_0, scalar::q8_0, q8_0);
+
+/// Portable reference kernels: the definition the SIMD kernels are tested against.
+pub mod scalar {
+    use super::*;
+
+    pub fn q4_1(w: &[BlockQ4_1], a: &[BlockQ8_1]) -> f32 {
+        let mut acc = 0f32;
+        let mut summs = 0f32;
+        for (wb, ab) in w.iter().zip(a) {
+            let mut isum = 0i32;
+            for j in 0..16 {
+                isum += (wb.qs[j] & 15) as i32 * ab.qs[j] as i32;
+                isum += (wb.qs[j] >> 4) as i32 * ab.qs[j + 16] as i32;
+            }
+            acc += wb.d * ab.d * isum as f32;
+            summs += wb.m * ab.s;
+        }
+        acc + summs
+    }
+
+    pub fn q4_0(w: &[BlockQ4_0], a: &[BlockQ8_1]) -> f32 {
+        let mut acc = 0f32;
+        for (wb, ab) in w.iter().zip(a) {
+            let mut isum = 0i32;
+            for j in 0..16 {
+                isum += ((wb.qs[j] & 15) as i32 - 8) * ab.qs[j] as i32;
+                isum += ((wb.qs[j] >> 4) as i32 - 8) * ab.qs[j + 16] as i32;
+            }
+            acc += wb.d * ab.d * isum as f32;
+        }
+        acc
+    }
+
+    pub fn q8_0(w: &[BlockQ8_0], a: &[BlockQ8_1]) -> f32 {
+        let mut acc = 0f32;
+        for (wb, ab) in w.iter().zip(a) {
+            let isum: i32 = wb.qs.iter().zip(&ab.qs).map(|(&x, &y)| x as i32 * y as i32).sum();
+            acc += wb.d * ab.d * isum as f32;
+        }
+        acc
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::TILE;
+    use crate::weights::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// Sum of products of 32 unsigned bytes (0..=128) with 32 signed bytes, as 8 i32 lanes
+    /// converted to f32. `maddubs` cannot saturate here: 2 * 128 * 127 < 32767.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256 {
+        let p16 = _mm256_maddubs_epi16(u, s);
+        let p32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+        _mm256_cvtepi32_ps(p32)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn load_act(a: &BlockQ8_1) -> __m256i {
+        // SAFETY: `qs` is 32 readable bytes; `loadu` has no alignment requirement.
+        unsafe { _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i) }
+    }
+
+    /// The 32 nibbles of a 4-bit block as bytes, in element order (low nibbles are elements
+    /// 0..16, high nibbles 16..32).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn unpack_nibbles(qs: &[u8; 16]) -> __m256i {
+        // SAFETY: `qs` is 16 readable bytes; `loadu` has no alignment requirement.
+        let q = unsafe { _mm_loadu_si128(qs.as_ptr() as *const __m128i) };
+        let mask = _mm_set1_epi8(0x0f);
+        let lo = _mm_and_si128(q, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q4_1(w: &[BlockQ4_1], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
+        let k = acts.len().min(TILE);
+        let mut acc = [_mm256_setzero_ps(); TILE];
+        let mut summs = [0f32; TILE];
+        for (i, wb) in w.iter().enumerate() {
+            let wq = unpack_nibbles(&wb.qs);
+            for t in 0..k {
+                let ab = &acts[t][i];
+                summs[t] += wb.m * ab.s;
+                let xy = dot_u8_i8(wq, load_act(ab));
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), xy, acc[t]);
+            }
+        }
+        for t in 0..k {
+            out[t] = hsum(acc[t]) + summs[t];
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q4_0(w: &[BlockQ4_0], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
+        let k = acts.len().min(TILE);
+        let mut acc = [_mm256_setzero_ps(); TILE];
+        let eight = _mm256_set1_epi8(8);
+        for (i, wb) in w.iter().enumerate() {
+            let wq = _mm256_sub_epi8(unpack_nibbles(&wb.qs), eight);
+            let wabs = _mm256_sign_epi8(wq, wq);
+            for t in 0..k {
+                let ab = &acts[t][i];
+                let xy = dot_u8_i8(wabs, _mm256_sign_epi8(load_act(ab), wq));
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), xy, acc[t]);
+            }
+        }
+        for t in 0..k {
+            out[t] = hsum(acc[t]);
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn q8_0(w: &[BlockQ8_0], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
+        let k = acts.len().min(TILE);
+        let mut acc = [_mm256_setzero_ps(); TILE];
+        for (i, wb) in w.iter().enumerate() {
+            // SAFETY: `qs` is 32 readable bytes; `loadu` has no alignment requirement.
+            let wq = unsafe { _mm256_loadu_si256(wb.qs.as_ptr() as *const __m256i) };
+            let wabs = _mm256_sign_epi8(wq, wq);
+            for t in 0..k {
+                let ab = &acts[t][i];
+                let xy = dot_u8_i8(wabs, _mm256_sign_epi8(load_act(ab), wq));
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), xy, acc[t]);
+            }
+        }
+        for t in 0..k {
+            out[t] = hsum(acc[t]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::quantize_row_q8_1;
+    use gguf::GgmlType;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    }
+
+    fn matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> (Matrix, Vec<f32>) {
+        let mut s = seed;
+        let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
+        let mut w = gguf::GgufWriter::new();
+        w.tensor_f32("w", &[cols as u64, rows as u64], ty, &vals);
+        let f = gguf::GgufFile::parse(w.to_bytes()).unwrap();
+        let info = f.tensor("w").unwrap();
+        let deq = f.tensor_f32(info);
+        (Matrix::load(&f, info, rows, cols).unwrap(), deq)
+    }
+
+    /// Each kernel (SIMD where the CPU has it) against the plain f32 product of the
+    /// dequantized weights and the dequantized activations, and the SIMD tile against the
+    /// scalar reference: activation quantization is the only approximation.
+    #[test]
+    fn kernels_match_reference_for_every_type_and_tile() {
+        let (rows, cols, n) = (19, 96, 7);
+        let mut s = 99u64;
+        let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 3.0).collect();
+        let mut xq = vec![BlockQ8_1::default(); n * cols / QK];
+        for t in 0..n {
+            quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * cols / QK..(t + 1) * cols / QK]);
+        }
+        let xdq: Vec<f32> = xq.iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect();
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32] {
+            let (m, deq) = matrix(ty, rows, cols, 7);
+            let mut out = vec![0f32; n * rows];
+            matmul(&m, &x, &xq, n, &mut out);
+            for t in 0..n {
+                let xin = if ty == GgmlType::F32 { &x } else { &xdq };
+                for r in 0..rows {
+                    let want: f32 = (0..cols).map(|c| deq[r * cols + c] * xin[t * cols + c]).sum();
+                    let got = out[t * rows + r];
+                    assert!((want - got).abs() < 2e-3 * (1.0 + want.abs()), "{ty:?} t{t} r{r}: {want} vs {got}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_rows_do_not_depend_on_batch() {
+        let (rows, cols) = (37, 64);
+        let (m, _) = matrix(GgmlType::Q4_1, rows, cols, 3);
+        let mut s = 5u64;
+        let n = 9;
+        let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
+        let mut xq = vec![BlockQ8_1::default(); n * cols / QK];
+        for t in 0..n {
+            quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * cols / QK..(t + 1) * cols / QK]);
+        }
+        let mut all = vec![0f32; n * rows];
+        matmul(&m, &x, &xq, n, &mut all);
+        for t in 0..n {
+            let mut one = vec![0f32; rows];
+            let nb = cols / QK;
+            matmul(&m, &x[t * cols..(t + 1) * cols], &xq[t * nb..(t + 1) * nb], 1, &mut one);
+            assert_eq!(one, all[t * rows..(t + 1) * rows], "token {t} differs alone vs batched");
+        }
+    }
+}

@@ -1,0 +1,32 @@
+//! A llama-family forward pass on CPU: GGUF weights kept quantized, integer dot-product
+//! kernels, batched prompt processing, attention over the paged KV pool.
+//!
+//! Every output row is computed by the same sequence of floating-point operations whatever
+//! else is in the batch (kernels split work across threads by output row only, never
+//! across a reduction), so a greedy request gives the same tokens alone or batched.
+
+pub mod config;
+pub mod forward;
+pub mod kernels;
+pub mod sampling;
+pub mod synth;
+pub mod weights;
+
+pub use config::LlamaConfig;
+pub use forward::{BatchItem, Logits, LogitsWanted, Model};
+pub use sampling::{Sampler, SamplingParams};
+
+/// Errors from loading or running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Gguf(#[from] gguf::GgufError),
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+    #[error("tensor {name}: {reason}")]
+    Tensor { name: String, reason: String },
+    #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
+    TokenOutOfRange { id: u32, vocab: usize },
+    #[error("KV cache: {0}")]
+    Kv(#[from] kv::KvError),
+}

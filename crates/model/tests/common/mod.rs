@@ -1,0 +1,28 @@
+#![allow(dead_code)]
+use std::path::PathBuf;
+
+pub fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The default model, fetched by the project's own script when missing. Fails loudly.
+pub fn default_model() -> PathBuf {
+    let root = workspace_root();
+    let path = root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !path.exists() {
+        let status = std::process::Command::new("bash")
+            .arg(root.join("scripts/fetch-model.sh"))
+            .status()
+            .expect("running scripts/fetch-model.sh");
+        assert!(status.success(), "scripts/fetch-model.sh failed; the default model is required");
+    }
+    path
+}
+
+/// A file from ../shared/golden; missing is a failure, not a skip.
+pub fn golden(name: &str) -> serde_json::Value {
+    let path = workspace_root().join("../shared/golden").join(name);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("golden file {} is required: {e}", path.display()));
+    serde_json::from_str(&text).expect("golden JSON")
+}

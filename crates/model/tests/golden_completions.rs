@@ -1,0 +1,45 @@
+//! The forward pass against llama.cpp's greedy output on the default model.
+mod common;
+
+use kv::{IsolationDomain, KvDtype, KvPool, Owner, PoolConfig, RequestId, ScrubPolicy, SequenceKv};
+use model::{sampling::argmax, BatchItem, LogitsWanted, Model};
+
+#[test]
+fn greedy_tokens_match_llama_cpp_over_decisive_prefix() {
+    let file = gguf::GgufFile::open(common::default_model()).unwrap();
+    let model = Model::load(&file).unwrap();
+    let pool = KvPool::new(PoolConfig {
+        layout: model.kv_layout(16, KvDtype::F16),
+        pages: 64,
+        scrub: ScrubPolicy::Poison,
+    });
+    let golden = common::golden("completions.json");
+    let cases = golden["cases"].as_array().unwrap();
+    assert!(cases.len() >= 5);
+    let mut failures = Vec::new();
+    for (ci, case) in cases.iter().enumerate() {
+        let prompt: Vec<u32> = case["prompt_tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let want: Vec<u32> = case["completion_tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let decisive = case["decisive_prefix"].as_u64().unwrap() as usize;
+        let mut seq = SequenceKv::new(&pool, Owner { request: RequestId(ci as u64), domain: IsolationDomain::tenant("t") });
+        seq.reserve(prompt.len() + want.len()).unwrap();
+        let mut got = Vec::new();
+        let mut input = prompt.clone();
+        for _ in 0..want.len() {
+            let mut items = [BatchItem { kv: &mut seq, tokens: &input, logits: LogitsWanted::Last }];
+            let logits = model.forward(&mut items).pop().unwrap().unwrap();
+            let next = argmax(&logits);
+            got.push(next);
+            if next == 2 {
+                break;
+            }
+            input = vec![next];
+        }
+        let n = decisive.min(want.len());
+        if got.len() < n || got[..n] != want[..n] {
+            failures.push(format!("case {ci} {:?}: want {:?}, got {:?} (decisive {decisive})", case["prompt"], &want[..n], &got[..n.min(got.len())]));
+        }
+        eprintln!("case {ci}: matched {} of 32 (decisive {decisive})", got.iter().zip(&want).take_while(|(a, b)| a == b).count());
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
