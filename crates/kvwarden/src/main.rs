@@ -10,7 +10,11 @@ use gguf::GgmlType;
 const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 #[derive(Parser)]
-#[command(name = "kvwarden", version, about = "LLM inference server with KV isolation by construction")]
+#[command(
+    name = "kvwarden",
+    version,
+    about = "LLM inference server with KV isolation by construction"
+)]
 struct Cli {
     /// Compute threads (default: all cores).
     #[arg(long, global = true, env = "KVWARDEN_THREADS")]
@@ -32,6 +36,60 @@ enum Command {
     Generate(GenerateArgs),
     /// Write a synthetic llama GGUF model with deterministic random weights.
     SynthModel(SynthArgs),
+    /// Serve the OpenAI-compatible HTTP API.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    #[arg(long, default_value = DEFAULT_MODEL)]
+    model: PathBuf,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port (the address is printed when ready).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The model id clients must send (default: the model file's name without .gguf).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Advertised context window (default: the smaller of the model's and the pool's).
+    /// Refused at startup when the KV pool cannot hold one request of this length.
+    #[arg(long)]
+    max_context: Option<usize>,
+    #[arg(long, default_value_t = 16_384)]
+    kv_pool_tokens: usize,
+    #[arg(long, default_value_t = 16)]
+    kv_page_tokens: usize,
+    #[arg(long, value_enum, default_value_t = KvDtypeArg::F16)]
+    kv_dtype: KvDtypeArg,
+    /// What a KV page holds after its lease ends.
+    #[arg(long, value_enum, default_value_t = ScrubArg::Zero)]
+    kv_scrub: ScrubArg,
+    /// Tokens per forward pass (decode rows plus prefill chunks).
+    #[arg(long, default_value_t = 512)]
+    max_batch_tokens: usize,
+    /// Requests holding KV pages at once; more wait in the queue.
+    #[arg(long, default_value_t = 32)]
+    max_running: usize,
+    /// File of `KEY TENANT` lines: requests must carry `Authorization: Bearer KEY`, and
+    /// each tenant is its own isolation domain. Without it: one tenant, no authentication.
+    #[arg(long)]
+    api_keys: Option<PathBuf>,
+    #[arg(long, default_value_t = 4 * 1024 * 1024)]
+    max_body_bytes: usize,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum KvDtypeArg {
+    F16,
+    F32,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ScrubArg {
+    Zero,
+    Poison,
+    None,
 }
 
 #[derive(clap::Args)]
@@ -39,7 +97,11 @@ struct GenerateArgs {
     #[arg(long, default_value = DEFAULT_MODEL)]
     model: PathBuf,
     /// Prompt text (control tokens such as <|im_start|> are parsed).
-    #[arg(long, conflicts_with = "prompt_tokens", required_unless_present = "prompt_tokens")]
+    #[arg(
+        long,
+        conflicts_with = "prompt_tokens",
+        required_unless_present = "prompt_tokens"
+    )]
     prompt: Option<String>,
     /// Prompt as comma-separated token ids.
     #[arg(long, value_delimiter = ',')]
@@ -88,7 +150,9 @@ struct SynthArgs {
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
@@ -100,7 +164,10 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     if let Some(n) = cli.threads {
-        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring threads")?;
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("configuring threads")?;
     }
     match cli.command {
         Command::Tokenize { model, text } => {
@@ -111,6 +178,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Generate(args) => generate(args),
         Command::SynthModel(args) => synth(args),
+        Command::Serve(args) => serve(args),
     }
 }
 
@@ -188,6 +256,108 @@ fn generate(args: GenerateArgs) -> Result<()> {
     }
     engine.shutdown();
     Ok(())
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    // Checked before the model loads, so a bad key file fails fast.
+    let auth = match &args.api_keys {
+        Some(path) => server::Auth::Keys(server::ApiKeys::load(path)?),
+        None => server::Auth::Open,
+    };
+    let file = open_model(&args.model)?;
+    let tok = tokenizer::Tokenizer::from_gguf(&file)?;
+    let template = tok.compile_chat_template()?;
+    let model = model::Model::load(&file)?;
+    drop(file);
+    let engine = engine::start(
+        model,
+        EngineConfig {
+            max_context: args.max_context,
+            pool_tokens: args.kv_pool_tokens,
+            page_tokens: args.kv_page_tokens,
+            kv_dtype: match args.kv_dtype {
+                KvDtypeArg::F16 => kv::KvDtype::F16,
+                KvDtypeArg::F32 => kv::KvDtype::F32,
+            },
+            scrub: match args.kv_scrub {
+                ScrubArg::Zero => kv::ScrubPolicy::Zero,
+                ScrubArg::Poison => kv::ScrubPolicy::Poison,
+                ScrubArg::None => kv::ScrubPolicy::None,
+            },
+            max_batch_tokens: args.max_batch_tokens,
+            max_running: args.max_running,
+        },
+    )?;
+    let model_name = args.served_model_name.clone().unwrap_or_else(|| {
+        args.model
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "kvwarden".to_owned())
+    });
+    let state = std::sync::Arc::new(server::AppState::new(
+        engine,
+        std::sync::Arc::new(tok),
+        template,
+        model_name,
+        auth,
+        args.max_body_bytes,
+    ));
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let engine = state.engine.clone();
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        let addr = listener.local_addr()?;
+        eprintln!(
+            "kvwarden: listening on http://{addr} (model {:?}, max context {})",
+            state.model_name,
+            state.engine.max_context()
+        );
+        let on_signal = {
+            let engine = state.engine.clone();
+            async move {
+                shutdown_signal().await;
+                eprintln!("kvwarden: shutting down");
+                // Ends every open stream with an error event so graceful shutdown does
+                // not wait on generations.
+                engine.shutdown();
+            }
+        };
+        server::serve(listener, state, on_signal)
+            .await
+            .context("serving")
+    })?;
+    engine.shutdown();
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM: {e}");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 fn synth(args: SynthArgs) -> Result<()> {

@@ -1,0 +1,229 @@
+//! API keys and the tenant they authenticate. The tenant, never a client-chosen string,
+//! decides a request's isolation domain.
+
+use std::path::{Path, PathBuf};
+
+use axum::http::{header, HeaderMap};
+use engine::IsolationDomain;
+use subtle::{ConditionallySelectable, ConstantTimeEq};
+
+use crate::error::ApiError;
+
+/// The tenant of every request when no key file is configured.
+pub const DEFAULT_TENANT: &str = "default";
+
+#[derive(Debug, thiserror::Error)]
+pub enum KeysError {
+    #[error("cannot read API key file {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("API key file line {line}: expected `KEY TENANT`")]
+    Malformed { line: usize },
+    #[error("API key file line {line}: this key already appears on line {first}")]
+    Duplicate { line: usize, first: usize },
+    #[error("API key file has no keys: every request would be refused")]
+    Empty,
+}
+
+/// Who may call the API.
+#[derive(Debug)]
+pub enum Auth {
+    /// No key file: one tenant, no authentication (meant for a loopback listener).
+    Open,
+    Keys(ApiKeys),
+}
+
+#[derive(Debug)]
+pub struct ApiKeys {
+    entries: Vec<(Vec<u8>, String)>,
+}
+
+impl ApiKeys {
+    pub fn load(path: &Path) -> Result<Self, KeysError> {
+        let text = std::fs::read_to_string(path).map_err(|source| KeysError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text)
+    }
+
+    /// Lines of `KEY TENANT`; blank lines and `#` comments are skipped.
+    pub fn parse(text: &str) -> Result<Self, KeysError> {
+        let mut entries: Vec<(Vec<u8>, String)> = Vec::new();
+        let mut lines_of: Vec<usize> = Vec::new();
+        for (i, raw) in text.lines().enumerate() {
+            let line = i + 1;
+            let content = raw.trim();
+            if content.is_empty() || content.starts_with('#') {
+                continue;
+            }
+            let mut fields = content.split_whitespace();
+            let (Some(key), Some(tenant), None) = (fields.next(), fields.next(), fields.next())
+            else {
+                return Err(KeysError::Malformed { line });
+            };
+            if let Some(pos) = entries.iter().position(|(k, _)| k == key.as_bytes()) {
+                return Err(KeysError::Duplicate {
+                    line,
+                    first: lines_of[pos],
+                });
+            }
+            entries.push((key.as_bytes().to_vec(), tenant.to_owned()));
+            lines_of.push(line);
+        }
+        if entries.is_empty() {
+            return Err(KeysError::Empty);
+        }
+        Ok(Self { entries })
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The tenant of `presented`. Compares against every key, whatever matches, so the
+    /// time taken does not reveal which key (or how much of one) was right.
+    pub fn tenant_of(&self, presented: &[u8]) -> Option<&str> {
+        let mut found = subtle::Choice::from(0);
+        let mut index = 0u64;
+        for (i, (key, _)) in self.entries.iter().enumerate() {
+            let eq = ct_eq_padded(key, presented);
+            index.conditional_assign(&(i as u64), eq);
+            found |= eq;
+        }
+        if bool::from(found) {
+            self.entries
+                .get(index as usize)
+                .map(|(_, tenant)| tenant.as_str())
+        } else {
+            None
+        }
+    }
+}
+
+/// Constant-time equality whose running time depends on the configured key's length only
+/// (subtle's slice comparison returns early on a length mismatch).
+fn ct_eq_padded(key: &[u8], presented: &[u8]) -> subtle::Choice {
+    let mut eq = (key.len() as u64).ct_eq(&(presented.len() as u64));
+    for (i, k) in key.iter().enumerate() {
+        let p = presented.get(i).copied().unwrap_or(0);
+        eq &= k.ct_eq(&p);
+    }
+    eq
+}
+
+impl Auth {
+    /// The isolation domain of the request's tenant, or 401.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Result<IsolationDomain, ApiError> {
+        let keys = match self {
+            Auth::Open => return Ok(IsolationDomain::tenant(DEFAULT_TENANT)),
+            Auth::Keys(keys) => keys,
+        };
+        let Some(value) = headers.get(header::AUTHORIZATION) else {
+            return Err(ApiError::Unauthorized(
+                "You didn't provide an API key. Send it in the Authorization header as `Bearer KEY`.",
+            ));
+        };
+        let bytes = value.as_bytes();
+        let key = match bytes.get(..7) {
+            Some(scheme) if scheme.eq_ignore_ascii_case(b"bearer ") => {
+                bytes.get(7..).unwrap_or_default().trim_ascii()
+            }
+            _ => {
+                return Err(ApiError::Unauthorized(
+                    "The Authorization header must have the form `Bearer KEY`.",
+                ))
+            }
+        };
+        keys.tenant_of(key)
+            .map(IsolationDomain::tenant)
+            .ok_or(ApiError::Unauthorized("Incorrect API key provided."))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    const FILE: &str = "# tenants\n\nsk-alpha alice\n  sk-beta   bob  \n";
+
+    #[test]
+    fn parses_keys_and_finds_tenants() {
+        let keys = ApiKeys::parse(FILE).unwrap();
+        assert_eq!(keys.len(), 2);
+        assert_eq!(keys.tenant_of(b"sk-alpha"), Some("alice"));
+        assert_eq!(keys.tenant_of(b"sk-beta"), Some("bob"));
+        assert_eq!(keys.tenant_of(b"sk-alph"), None);
+        assert_eq!(keys.tenant_of(b"sk-alphaa"), None);
+        assert_eq!(keys.tenant_of(b""), None);
+    }
+
+    #[test]
+    fn rejects_bad_files() {
+        assert!(matches!(
+            ApiKeys::parse("k\n"),
+            Err(KeysError::Malformed { line: 1 })
+        ));
+        assert!(matches!(
+            ApiKeys::parse("k t extra\n"),
+            Err(KeysError::Malformed { line: 1 })
+        ));
+        assert!(matches!(
+            ApiKeys::parse("a t\n# c\na u\n"),
+            Err(KeysError::Duplicate { line: 3, first: 1 })
+        ));
+        assert!(matches!(
+            ApiKeys::parse("# nothing\n\n"),
+            Err(KeysError::Empty)
+        ));
+    }
+
+    fn headers(auth: Option<&str>) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        if let Some(a) = auth {
+            h.insert(header::AUTHORIZATION, HeaderValue::from_str(a).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn bearer_header_maps_to_tenant_domain() {
+        let auth = Auth::Keys(ApiKeys::parse(FILE).unwrap());
+        let d = auth.authenticate(&headers(Some("Bearer sk-beta"))).unwrap();
+        assert_eq!(d, IsolationDomain::tenant("bob"));
+        let d = auth
+            .authenticate(&headers(Some("bearer sk-alpha")))
+            .unwrap();
+        assert_eq!(d.tenant_name(), "alice");
+        for bad in [
+            None,
+            Some("Bearer nope"),
+            Some("Basic sk-alpha"),
+            Some("Bearer"),
+            Some("sk-alpha"),
+        ] {
+            let e = auth.authenticate(&headers(bad)).unwrap_err();
+            assert_eq!(
+                (e.status().as_u16(), e.code()),
+                (401, "invalid_api_key"),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn open_auth_is_one_default_tenant() {
+        let d = Auth::Open
+            .authenticate(&headers(Some("Bearer anything")))
+            .unwrap();
+        assert_eq!(d, IsolationDomain::tenant(DEFAULT_TENANT));
+    }
+}

@@ -1,0 +1,278 @@
+//! Every way a request can fail, mapped to HTTP in exactly one place ([`ApiError`]'s
+//! `IntoResponse`), in OpenAI's error shape.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use engine::{EngineError, Rejection};
+use serde_json::{json, Value};
+
+/// A failed request. Client mistakes are 4xx and never reach the engine; engine failures
+/// after admission are 5xx and never turn into a 200.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The request is malformed or asks for something this server does not do.
+    #[error("{message}")]
+    InvalidRequest {
+        message: String,
+        param: Option<String>,
+        code: &'static str,
+    },
+    /// The engine's admission refused the request before any resource existed.
+    #[error("{rejection}")]
+    Rejected {
+        rejection: Rejection,
+        /// The request field holding the input ("messages" or "prompt").
+        input_param: &'static str,
+    },
+    #[error("The model `{0}` does not exist or you do not have access to it.")]
+    ModelNotFound(String),
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    #[error("The request body exceeds the limit of {limit} bytes.")]
+    PayloadTooLarge { limit: usize },
+    #[error("Unknown request URL: {method} {path}.")]
+    RouteNotFound { method: String, path: String },
+    #[error("Method {method} is not allowed for {path}.")]
+    MethodNotAllowed { method: String, path: String },
+    #[error("{0}")]
+    Engine(#[from] EngineError),
+    /// A server-side fault unrelated to the request's content (a broken chat template, a
+    /// token the tokenizer cannot decode).
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn invalid(
+        code: &'static str,
+        param: impl Into<Option<String>>,
+        message: impl Into<String>,
+    ) -> Self {
+        ApiError::InvalidRequest {
+            message: message.into(),
+            param: param.into(),
+            code,
+        }
+    }
+
+    /// A parameter or value this server deliberately does not implement.
+    pub fn unsupported(param: &str, message: impl Into<String>) -> Self {
+        Self::invalid("unsupported_parameter", Some(param.to_owned()), message)
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::InvalidRequest { .. } | ApiError::Rejected { .. } => StatusCode::BAD_REQUEST,
+            ApiError::ModelNotFound(_) | ApiError::RouteNotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::Engine(EngineError::Shutdown) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Engine(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// A stable machine-readable code; also the `reason` label of the rejection metric.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ApiError::InvalidRequest { code, .. } => code,
+            ApiError::Rejected { rejection, .. } => rejection.code(),
+            ApiError::ModelNotFound(_) => "model_not_found",
+            ApiError::Unauthorized(_) => "invalid_api_key",
+            ApiError::PayloadTooLarge { .. } => "payload_too_large",
+            ApiError::RouteNotFound { .. } => "not_found",
+            ApiError::MethodNotAllowed { .. } => "method_not_allowed",
+            ApiError::Engine(EngineError::Isolation(_)) => "isolation_check_failed",
+            ApiError::Engine(EngineError::Model(_)) => "model_error",
+            ApiError::Engine(EngineError::Shutdown) => "service_unavailable",
+            ApiError::Internal(_) => "internal_error",
+        }
+    }
+
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            ApiError::InvalidRequest { param, .. } => param.as_deref(),
+            ApiError::Rejected {
+                rejection,
+                input_param,
+            } => Some(match rejection {
+                Rejection::ZeroMaxTokens => "max_tokens",
+                _ => input_param,
+            }),
+            ApiError::ModelNotFound(_) => Some("model"),
+            _ => None,
+        }
+    }
+
+    pub fn error_type(&self) -> &'static str {
+        if self.status().is_client_error() {
+            "invalid_request_error"
+        } else {
+            "server_error"
+        }
+    }
+
+    /// The JSON body, also used as the payload of an SSE error event.
+    pub fn body(&self) -> Value {
+        json!({
+            "error": {
+                "message": self.to_string(),
+                "type": self.error_type(),
+                "param": self.param(),
+                "code": self.code(),
+            }
+        })
+    }
+}
+
+impl From<tokenizer::TemplateError> for ApiError {
+    fn from(e: tokenizer::TemplateError) -> Self {
+        match e {
+            // The template's own `raise_exception`: the conversation, not the server, is wrong.
+            tokenizer::TemplateError::Raised(msg) => {
+                ApiError::invalid("invalid_messages", Some("messages".to_owned()), msg)
+            }
+            other => ApiError::Internal(other.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::error!(code = self.code(), "request failed: {self}");
+        }
+        (status, axum::Json(self.body())).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(e: &ApiError) -> (u16, String, Option<String>, String) {
+        let body = e.body();
+        let err = &body["error"];
+        (
+            e.status().as_u16(),
+            err["code"].as_str().unwrap_or_default().to_owned(),
+            err["param"].as_str().map(str::to_owned),
+            err["type"].as_str().unwrap_or_default().to_owned(),
+        )
+    }
+
+    #[test]
+    fn over_length_is_400_with_limit_and_count() {
+        let e = ApiError::Rejected {
+            rejection: Rejection::ContextLengthExceeded {
+                limit: 64,
+                prompt_tokens: 64,
+                max_tokens: 1,
+                total: 65,
+            },
+            input_param: "messages",
+        };
+        assert_eq!(
+            shape(&e),
+            (
+                400,
+                "context_length_exceeded".into(),
+                Some("messages".into()),
+                "invalid_request_error".into()
+            )
+        );
+        let msg = e.body()["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        assert!(
+            msg.contains("64 tokens") && msg.contains("65 tokens"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn zero_max_tokens_points_at_max_tokens() {
+        let e = ApiError::Rejected {
+            rejection: Rejection::ZeroMaxTokens,
+            input_param: "prompt",
+        };
+        assert_eq!(shape(&e).2.as_deref(), Some("max_tokens"));
+        assert_eq!(shape(&e).1, "invalid_max_tokens");
+    }
+
+    #[test]
+    fn engine_errors_are_server_errors() {
+        let iso = ApiError::from(EngineError::Isolation(kv::KvError::ForeignPage {
+            request: kv::RequestId(7),
+        }));
+        assert_eq!(
+            shape(&iso),
+            (
+                500,
+                "isolation_check_failed".into(),
+                None,
+                "server_error".into()
+            )
+        );
+        let down = ApiError::from(EngineError::Shutdown);
+        assert_eq!(shape(&down).0, 503);
+        assert_eq!(
+            shape(&ApiError::from(EngineError::Model("x".into()))).0,
+            500
+        );
+    }
+
+    #[test]
+    fn client_errors_have_stable_codes() {
+        let cases = [
+            (
+                ApiError::ModelNotFound("gpt-9".into()),
+                404,
+                "model_not_found",
+            ),
+            (ApiError::Unauthorized("no key"), 401, "invalid_api_key"),
+            (
+                ApiError::PayloadTooLarge { limit: 10 },
+                413,
+                "payload_too_large",
+            ),
+            (
+                ApiError::RouteNotFound {
+                    method: "GET".into(),
+                    path: "/x".into(),
+                },
+                404,
+                "not_found",
+            ),
+            (
+                ApiError::unsupported("n", "n must be 1"),
+                400,
+                "unsupported_parameter",
+            ),
+        ];
+        for (e, status, code) in cases {
+            let (s, c, _, ty) = shape(&e);
+            assert_eq!(
+                (s, c.as_str(), ty.as_str()),
+                (status, code, "invalid_request_error"),
+                "{e:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn template_raise_is_the_clients_fault() {
+        let e = ApiError::from(tokenizer::TemplateError::Raised(
+            "roles must alternate".into(),
+        ));
+        assert_eq!(shape(&e).0, 400);
+    }
+
+    #[test]
+    fn response_status_matches() {
+        let r = ApiError::ModelNotFound("m".into()).into_response();
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    }
+}

@@ -1,0 +1,217 @@
+//! Response bodies and stream chunks in OpenAI's shapes, for both endpoints.
+
+use std::sync::Arc;
+
+use engine::{FinishReason, Usage};
+use serde_json::{json, Map, Value};
+use tokenizer::Tokenizer;
+
+use crate::generation::{Chunk, TokenOut};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Chat,
+    Completion,
+}
+
+/// What every response and chunk of one request carries.
+pub struct ResponseMeta {
+    pub api: Api,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub logprobs: bool,
+    pub tok: Arc<Tokenizer>,
+}
+
+pub fn finish_reason(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+pub fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": { "cached_tokens": u.cached_tokens },
+    })
+}
+
+/// JSON has no infinities; OpenAI reports impossible tokens as -9999.
+fn finite(lp: f32) -> f64 {
+    if lp.is_finite() {
+        f64::from(lp)
+    } else {
+        -9999.0
+    }
+}
+
+impl ResponseMeta {
+    fn token_bytes(&self, id: u32) -> &[u8] {
+        self.tok.token_bytes(id).unwrap_or_default()
+    }
+
+    fn token_str(&self, id: u32) -> String {
+        String::from_utf8_lossy(self.token_bytes(id)).into_owned()
+    }
+
+    /// The `logprobs` field for `tokens`, or null when none were asked for.
+    fn logprobs_json(&self, tokens: &[TokenOut]) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        match self.api {
+            Api::Chat => {
+                let content: Vec<Value> = tokens
+                    .iter()
+                    .map(|t| {
+                        let e = &t.event;
+                        let top: Vec<Value> = e
+                            .top_logprobs
+                            .iter()
+                            .map(|&(id, lp)| {
+                                json!({
+                                    "token": self.token_str(id),
+                                    "logprob": finite(lp),
+                                    "bytes": self.token_bytes(id),
+                                })
+                            })
+                            .collect();
+                        json!({
+                            "token": self.token_str(e.id),
+                            "logprob": finite(e.logprob.unwrap_or(f32::NEG_INFINITY)),
+                            "bytes": self.token_bytes(e.id),
+                            "top_logprobs": top,
+                        })
+                    })
+                    .collect();
+                json!({ "content": content })
+            }
+            Api::Completion => {
+                let mut texts = Vec::new();
+                let mut lps = Vec::new();
+                let mut tops = Vec::new();
+                let mut offsets = Vec::new();
+                for t in tokens {
+                    let e = &t.event;
+                    texts.push(Value::from(self.token_str(e.id)));
+                    lps.push(Value::from(finite(e.logprob.unwrap_or(f32::NEG_INFINITY))));
+                    let mut top = Map::new();
+                    for &(id, lp) in &e.top_logprobs {
+                        top.entry(self.token_str(id))
+                            .or_insert(Value::from(finite(lp)));
+                    }
+                    tops.push(Value::Object(top));
+                    offsets.push(Value::from(t.text_offset));
+                }
+                json!({
+                    "tokens": texts,
+                    "token_logprobs": lps,
+                    "top_logprobs": tops,
+                    "text_offset": offsets,
+                })
+            }
+        }
+    }
+
+    fn object(&self, stream: bool) -> &'static str {
+        match (self.api, stream) {
+            (Api::Chat, false) => "chat.completion",
+            (Api::Chat, true) => "chat.completion.chunk",
+            (Api::Completion, _) => "text_completion",
+        }
+    }
+
+    fn envelope(&self, stream: bool, choices: Vec<Value>) -> Map<String, Value> {
+        let mut m = Map::new();
+        m.insert("id".into(), Value::from(self.id.clone()));
+        m.insert("object".into(), Value::from(self.object(stream)));
+        m.insert("created".into(), Value::from(self.created));
+        m.insert("model".into(), Value::from(self.model.clone()));
+        m.insert("choices".into(), Value::Array(choices));
+        m
+    }
+
+    /// The whole non-streamed response.
+    pub fn response(&self, output: &Chunk, reason: FinishReason, usage: &Usage) -> Value {
+        let choice = match self.api {
+            Api::Chat => json!({
+                "index": 0,
+                "message": { "role": "assistant", "content": output.text },
+                "logprobs": self.logprobs_json(&output.tokens),
+                "finish_reason": finish_reason(reason),
+            }),
+            Api::Completion => json!({
+                "index": 0,
+                "text": output.text,
+                "logprobs": self.logprobs_json(&output.tokens),
+                "finish_reason": finish_reason(reason),
+            }),
+        };
+        let mut m = self.envelope(false, vec![choice]);
+        m.insert("usage".into(), usage_json(usage));
+        Value::Object(m)
+    }
+
+    /// The opening chunk of a chat stream, which names the role.
+    pub fn role_chunk(&self, include_usage: bool) -> Value {
+        let choice = json!({
+            "index": 0,
+            "delta": { "role": "assistant", "content": "" },
+            "logprobs": Value::Null,
+            "finish_reason": Value::Null,
+        });
+        self.stream_chunk(vec![choice], include_usage)
+    }
+
+    /// A stream chunk with `chunk`'s text, and the finish reason on the last one.
+    pub fn delta_chunk(
+        &self,
+        chunk: &Chunk,
+        finish: Option<FinishReason>,
+        include_usage: bool,
+    ) -> Value {
+        let reason = finish.map(finish_reason);
+        let choice = match self.api {
+            Api::Chat => {
+                let delta = if chunk.text.is_empty() && finish.is_some() {
+                    json!({})
+                } else {
+                    json!({ "content": chunk.text })
+                };
+                json!({
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": self.logprobs_json(&chunk.tokens),
+                    "finish_reason": reason,
+                })
+            }
+            Api::Completion => json!({
+                "index": 0,
+                "text": chunk.text,
+                "logprobs": self.logprobs_json(&chunk.tokens),
+                "finish_reason": reason,
+            }),
+        };
+        self.stream_chunk(vec![choice], include_usage)
+    }
+
+    /// The extra last chunk `stream_options.include_usage` asks for: no choices, usage.
+    pub fn usage_chunk(&self, usage: &Usage) -> Value {
+        let mut m = self.envelope(true, Vec::new());
+        m.insert("usage".into(), usage_json(usage));
+        Value::Object(m)
+    }
+
+    fn stream_chunk(&self, choices: Vec<Value>, include_usage: bool) -> Value {
+        let mut m = self.envelope(true, choices);
+        if include_usage {
+            // OpenAI sends `usage: null` on every chunk but the usage one.
+            m.insert("usage".into(), Value::Null);
+        }
+        Value::Object(m)
+    }
+}

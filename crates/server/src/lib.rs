@@ -1,0 +1,79 @@
+//! The OpenAI-compatible HTTP API over the engine.
+//!
+//! Requests go through one pipeline: authenticate (the tenant decides the isolation
+//! domain), read the body under a size limit, decode and validate, build prompt tokens,
+//! then the engine's admission. Anything refused on the way is a 4xx in OpenAI's error
+//! shape and never reaches the engine; failures after admission are 5xx responses or one
+//! SSE error event, never a 200.
+
+pub mod auth;
+pub mod body;
+pub mod chat_prompt;
+pub mod error;
+pub mod format;
+pub mod generation;
+pub mod metrics;
+pub mod request;
+mod routes;
+pub mod stop;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use engine::EngineHandle;
+use tokenizer::{ChatTemplate, Tokenizer};
+
+pub use auth::{ApiKeys, Auth, KeysError};
+pub use error::ApiError;
+pub use routes::router;
+
+/// Everything the handlers share.
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<Tokenizer>,
+    /// `None` when the model has no chat template: chat requests are then refused.
+    pub template: Option<ChatTemplate>,
+    pub model_name: String,
+    pub auth: Auth,
+    pub max_body_bytes: usize,
+    pub metrics: Arc<metrics::ServerMetrics>,
+    /// When the server started (the `created` of `/v1/models`).
+    pub created: u64,
+}
+
+impl AppState {
+    pub fn new(
+        engine: EngineHandle,
+        tokenizer: Arc<Tokenizer>,
+        template: Option<ChatTemplate>,
+        model_name: String,
+        auth: Auth,
+        max_body_bytes: usize,
+    ) -> Self {
+        Self {
+            engine,
+            tokenizer,
+            template,
+            model_name,
+            auth,
+            max_body_bytes,
+            metrics: Arc::default(),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        }
+    }
+}
+
+/// Serves until `shutdown` resolves, then stops accepting connections and waits for the
+/// open ones to finish.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

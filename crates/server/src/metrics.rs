@@ -1,0 +1,318 @@
+//! Server-side counters and the Prometheus text rendering of `/metrics`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use engine::{EngineHandle, EngineMetrics};
+
+/// How a request to a generation endpoint ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// EOS, a stop token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// Failed after admission (engine or server fault).
+    Error,
+    /// The client went away before the end.
+    Cancelled,
+    /// Refused before reaching the engine (validation, auth, admission).
+    Rejected,
+}
+
+impl Outcome {
+    const ALL: [Outcome; 5] = [
+        Outcome::Stop,
+        Outcome::Length,
+        Outcome::Error,
+        Outcome::Cancelled,
+        Outcome::Rejected,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Outcome::Stop => "stop",
+            Outcome::Length => "length",
+            Outcome::Error => "error",
+            Outcome::Cancelled => "cancelled",
+            Outcome::Rejected => "rejected",
+        }
+    }
+}
+
+/// Upper bounds in seconds.
+const TTFT_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+const ITL_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5,
+];
+
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// Non-cumulative counts per bucket; the last one is +Inf.
+    buckets: Vec<AtomicU64>,
+    sum_micros: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            buckets: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_micros: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        let i = self
+            .bounds
+            .iter()
+            .position(|&b| secs <= b)
+            .unwrap_or(self.bounds.len());
+        if let Some(b) = self.buckets.get(i) {
+            b.fetch_add(1, Ordering::Relaxed);
+        }
+        self.sum_micros.fetch_add(
+            u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (i, bucket) in self.buckets.iter().enumerate() {
+            cumulative += bucket.load(Ordering::Relaxed);
+            match self.bounds.get(i) {
+                Some(b) => {
+                    let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
+                }
+                None => {
+                    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
+                }
+            }
+        }
+        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_sum {sum}");
+        let _ = writeln!(out, "{name}_count {}", self.count.load(Ordering::Relaxed));
+    }
+}
+
+#[derive(Debug)]
+pub struct ServerMetrics {
+    outcomes: [AtomicU64; 5],
+    rejections: Mutex<BTreeMap<&'static str, u64>>,
+    pub prompt_tokens: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+}
+
+impl Default for ServerMetrics {
+    fn default() -> Self {
+        Self {
+            outcomes: Default::default(),
+            rejections: Mutex::default(),
+            prompt_tokens: AtomicU64::new(0),
+            generated_tokens: AtomicU64::new(0),
+            ttft: Histogram::new(TTFT_BUCKETS),
+            itl: Histogram::new(ITL_BUCKETS),
+        }
+    }
+}
+
+impl ServerMetrics {
+    pub fn outcome(&self, outcome: Outcome) {
+        let i = Outcome::ALL.iter().position(|&o| o == outcome).unwrap_or(0);
+        if let Some(c) = self.outcomes.get(i) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A request refused before the engine, labelled by its error code.
+    pub fn rejected(&self, code: &'static str) {
+        self.outcome(Outcome::Rejected);
+        let mut map = self.rejections.lock().unwrap_or_else(|p| p.into_inner());
+        *map.entry(code).or_insert(0) += 1;
+    }
+
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn render(&self, engine: &EngineHandle) -> String {
+        let mut out = String::with_capacity(4096);
+        let counter = |out: &mut String, name: &str, help: &str, ty: &str| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {ty}");
+        };
+
+        counter(
+            &mut out,
+            "kvwarden_requests_total",
+            "Generation requests by how they ended.",
+            "counter",
+        );
+        for (o, c) in Outcome::ALL.iter().zip(&self.outcomes) {
+            let _ = writeln!(
+                out,
+                "kvwarden_requests_total{{outcome=\"{}\"}} {}",
+                o.label(),
+                c.load(Ordering::Relaxed)
+            );
+        }
+        counter(
+            &mut out,
+            "kvwarden_rejections_total",
+            "Requests refused before reaching the engine, by error code.",
+            "counter",
+        );
+        {
+            let map = self.rejections.lock().unwrap_or_else(|p| p.into_inner());
+            for (code, n) in map.iter() {
+                let _ = writeln!(out, "kvwarden_rejections_total{{reason=\"{code}\"}} {n}");
+            }
+        }
+        counter(
+            &mut out,
+            "kvwarden_prompt_tokens_total",
+            "Prompt tokens of admitted requests.",
+            "counter",
+        );
+        let _ = writeln!(
+            out,
+            "kvwarden_prompt_tokens_total {}",
+            self.prompt_tokens.load(Ordering::Relaxed)
+        );
+        counter(
+            &mut out,
+            "kvwarden_generation_tokens_total",
+            "Tokens generated.",
+            "counter",
+        );
+        let _ = writeln!(
+            out,
+            "kvwarden_generation_tokens_total {}",
+            self.generated_tokens.load(Ordering::Relaxed)
+        );
+        self.ttft.render(
+            &mut out,
+            "kvwarden_time_to_first_token_seconds",
+            "From admission to the first generated token.",
+        );
+        self.itl.render(
+            &mut out,
+            "kvwarden_inter_token_latency_seconds",
+            "Between consecutive tokens of a request.",
+        );
+
+        let pool = engine.pool().counts();
+        counter(
+            &mut out,
+            "kvwarden_kv_pages",
+            "KV pool pages by state.",
+            "gauge",
+        );
+        for (state, n) in [
+            ("total", pool.total),
+            ("free", pool.free),
+            ("leased", pool.leased),
+            ("cached", pool.cached),
+        ] {
+            let _ = writeln!(out, "kvwarden_kv_pages{{state=\"{state}\"}} {n}");
+        }
+
+        let m = engine.metrics();
+        let get = EngineMetrics::get;
+        counter(
+            &mut out,
+            "kvwarden_isolation_check_failures_total",
+            "KV ownership or extent checks that refused an access (each failed its request).",
+            "counter",
+        );
+        let _ = writeln!(
+            out,
+            "kvwarden_isolation_check_failures_total {}",
+            get(&m.isolation_failures)
+        );
+        counter(
+            &mut out,
+            "kvwarden_engine_requests_total",
+            "Requests as the engine ended them.",
+            "counter",
+        );
+        for (label, c) in [
+            ("stop", &m.finished_stop),
+            ("length", &m.finished_length),
+            ("failed", &m.failed),
+            ("cancelled", &m.cancelled),
+        ] {
+            let _ = writeln!(
+                out,
+                "kvwarden_engine_requests_total{{outcome=\"{label}\"}} {}",
+                get(c)
+            );
+        }
+        counter(
+            &mut out,
+            "kvwarden_cached_prompt_tokens_total",
+            "Prompt tokens served from the requesting domain's prefix cache.",
+            "counter",
+        );
+        let _ = writeln!(
+            out,
+            "kvwarden_cached_prompt_tokens_total {}",
+            get(&m.cached_prompt_tokens)
+        );
+        counter(
+            &mut out,
+            "kvwarden_engine_steps_total",
+            "Engine forward steps.",
+            "counter",
+        );
+        let _ = writeln!(out, "kvwarden_engine_steps_total {}", get(&m.steps));
+        counter(
+            &mut out,
+            "kvwarden_requests_running",
+            "Requests holding KV pages.",
+            "gauge",
+        );
+        let _ = writeln!(out, "kvwarden_requests_running {}", get(&m.running));
+        counter(
+            &mut out,
+            "kvwarden_requests_waiting",
+            "Admitted requests waiting for KV pages.",
+            "gauge",
+        );
+        let _ = writeln!(out, "kvwarden_requests_waiting {}", get(&m.waiting));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_is_cumulative() {
+        let h = Histogram::new(&[0.1, 1.0]);
+        h.observe(Duration::from_millis(50));
+        h.observe(Duration::from_millis(500));
+        h.observe(Duration::from_secs(5));
+        let mut s = String::new();
+        h.render(&mut s, "x", "help");
+        assert!(s.contains("x_bucket{le=\"0.1\"} 1\n"), "{s}");
+        assert!(s.contains("x_bucket{le=\"1\"} 2\n"), "{s}");
+        assert!(s.contains("x_bucket{le=\"+Inf\"} 3\n"), "{s}");
+        assert!(s.contains("x_count 3\n"), "{s}");
+        assert!(s.contains("x_sum 5.55\n"), "{s}");
+    }
+}

@@ -1,0 +1,599 @@
+//! The OpenAI request bodies, and their validation into what the engine takes.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use engine::SamplingParams;
+
+use crate::error::ApiError;
+
+/// Most stop strings a request may give (OpenAI's limit).
+pub const MAX_STOP_STRINGS: usize = 4;
+/// Most alternatives per token a request may ask for.
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// Declares a request body with the fields both endpoints share appended, plus a
+/// [`Common`] view of them. (`#[serde(flatten)]` would do this too, but it loses the field
+/// path that error messages name.)
+macro_rules! openai_request {
+    ($(#[$m:meta])* pub struct $name:ident { $($(#[$fm:meta])* pub $f:ident: $t:ty,)* }) => {
+        $(#[$m])*
+        pub struct $name {
+            $($(#[$fm])* pub $f: $t,)*
+            pub model: String,
+            pub max_tokens: Option<u64>,
+            pub temperature: Option<f64>,
+            pub top_p: Option<f64>,
+            /// Not in OpenAI's API; vLLM's extension (-1 or 0 disables).
+            pub top_k: Option<i64>,
+            pub seed: Option<i64>,
+            pub stop: Option<Stop>,
+            pub stream: Option<bool>,
+            pub stream_options: Option<StreamOptions>,
+            pub n: Option<u64>,
+            pub presence_penalty: Option<f64>,
+            pub frequency_penalty: Option<f64>,
+            pub logit_bias: Option<serde_json::Map<String, Value>>,
+            pub user: Option<String>,
+            /// Narrows the tenant's isolation domain: requests with different salts share
+            /// no cached prefix even within one tenant.
+            pub cache_salt: Option<String>,
+        }
+
+        impl $name {
+            pub fn common(&self) -> Common<'_> {
+                Common {
+                    model: &self.model,
+                    max_tokens: self.max_tokens,
+                    temperature: self.temperature,
+                    top_p: self.top_p,
+                    top_k: self.top_k,
+                    seed: self.seed,
+                    stop: self.stop.as_ref(),
+                    stream: self.stream,
+                    stream_options: self.stream_options.as_ref(),
+                    n: self.n,
+                    presence_penalty: self.presence_penalty,
+                    frequency_penalty: self.frequency_penalty,
+                    logit_bias: self.logit_bias.as_ref(),
+                    cache_salt: self.cache_salt.as_deref(),
+                }
+            }
+        }
+    };
+}
+
+/// The fields both endpoints share.
+#[derive(Debug, Clone, Copy)]
+pub struct Common<'a> {
+    pub model: &'a str,
+    pub max_tokens: Option<u64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub seed: Option<i64>,
+    pub stop: Option<&'a Stop>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<&'a StreamOptions>,
+    pub n: Option<u64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub logit_bias: Option<&'a serde_json::Map<String, Value>>,
+    pub cache_salt: Option<&'a str>,
+}
+
+openai_request! {
+    #[derive(Debug, Deserialize)]
+    pub struct CompletionRequest {
+        pub prompt: Prompt,
+        pub logprobs: Option<u32>,
+        pub echo: Option<bool>,
+        pub best_of: Option<u64>,
+        pub suffix: Option<String>,
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: Option<Content>,
+    pub name: Option<String>,
+}
+
+openai_request! {
+    #[derive(Debug, Deserialize)]
+    pub struct ChatRequest {
+        pub messages: Vec<Message>,
+        pub max_completion_tokens: Option<u64>,
+        pub logprobs: Option<bool>,
+        pub top_logprobs: Option<u32>,
+        pub tools: Option<Value>,
+        pub tool_choice: Option<Value>,
+        pub functions: Option<Value>,
+        pub response_format: Option<Value>,
+    }
+}
+
+/// A request's generation settings after validation.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stops: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub cache_salt: Option<String>,
+}
+
+fn param(name: &str) -> Option<String> {
+    Some(name.to_owned())
+}
+
+fn check_range(
+    name: &str,
+    v: Option<f64>,
+    lo: f64,
+    hi: f64,
+    lo_open: bool,
+) -> Result<(), ApiError> {
+    let Some(v) = v else { return Ok(()) };
+    let ok = v.is_finite() && v <= hi && if lo_open { v > lo } else { v >= lo };
+    if ok {
+        Ok(())
+    } else {
+        let open = if lo_open { "(" } else { "[" };
+        Err(ApiError::invalid(
+            "invalid_value",
+            param(name),
+            format!("Invalid '{name}': {v} is outside {open}{lo}, {hi}]."),
+        ))
+    }
+}
+
+impl Common<'_> {
+    /// Validates everything but the prompt. `max_tokens` is the value the endpoint settled
+    /// on (chat prefers `max_completion_tokens`).
+    pub fn settings(&self, max_tokens: Option<u64>) -> Result<Settings, ApiError> {
+        match self.n {
+            None | Some(1) => {}
+            Some(n) => {
+                return Err(ApiError::unsupported(
+                    "n",
+                    format!("n = {n} is not supported; only n = 1."),
+                ))
+            }
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(ApiError::unsupported(
+                    name,
+                    format!("{name} is not supported."),
+                ));
+            }
+        }
+        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return Err(ApiError::unsupported(
+                "logit_bias",
+                "logit_bias is not supported.",
+            ));
+        }
+        check_range("temperature", self.temperature, 0.0, 2.0, false)?;
+        check_range("top_p", self.top_p, 0.0, 1.0, true)?;
+        let top_k = match self.top_k {
+            None | Some(-1) => 0,
+            Some(k) => usize::try_from(k).map_err(|_| {
+                ApiError::invalid(
+                    "invalid_value",
+                    param("top_k"),
+                    format!("Invalid 'top_k': {k}; use -1 or 0 to disable."),
+                )
+            })?,
+        };
+        let stops = match self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if stops.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::invalid(
+                "invalid_value",
+                param("stop"),
+                format!(
+                    "At most {MAX_STOP_STRINGS} stop sequences are allowed; got {}.",
+                    stops.len()
+                ),
+            ));
+        }
+        if stops.iter().any(String::is_empty) {
+            return Err(ApiError::invalid(
+                "invalid_value",
+                param("stop"),
+                "Stop sequences must not be empty.",
+            ));
+        }
+        if let Some(salt) = self.cache_salt {
+            if salt.is_empty() {
+                return Err(ApiError::invalid(
+                    "invalid_value",
+                    param("cache_salt"),
+                    "cache_salt must not be empty.",
+                ));
+            }
+        }
+        let max_tokens = max_tokens.map(|m| usize::try_from(m).unwrap_or(usize::MAX));
+        let seed = match self.seed {
+            // Reinterpreting the bits keeps negative seeds distinct and reproducible.
+            Some(s) => s as u64,
+            None => random_seed(),
+        };
+        let stream = self.stream.unwrap_or(false);
+        Ok(Settings {
+            max_tokens,
+            sampling: SamplingParams {
+                // OpenAI's default temperature is 1.
+                temperature: self.temperature.unwrap_or(1.0) as f32,
+                top_p: self.top_p.unwrap_or(1.0) as f32,
+                top_k,
+                seed,
+            },
+            stops,
+            stream,
+            include_usage: stream
+                && self
+                    .stream_options
+                    .and_then(|o| o.include_usage)
+                    .unwrap_or(false),
+            cache_salt: self.cache_salt.map(str::to_owned),
+        })
+    }
+}
+
+/// A seed for requests that give none: different per request, like OpenAI's sampling.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+impl CompletionRequest {
+    pub fn validate(&self) -> Result<(Settings, Option<usize>), ApiError> {
+        if self.echo == Some(true) {
+            return Err(ApiError::unsupported("echo", "echo is not supported."));
+        }
+        if let Some(b) = self.best_of.filter(|&b| b != 1) {
+            return Err(ApiError::unsupported(
+                "best_of",
+                format!("best_of = {b} is not supported; only 1."),
+            ));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::unsupported("suffix", "suffix is not supported."));
+        }
+        if let Some(k) = self.logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+            return Err(ApiError::invalid(
+                "invalid_value",
+                param("logprobs"),
+                format!("logprobs = {k} exceeds the maximum of {MAX_TOP_LOGPROBS}."),
+            ));
+        }
+        let settings = self.common().settings(self.max_tokens)?;
+        Ok((settings, self.logprobs.map(|k| k as usize)))
+    }
+
+    /// The prompt as text or token ids; several prompts in one request are refused.
+    pub fn single_prompt(&self) -> Result<PromptInput<'_>, ApiError> {
+        let many = || {
+            ApiError::unsupported(
+                "prompt",
+                "Batched prompts are not supported; send one prompt per request.",
+            )
+        };
+        Ok(match &self.prompt {
+            Prompt::Text(s) => PromptInput::Text(s),
+            Prompt::Tokens(t) => PromptInput::Tokens(t),
+            Prompt::Texts(v) => match v.as_slice() {
+                [s] => PromptInput::Text(s),
+                _ => return Err(many()),
+            },
+            Prompt::TokenLists(v) => match v.as_slice() {
+                [t] => PromptInput::Tokens(t),
+                _ => return Err(many()),
+            },
+        })
+    }
+}
+
+pub enum PromptInput<'a> {
+    Text(&'a str),
+    Tokens(&'a [u32]),
+}
+
+impl ChatRequest {
+    /// Returns the settings and, when logprobs are wanted, how many alternatives.
+    pub fn validate(&self) -> Result<(Settings, Option<usize>), ApiError> {
+        for (name, v) in [
+            ("tools", &self.tools),
+            ("tool_choice", &self.tool_choice),
+            ("functions", &self.functions),
+        ] {
+            if v.as_ref().is_some_and(|v| !v.is_null()) {
+                return Err(ApiError::unsupported(
+                    name,
+                    format!("{name} is not supported."),
+                ));
+            }
+        }
+        if let Some(fmt) = &self.response_format {
+            let kind = fmt.get("type").and_then(Value::as_str);
+            if !fmt.is_null() && kind != Some("text") {
+                return Err(ApiError::unsupported(
+                    "response_format",
+                    "Only response_format {\"type\": \"text\"} is supported.",
+                ));
+            }
+        }
+        let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (_, Some(k)) if k > MAX_TOP_LOGPROBS => {
+                return Err(ApiError::invalid(
+                    "invalid_value",
+                    param("top_logprobs"),
+                    format!("top_logprobs = {k} exceeds the maximum of {MAX_TOP_LOGPROBS}."),
+                ))
+            }
+            (false, Some(_)) => {
+                return Err(ApiError::invalid(
+                    "invalid_value",
+                    param("top_logprobs"),
+                    "top_logprobs requires logprobs to be true.",
+                ))
+            }
+            (true, k) => Some(k.unwrap_or(0) as usize),
+            (false, None) => None,
+        };
+        let settings = self
+            .common()
+            .settings(self.max_completion_tokens.or(self.max_tokens))?;
+        Ok((settings, logprobs))
+    }
+}
+
+impl Message {
+    /// The message's text: a string, or the concatenation of its text parts.
+    pub fn text(&self, index: usize) -> Result<String, ApiError> {
+        match &self.content {
+            None => Ok(String::new()),
+            Some(Content::Text(s)) => Ok(s.clone()),
+            Some(Content::Parts(parts)) => {
+                let mut out = String::new();
+                for (j, p) in parts.iter().enumerate() {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => out.push_str(t),
+                        ("text", None) => {
+                            return Err(ApiError::invalid(
+                                "missing_required_parameter",
+                                Some(format!("messages[{index}].content[{j}].text")),
+                                format!("Missing required parameter: 'messages[{index}].content[{j}].text'."),
+                            ))
+                        }
+                        (other, _) => {
+                            return Err(ApiError::unsupported(
+                                &format!("messages[{index}].content[{j}].type"),
+                                format!("Content parts of type '{other}' are not supported; only text."),
+                            ))
+                        }
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::body::decode;
+
+    fn chat(body: &str) -> Result<(Settings, Option<usize>), ApiError> {
+        decode::<ChatRequest>(body.as_bytes())?.validate()
+    }
+
+    fn completion(body: &str) -> Result<(Settings, Option<usize>), ApiError> {
+        decode::<CompletionRequest>(body.as_bytes())?.validate()
+    }
+
+    fn code(r: Result<(Settings, Option<usize>), ApiError>) -> (&'static str, Option<String>) {
+        let e = r.unwrap_err();
+        assert_eq!(e.status().as_u16(), 400, "{e}");
+        (e.code(), e.param().map(str::to_owned))
+    }
+
+    const M: &str = r#""model":"m","messages":[{"role":"user","content":"hi"}]"#;
+
+    #[test]
+    fn chat_settings() {
+        let (s, lp) = chat(&format!(
+            r#"{{{M},"max_completion_tokens":7,"max_tokens":99,"temperature":0,"stop":"\n","stream":true,"stream_options":{{"include_usage":true}},"logprobs":true,"top_logprobs":3,"seed":-5}}"#
+        ))
+        .unwrap();
+        assert_eq!(s.max_tokens, Some(7));
+        assert_eq!(s.sampling.temperature, 0.0);
+        assert_eq!(s.sampling.seed, (-5i64) as u64);
+        assert_eq!(s.stops, vec!["\n".to_owned()]);
+        assert!(s.stream && s.include_usage);
+        assert_eq!(lp, Some(3));
+        let (s, lp) = chat(&format!("{{{M}}}")).unwrap();
+        assert_eq!(
+            (s.max_tokens, lp, s.stream, s.include_usage),
+            (None, None, false, false)
+        );
+        assert_eq!(s.sampling.temperature, 1.0);
+    }
+
+    #[test]
+    fn chat_refusals() {
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"n":2}}"#))),
+            ("unsupported_parameter", Some("n".into()))
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"top_logprobs":2}}"#))).0,
+            "invalid_value"
+        );
+        assert_eq!(
+            code(chat(&format!(
+                r#"{{{M},"logprobs":true,"top_logprobs":21}}"#
+            )))
+            .0,
+            "invalid_value"
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"temperature":2.5}}"#))),
+            ("invalid_value", Some("temperature".into()))
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"top_p":0}}"#))).0,
+            "invalid_value"
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"stop":["a","b","c","d","e"]}}"#))).1,
+            Some("stop".into())
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"stop":[""]}}"#))).1,
+            Some("stop".into())
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"tools":[{{}}]}}"#))).1,
+            Some("tools".into())
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"presence_penalty":1}}"#))).0,
+            "unsupported_parameter"
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"cache_salt":""}}"#))).1,
+            Some("cache_salt".into())
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"top_k":-2}}"#))).1,
+            Some("top_k".into())
+        );
+        assert_eq!(
+            code(chat(r#"{"model":"m"}"#)),
+            ("missing_required_parameter", Some("messages".into()))
+        );
+        assert_eq!(
+            code(chat(r#"{"model":"m","messages":"hi"}"#)),
+            ("invalid_type", Some("messages".into()))
+        );
+        assert_eq!(
+            code(chat(r#"{"messages":[]}"#)),
+            ("missing_required_parameter", Some("model".into()))
+        );
+        assert_eq!(
+            code(chat(r#"{"model":"m","messages":[],"max_tokens":"5"}"#)),
+            ("invalid_type", Some("max_tokens".into()))
+        );
+        assert_eq!(
+            code(chat(r#"{"model":"m","messages":[],"stream":1}"#)),
+            ("invalid_type", Some("stream".into()))
+        );
+    }
+
+    #[test]
+    fn completion_refusals_and_prompts() {
+        assert_eq!(
+            code(completion(r#"{"model":"m","prompt":"x","echo":true}"#)).1,
+            Some("echo".into())
+        );
+        assert_eq!(
+            code(completion(r#"{"model":"m","prompt":"x","best_of":3}"#)).1,
+            Some("best_of".into())
+        );
+        assert_eq!(
+            code(completion(r#"{"model":"m","prompt":"x","logprobs":21}"#)).1,
+            Some("logprobs".into())
+        );
+        assert_eq!(
+            code(completion(r#"{"model":"m","prompt":{"a":1}}"#)),
+            ("invalid_type", Some("prompt".into()))
+        );
+        let req: CompletionRequest = decode(br#"{"model":"m","prompt":["a","b"]}"#).unwrap();
+        assert_eq!(
+            req.single_prompt().err().map(|e| e.code()),
+            Some("unsupported_parameter")
+        );
+        let req: CompletionRequest = decode(br#"{"model":"m","prompt":[[1,2]]}"#).unwrap();
+        assert!(matches!(
+            req.single_prompt(),
+            Ok(PromptInput::Tokens([1, 2]))
+        ));
+        let req: CompletionRequest =
+            decode(br#"{"model":"m","prompt":[3,4],"logprobs":2}"#).unwrap();
+        assert!(matches!(
+            req.single_prompt(),
+            Ok(PromptInput::Tokens([3, 4]))
+        ));
+        assert_eq!(req.validate().unwrap().1, Some(2));
+    }
+
+    #[test]
+    fn message_content_forms() {
+        let req: ChatRequest = decode(
+            br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},{"role":"assistant","content":null},{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(req.messages[0].text(0).unwrap(), "ab");
+        assert_eq!(req.messages[1].text(1).unwrap(), "");
+        assert_eq!(
+            req.messages[2].text(2).unwrap_err().code(),
+            "unsupported_parameter"
+        );
+    }
+}

@@ -1,0 +1,397 @@
+//! The HTTP endpoints.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, Method, Uri};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use engine::{GenerateRequest, IsolationDomain};
+use serde_json::{json, Value};
+use tokenizer::ChatMessage;
+
+use crate::error::ApiError;
+use crate::format::{Api, ResponseMeta};
+use crate::generation::{Chunk, Generation, Step};
+use crate::request::{ChatRequest, CompletionRequest, PromptInput, Settings};
+use crate::{body, chat_prompt, AppState};
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// A request that passed every check and is in the engine.
+struct Started {
+    generation: Generation,
+    meta: ResponseMeta,
+    settings: Settings,
+}
+
+async fn completions(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    match start_completion(&app, &headers, body).await {
+        Ok(started) => respond(started).await,
+        Err(e) => refuse(&app, e),
+    }
+}
+
+async fn chat_completions(
+    State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    match start_chat(&app, &headers, body).await {
+        Ok(started) => respond(started).await,
+        Err(e) => refuse(&app, e),
+    }
+}
+
+/// An error before the request reached the engine.
+fn refuse(app: &AppState, e: ApiError) -> Response {
+    if e.status().is_client_error() {
+        app.metrics.rejected(e.code());
+    } else {
+        app.metrics.outcome(crate::metrics::Outcome::Error);
+    }
+    e.into_response()
+}
+
+fn check_model(app: &AppState, model: &str) -> Result<(), ApiError> {
+    if model == app.model_name {
+        Ok(())
+    } else {
+        Err(ApiError::ModelNotFound(model.to_owned()))
+    }
+}
+
+fn domain_for(tenant: IsolationDomain, settings: &Settings) -> IsolationDomain {
+    match &settings.cache_salt {
+        Some(salt) => tenant.narrowed(salt.clone()),
+        None => tenant,
+    }
+}
+
+/// Runs CPU-heavy prompt work (templating, BPE over up to the body limit) off the async
+/// workers.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal(format!("prompt worker failed: {e}")))?
+}
+
+async fn start_completion(
+    app: &Arc<AppState>,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Started, ApiError> {
+    let tenant = app.auth.authenticate(headers)?;
+    let bytes = body::read(body, app.max_body_bytes).await?;
+    let req: CompletionRequest = body::decode(&bytes)?;
+    check_model(app, &req.model)?;
+    let (settings, logprobs) = req.validate()?;
+    let prompt = match req.single_prompt()? {
+        PromptInput::Tokens(t) => t.to_vec(),
+        PromptInput::Text(s) => {
+            let tok = app.tokenizer.clone();
+            let text = s.to_owned();
+            // The whole prompt is the client's own: control-token text is parsed, so
+            // clients can format their own turns.
+            blocking(move || Ok(tok.encode(&text))).await?
+        }
+    };
+    start(
+        app,
+        tenant,
+        prompt,
+        settings,
+        logprobs,
+        Api::Completion,
+        "prompt",
+    )
+}
+
+async fn start_chat(
+    app: &Arc<AppState>,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Started, ApiError> {
+    let tenant = app.auth.authenticate(headers)?;
+    let bytes = body::read(body, app.max_body_bytes).await?;
+    let req: ChatRequest = body::decode(&bytes)?;
+    check_model(app, &req.model)?;
+    let (settings, logprobs) = req.validate()?;
+    if req.messages.is_empty() {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            Some("messages".to_owned()),
+            "'messages' must contain at least one message.",
+        ));
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.iter().enumerate() {
+        let role = chat_prompt::normalize_role(&m.role).ok_or_else(|| {
+            ApiError::invalid(
+                "invalid_value",
+                Some(format!("messages[{i}].role")),
+                format!(
+                    "Unsupported role '{}' in messages[{i}]; use system, developer, user or assistant.",
+                    m.role
+                ),
+            )
+        })?;
+        messages.push(ChatMessage::new(role, m.text(i)?));
+    }
+    if app.template.is_none() {
+        return Err(ApiError::invalid(
+            "unsupported_endpoint",
+            None,
+            "This model has no chat template; use /v1/completions.",
+        ));
+    }
+    let state = app.clone();
+    let prompt = blocking(move || match &state.template {
+        Some(template) => chat_prompt::prompt_tokens(&state.tokenizer, template, &messages),
+        None => Err(ApiError::Internal("chat template vanished".into())),
+    })
+    .await?;
+    start(
+        app,
+        tenant,
+        prompt,
+        settings,
+        logprobs,
+        Api::Chat,
+        "messages",
+    )
+}
+
+/// Admission, then submission: a rejected request never reaches the engine.
+fn start(
+    app: &Arc<AppState>,
+    tenant: IsolationDomain,
+    prompt: Vec<u32>,
+    settings: Settings,
+    logprobs: Option<usize>,
+    api: Api,
+    input_param: &'static str,
+) -> Result<Started, ApiError> {
+    let admission = app.engine.admission();
+    let prompt_tokens = prompt.len();
+    let max_tokens = settings
+        .max_tokens
+        .unwrap_or_else(|| admission.default_max_tokens(prompt_tokens));
+    let request = GenerateRequest {
+        domain: domain_for(tenant, &settings),
+        prompt,
+        max_tokens,
+        sampling: settings.sampling,
+        stop_tokens: Vec::new(),
+        ignore_eos: false,
+        logprobs,
+    };
+    let admitted = admission
+        .admit(request)
+        .map_err(|rejection| ApiError::Rejected {
+            rejection,
+            input_param,
+        })?;
+    crate::metrics::ServerMetrics::add(&app.metrics.prompt_tokens, prompt_tokens as u64);
+    let admitted_at = Instant::now();
+    let handle = app.engine.submit(admitted);
+    let id = match api {
+        Api::Chat => format!("chatcmpl-{}", handle.id.0),
+        Api::Completion => format!("cmpl-{}", handle.id.0),
+    };
+    let generation = Generation::new(
+        handle,
+        app.tokenizer.clone(),
+        settings.stops.clone(),
+        prompt_tokens,
+        admitted_at,
+        app.metrics.clone(),
+    );
+    Ok(Started {
+        generation,
+        meta: ResponseMeta {
+            api,
+            id,
+            created: unix_now(),
+            model: app.model_name.clone(),
+            logprobs: logprobs.is_some(),
+            tok: app.tokenizer.clone(),
+        },
+        settings,
+    })
+}
+
+async fn respond(started: Started) -> Response {
+    if started.settings.stream {
+        stream(started).into_response()
+    } else {
+        collect(started).await
+    }
+}
+
+/// Waits for the whole output. A failure at any point answers with its error status,
+/// never a 200 with partial text.
+async fn collect(mut started: Started) -> Response {
+    let mut output = Chunk::default();
+    while let Some(step) = started.generation.next().await {
+        match step {
+            Step::Chunk(c) => {
+                output.text.push_str(&c.text);
+                output.tokens.extend(c.tokens);
+            }
+            Step::Done {
+                tail,
+                reason,
+                usage,
+            } => {
+                output.text.push_str(&tail.text);
+                output.tokens.extend(tail.tokens);
+                return Json(started.meta.response(&output, reason, &usage)).into_response();
+            }
+            Step::Failed(e) => return e.into_response(),
+        }
+    }
+    ApiError::Internal("generation ended without a result".into()).into_response()
+}
+
+struct StreamState {
+    generation: Generation,
+    meta: ResponseMeta,
+    include_usage: bool,
+    queue: VecDeque<SseEvent>,
+    finished: bool,
+}
+
+fn data(v: &Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
+
+/// Server-sent events. The stream owns the generation: when the client disconnects, the
+/// response body is dropped, and with it the engine request.
+fn stream(started: Started) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
+    let include_usage = started.settings.include_usage;
+    let mut queue = VecDeque::new();
+    if started.meta.api == Api::Chat {
+        queue.push_back(data(&started.meta.role_chunk(include_usage)));
+    }
+    let state = StreamState {
+        generation: started.generation,
+        meta: started.meta,
+        include_usage,
+        queue,
+        finished: false,
+    };
+    let events = futures_util::stream::unfold(state, |mut st| async move {
+        loop {
+            if let Some(ev) = st.queue.pop_front() {
+                return Some((Ok(ev), st));
+            }
+            if st.finished {
+                return None;
+            }
+            match st.generation.next().await {
+                None => st.finished = true,
+                Some(Step::Chunk(c)) => {
+                    st.queue
+                        .push_back(data(&st.meta.delta_chunk(&c, None, st.include_usage)));
+                }
+                Some(Step::Done {
+                    tail,
+                    reason,
+                    usage,
+                }) => {
+                    st.queue.push_back(data(&st.meta.delta_chunk(
+                        &tail,
+                        Some(reason),
+                        st.include_usage,
+                    )));
+                    if st.include_usage {
+                        st.queue.push_back(data(&st.meta.usage_chunk(&usage)));
+                    }
+                    st.queue.push_back(SseEvent::default().data("[DONE]"));
+                    st.finished = true;
+                }
+                Some(Step::Failed(e)) => {
+                    // One error event, and no [DONE]: the client must not mistake a
+                    // failed stream for a complete answer.
+                    st.queue.push_back(data(&e.body()));
+                    st.finished = true;
+                }
+            }
+        }
+    });
+    Sse::new(events).keep_alive(KeepAlive::default())
+}
+
+async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = app.auth.authenticate(&headers) {
+        return e.into_response();
+    }
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": app.model_name,
+            "object": "model",
+            "created": app.created,
+            "owned_by": "kvwarden",
+            "max_model_len": app.engine.max_context(),
+        }]
+    }))
+    .into_response()
+}
+
+async fn health() -> Response {
+    Json(json!({ "status": "ok" })).into_response()
+}
+
+async fn metrics(State(app): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        app.metrics.render(&app.engine),
+    )
+        .into_response()
+}
+
+async fn not_found(method: Method, uri: Uri) -> Response {
+    ApiError::RouteNotFound {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
+    .into_response()
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    ApiError::MethodNotAllowed {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
+    .into_response()
+}
