@@ -36,5 +36,19 @@ fn main() {
         }
         println!("case {ci}: {line}");
     }
+    if let Ok(bytes) = std::fs::read("/tmp/ref_logits.bin") {
+        let refl: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        for (ci, case) in golden["cases"].as_array().unwrap().iter().enumerate() {
+            let prompt: Vec<u32> = case["prompt_tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+            let mut seq = SequenceKv::new(&pool, Owner { request: RequestId(100 + ci as u64), domain: IsolationDomain::tenant("t") });
+            seq.reserve(prompt.len()).unwrap();
+            let mut items = [BatchItem { kv: &mut seq, tokens: &prompt, logits: LogitsWanted::Last }];
+            let logits = model.forward(&mut items).pop().unwrap().unwrap();
+            let r = &refl[ci * 49152..(ci + 1) * 49152];
+            let maxd = logits.iter().zip(r).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let meand = logits.iter().zip(r).map(|(a, b)| (a - b).abs() as f64).sum::<f64>() / 49152.0;
+            println!("prompt logits case {ci}: max |diff| {maxd:.5} mean {meand:.6}");
+        }
+    }
     println!("mean |margin diff| {:.4} over {cnt}, worst {:.4}", tot / cnt as f64, worst);
 }

@@ -1,9 +1,9 @@
 use gguf::GgufFile;
 use half::f16;
-use kv::{KvRun, SequenceKv};
+use kv::{KvRun, KvSlice, SequenceKv};
 use rayon::prelude::*;
 
-use crate::kernels::matmul;
+use crate::kernels::{matmul, KvElem};
 use crate::weights::{load_vector, quantize_row_q8_1, BlockQ8_1, Matrix, QK};
 use crate::{LlamaConfig, ModelError};
 
@@ -27,6 +27,10 @@ pub struct Model {
     output_norm: Vec<f32>,
     /// `None` when the output projection is tied to the token embedding.
     output: Option<Matrix>,
+    /// Kernels run inside this pool: a forward pass enters it once, and every parallel loop
+    /// inside then starts on the calling worker instead of handing off to a sleeping thread
+    /// (a handoff per matrix costs milliseconds when another process shares the cores).
+    threads: rayon::ThreadPool,
 }
 
 /// Which positions of an item need logits.
@@ -89,7 +93,12 @@ impl Model {
             Some(_) => Some(mat("output.weight", c.vocab_size, c.dim)?),
             None => None,
         };
+        let threads = rayon::ThreadPoolBuilder::new()
+            .thread_name(|i| format!("kvwarden-compute-{i}"))
+            .build()
+            .map_err(|e| ModelError::Unsupported(format!("cannot start compute threads: {e}")))?;
         Ok(Self {
+            threads,
             output_norm: vec("output_norm.weight", c.dim)?,
             config,
             embed,
@@ -107,9 +116,23 @@ impl Model {
         }
     }
 
+    /// Sets the number of compute threads (default: `RAYON_NUM_THREADS` or all cores).
+    pub fn set_threads(&mut self, n: usize) -> Result<(), ModelError> {
+        self.threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("kvwarden-compute-{i}"))
+            .build()
+            .map_err(|e| ModelError::Unsupported(format!("cannot start compute threads: {e}")))?;
+        Ok(())
+    }
+
     /// Runs one step over a batch. Each item's result is independent: an item whose KV
     /// access fails gets its error and is left out of the rest of the step, the others go on.
     pub fn forward(&self, items: &mut [BatchItem<'_>]) -> Vec<Result<Logits, ModelError>> {
+        self.threads.install(|| self.forward_in_pool(items))
+    }
+
+    fn forward_in_pool(&self, items: &mut [BatchItem<'_>]) -> Vec<Result<Logits, ModelError>> {
         let c = &self.config;
         let (dim, kv_dim, hd) = (c.dim, c.kv_dim(), c.head_dim);
         let mut status: Vec<Result<(), ModelError>> = items
@@ -188,7 +211,7 @@ impl Model {
             matmul(&layer.w_gate, &xn, &xq, n, &mut gate);
             matmul(&layer.w_up, &xn, &xq, n, &mut up);
             for (g, u) in gate.iter_mut().zip(&up) {
-                *g = silu(*g) * u;
+                *g = crate::kernels::silu(*g) * u;
             }
             quantize_rows(&gate, c.ffn_dim, &mut hq);
             matmul(&layer.w_down, &gate, &hq, n, &mut proj);
@@ -290,27 +313,30 @@ impl Model {
             .map(|&(i, g)| {
                 let runs = views[i].as_deref().unwrap_or(&[]);
                 let it = &items[i];
-                let ctx: usize = runs.iter().map(|r| r.tokens).sum();
-                let (kg, vg) = gather_head(runs, g, hd, c.kv_dim(), ctx);
-                let n_new = it.tokens.len();
-                let base = ctx - n_new;
-                let mut out = vec![0f32; n_new * group * hd];
-                let mut scores = vec![0f32; ctx];
-                let mut qh = vec![0f32; hd];
-                for t in 0..n_new {
-                    let r = starts[i] + t;
-                    let visible = base + t + 1;
-                    for h in 0..group {
-                        let head = g * group + h;
-                        for (d, qv) in qh.iter_mut().enumerate() {
-                            // llama.cpp multiplies Q against f16 K in f16; rounding Q the
-                            // same way keeps our logits within its near-tie margins.
-                            *qv = f16::from_f32(q[r * dim + head * hd + d]).to_f32();
-                        }
-                        let o = &mut out[(t * group + h) * hd..(t * group + h + 1) * hd];
-                        attend_head(&qh, &kg[..visible * hd], &vg[..visible * hd], hd, scale, &mut scores[..visible], o);
+                let shape = HeadShape {
+                    g,
+                    group,
+                    hd,
+                    kv_dim: c.kv_dim(),
+                    scale,
+                };
+                let rows = &q[starts[i] * dim..(starts[i] + it.tokens.len()) * dim];
+                let out = match runs.first().map(|r| r.k) {
+                    Some(KvSlice::F32(_)) => {
+                        let typed: Vec<_> = runs.iter().filter_map(|r| match (r.k, r.v) {
+                            (KvSlice::F32(k), KvSlice::F32(v)) => Some((k, v, r.tokens)),
+                            _ => None,
+                        }).collect();
+                        attend_group::<f32>(&typed, rows, dim, &shape)
                     }
-                }
+                    _ => {
+                        let typed: Vec<_> = runs.iter().filter_map(|r| match (r.k, r.v) {
+                            (KvSlice::F16(k), KvSlice::F16(v)) => Some((k, v, r.tokens)),
+                            _ => None,
+                        }).collect();
+                        attend_group::<f16>(&typed, rows, dim, &shape)
+                    }
+                };
                 (i, g, out)
             })
             .collect();
@@ -324,56 +350,79 @@ impl Model {
     }
 }
 
-/// One query head over its visible positions, with llama.cpp's roundings for an f16
-/// cache: scores in f32, softmax normalized in f32, the weights rounded to f16 before they
-/// multiply V (ggml converts the activation side of an f16 product to f16). Matching them
-/// keeps greedy output within llama.cpp's near-tie margins; the order of every sum is fixed,
-/// so the result does not depend on the batch.
-fn attend_head(q: &[f32], k: &[f32], v: &[f32], hd: usize, scale: f32, scores: &mut [f32], out: &mut [f32]) {
+struct HeadShape {
+    /// The KV head this task serves.
+    g: usize,
+    /// Query heads per KV head.
+    group: usize,
+    hd: usize,
+    kv_dim: usize,
+    scale: f32,
+}
+
+/// Causal attention of the query heads that share KV head `shape.g`, for each of the new
+/// rows in `q_rows` (which sit at the end of the cached positions).
+fn attend_group<T: KvElem>(runs: &[(&[T], &[T], usize)], q_rows: &[f32], dim: usize, shape: &HeadShape) -> Vec<f32> {
+    let HeadShape { g, group, hd, kv_dim, scale } = *shape;
+    let mut k_rows: Vec<&[T]> = Vec::new();
+    let mut v_rows: Vec<&[T]> = Vec::new();
+    for (k, v, n) in runs {
+        for j in 0..*n {
+            let at = j * kv_dim + g * hd;
+            k_rows.push(&k[at..at + hd]);
+            v_rows.push(&v[at..at + hd]);
+        }
+    }
+    let ctx = k_rows.len();
+    let n_new = q_rows.len() / dim;
+    let base = ctx - n_new;
+    let mut out = vec![0f32; n_new * group * hd];
+    let mut acc = vec![T::Acc::default(); hd];
+    let mut qh = vec![0f32; hd];
+    for t in 0..n_new {
+        let visible = base + t + 1;
+        for h in 0..group {
+            let head = g * group + h;
+            for (qv, &x) in qh.iter_mut().zip(&q_rows[t * dim + head * hd..t * dim + (head + 1) * hd]) {
+                // llama.cpp converts Q to the cache's element type before the product.
+                *qv = T::round_query(x);
+            }
+            let o = &mut out[(t * group + h) * hd..(t * group + h + 1) * hd];
+            attend_head(&qh, &k_rows[..visible], &v_rows[..visible], scale, &mut acc, o);
+        }
+    }
+    out
+}
+
+/// One query head over its visible positions, computed as llama.cpp's CPU flash-attention
+/// kernel does (the reference our goldens come from): one pass in position order with a
+/// running maximum, the V sum accumulated in the cache's element type (f16 for an f16
+/// cache, rounding after every update), normalized at the end. Matching its roundings keeps
+/// greedy output within llama.cpp's near-tie margins; the order is fixed, so the result does
+/// not depend on the batch.
+fn attend_head<T: KvElem>(q: &[f32], k: &[&[T]], v: &[&[T]], scale: f32, acc: &mut [T::Acc], out: &mut [f32]) {
+    T::acc_clear(acc);
     let mut max = f32::NEG_INFINITY;
-    for (s, kr) in scores.iter_mut().zip(k.chunks_exact(hd)) {
-        *s = crate::kernels::dot_f32(q, kr) * scale;
-        max = max.max(*s);
-    }
-    let mut sum = 0f64;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s as f64;
-    }
-    let inv = (1.0 / sum) as f32;
-    out.fill(0.0);
-    for (&s, vr) in scores.iter().zip(v.chunks_exact(hd)) {
-        let w = f16::from_f32(s * inv).to_f32();
-        for (o, &x) in out.iter_mut().zip(vr) {
-            *o = w.mul_add(x, *o);
+    let mut sum = 0f32;
+    for (kr, vr) in k.iter().zip(v) {
+        let s = T::dot(q, kr) * scale;
+        let mut ms = 1.0f32;
+        let mut vs = 1.0f32;
+        if s > max {
+            let old = max;
+            max = s;
+            ms = (old - max).exp();
+            T::acc_scale(acc, ms);
+        } else {
+            vs = (s - max).exp();
         }
+        T::acc_mad(acc, vr, vs);
+        sum = sum.mul_add(ms, vs);
     }
+    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+    T::acc_finish(acc, inv, out);
 }
 
-/// K and V of one KV head over all positions, contiguous and in f32.
-fn gather_head(runs: &[KvRun<'_>], g: usize, hd: usize, kv_dim: usize, ctx: usize) -> (Vec<f32>, Vec<f32>) {
-    let mut k = vec![0f32; ctx * hd];
-    let mut v = vec![0f32; ctx * hd];
-    let mut row = vec![0f32; kv_dim];
-    let mut pos = 0;
-    for run in runs {
-        let mut full_k = vec![0f32; run.tokens * kv_dim];
-        let mut full_v = vec![0f32; run.tokens * kv_dim];
-        run.k.to_f32(&mut full_k);
-        run.v.to_f32(&mut full_v);
-        for j in 0..run.tokens {
-            row.copy_from_slice(&full_k[j * kv_dim..(j + 1) * kv_dim]);
-            k[(pos + j) * hd..(pos + j + 1) * hd].copy_from_slice(&row[g * hd..(g + 1) * hd]);
-            v[(pos + j) * hd..(pos + j + 1) * hd].copy_from_slice(&full_v[j * kv_dim + g * hd..j * kv_dim + (g + 1) * hd]);
-        }
-        pos += run.tokens;
-    }
-    (k, v)
-}
-
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {
@@ -432,8 +481,10 @@ impl RopeTable {
         for head in x.chunks_exact_mut(hd) {
             for i in 0..self.half {
                 let (a, b) = (head[2 * i], head[2 * i + 1]);
-                head[2 * i] = a * cs[i] - b * sn[i];
-                head[2 * i + 1] = a * sn[i] + b * cs[i];
+                // The contractions GCC makes of ggml's `x0*cos - x1*sin` and
+                // `x0*sin + x1*cos`: the first product fused, the second rounded.
+                head[2 * i] = a.mul_add(cs[i], -(b * sn[i]));
+                head[2 * i + 1] = a.mul_add(sn[i], b * cs[i]);
             }
         }
     }

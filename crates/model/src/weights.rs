@@ -57,7 +57,8 @@ pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
     for (blk, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
         let amax = blk.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        // ggml multiplies by 127 / amax, not 1 / d: the two differ in the last bit.
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0i32;
         for (q, &v) in o.qs.iter_mut().zip(blk) {
             let r = (v * id).round_ties_even() as i32;
