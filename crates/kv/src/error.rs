@@ -30,6 +30,8 @@ pub enum KvError {
     WriteToShared { request: RequestId, position: usize },
     #[error("{request}: page belongs to another isolation domain")]
     ForeignPage { request: RequestId },
+    #[error("{request}: shared page belongs to another KV pool")]
+    ForeignPool { request: RequestId },
     #[error("{request}: lease is bound to another request ({owner})")]
     ForeignLease {
         request: RequestId,

@@ -14,16 +14,21 @@
 //!   read it (checked at every read), and the prefix cache never offers it across domains.
 //! * The per-request view that attention reads ([`SequenceKv`]) is built only from that
 //!   request's leases and its own domain's shared pages.
+//! * The [`PrefixCache`] keeps one radix tree per isolation domain plus one for prefixes the
+//!   operator declared public, so a cache hit (and its timing) never crosses tenants.
 
 mod error;
 mod pool;
+mod prefix;
 mod sequence;
+mod sync;
 
 pub use error::KvError;
 pub use pool::{
     KvDtype, KvLayout, KvPool, PageDescriptor, PageLease, PoolConfig, PoolCounts, ScrubPolicy,
     SharedPage,
 };
+pub use prefix::{PrefixCache, PrefixError, PrefixMatch, PublicPrefixes, TreeStats};
 pub use sequence::{KvRun, KvSlice, SequenceKv};
 
 /// The unit of isolation: requests in one domain may share cached prefixes, requests in

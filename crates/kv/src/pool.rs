@@ -1,5 +1,4 @@
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use crate::sync::{Arc, AtomicU64, Mutex, MutexGuard, Ordering};
 
 use half::f16;
 
@@ -79,6 +78,13 @@ impl PageData {
         match self {
             PageData::F16(d) => d.fill(f16::from_f32(value)),
             PageData::F32(d) => d.fill(value),
+        }
+    }
+
+    fn to_f32(&self) -> Vec<f32> {
+        match self {
+            PageData::F16(d) => d.iter().map(|x| x.to_f32()).collect(),
+            PageData::F32(d) => d.to_vec(),
         }
     }
 }
@@ -241,6 +247,39 @@ impl KvPool {
                 pool: self.inner.clone(),
             })
             .collect())
+    }
+
+    /// True if `page` was handed out by this pool (and so has this pool's layout).
+    pub fn owns_shared(&self, page: &SharedPage) -> bool {
+        Arc::ptr_eq(&self.inner, &page.pool)
+    }
+
+    /// Test support: the raw contents (as f32) of the free page that `d` names, whatever its
+    /// generation, or `None` if that page is leased or cached (its memory then lives inside
+    /// its owner and is unreachable from here, by construction). Refused for pools that do
+    /// not scrub: their free pages may still hold a previous tenant's data, and this must
+    /// not become a way to read it.
+    #[doc(hidden)]
+    pub fn debug_free_page_raw(&self, d: &PageDescriptor) -> Option<Vec<f32>> {
+        if self.inner.scrub == ScrubPolicy::None {
+            return None;
+        }
+        let st = self.inner.lock();
+        st.free
+            .iter()
+            .find(|b| b.index == d.index)
+            .map(|b| b.data.to_f32())
+    }
+
+    /// Test support: the raw contents of every free page; `None` for pools that do not
+    /// scrub (see [`KvPool::debug_free_page_raw`]).
+    #[doc(hidden)]
+    pub fn debug_free_pages_raw(&self) -> Option<Vec<Vec<f32>>> {
+        if self.inner.scrub == ScrubPolicy::None {
+            return None;
+        }
+        let st = self.inner.lock();
+        Some(st.free.iter().map(|b| b.data.to_f32()).collect())
     }
 
     /// Checks that a descriptor still names the page's current tenure.
@@ -503,6 +542,11 @@ impl std::fmt::Debug for SharedPage {
 impl SharedPage {
     pub fn visibility(&self) -> &Visibility {
         &self.visibility
+    }
+
+    /// Layout of the pool this page belongs to.
+    pub fn layout(&self) -> KvLayout {
+        self.pool.layout
     }
 
     /// K and V rows of the first `n` slots of `layer`, if `owner` may read this page.

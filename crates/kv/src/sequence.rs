@@ -1,4 +1,4 @@
-use std::sync::Arc;
+use crate::sync::Arc;
 
 use crate::{KvError, KvPool, Owner, PageLease, SharedPage, Visibility};
 
@@ -49,7 +49,9 @@ impl SequenceKv {
     }
 
     /// Starts a sequence on a cached prefix. Every page must be readable by the owner's
-    /// domain; the prefix cache only offers such pages, and this re-checks it.
+    /// domain; the prefix cache only offers such pages, and this re-checks it. Pages must
+    /// also come from `pool`: another pool's page has another layout, and its positions
+    /// would not line up with this sequence's.
     pub fn with_prefix(
         pool: &KvPool,
         owner: Owner,
@@ -60,6 +62,11 @@ impl SequenceKv {
             .any(|p| !p.visibility().readable_by(&owner.domain))
         {
             return Err(KvError::ForeignPage {
+                request: owner.request,
+            });
+        }
+        if prefix.iter().any(|p| !pool.owns_shared(p)) {
+            return Err(KvError::ForeignPool {
                 request: owner.request,
             });
         }
@@ -100,6 +107,20 @@ impl SequenceKv {
             .iter()
             .filter(|b| matches!(b, Block::Owned(_)))
             .count()
+    }
+
+    /// The block table as descriptors, in position order, for protocols that name this
+    /// sequence's pages outside the process (e.g. a prefill-to-decode transfer). They grant
+    /// nothing: the receiver checks them with [`KvPool::validate`], which refuses them once
+    /// a page has been released.
+    pub fn descriptors(&self) -> Vec<crate::PageDescriptor> {
+        self.blocks
+            .iter()
+            .map(|b| match b {
+                Block::Owned(lease) => lease.descriptor(),
+                Block::Shared(page) => page.descriptor(),
+            })
+            .collect()
     }
 
     /// Makes room for `total_tokens` positions, leasing pages all or nothing.
@@ -224,37 +245,96 @@ impl SequenceKv {
     }
 
     /// Freezes every fully written page of the committed prefix into a shared page (in
-    /// place) and returns the leading run of shared pages, for the prefix cache. Stops at
-    /// the first page that is not full: a cached prefix is always whole pages.
+    /// place) and returns the leading run of shared pages whose visibility is `visibility`,
+    /// for the prefix cache. Stops at the first page that is not full: a cached prefix is
+    /// always whole pages.
+    ///
+    /// `visibility` must be this sequence's own domain or [`Visibility::Public`]: tagging a
+    /// request's pages with another tenant's domain would hand that tenant this request's
+    /// data, so such a call freezes nothing and returns no pages. Prefer
+    /// [`SequenceKv::share_full_pages_split`], which takes the domain from the owner.
     pub fn share_full_pages(&mut self, visibility: &Visibility) -> Vec<Arc<SharedPage>> {
-        let p = self.pool.layout().page_tokens;
-        let full_pages = self.len / p;
-        let old = std::mem::take(&mut self.blocks);
-        let mut shared = Vec::new();
-        let mut stopped = false;
-        for (i, block) in old.into_iter().enumerate() {
-            let block = match block {
-                Block::Owned(lease) if !stopped && i < full_pages => {
-                    match lease.freeze(visibility.clone()) {
-                        Ok(page) => Block::Shared(page),
-                        Err((lease, _not_full)) => {
-                            stopped = true;
-                            Block::Owned(lease)
-                        }
-                    }
-                }
-                other => other,
-            };
-            if !stopped && i < full_pages {
-                match &block {
-                    Block::Shared(page) if page.visibility() == visibility => {
-                        shared.push(page.clone())
-                    }
-                    _ => stopped = true,
-                }
-            }
-            self.blocks.push(block);
+        if !self.may_publish_as(visibility) {
+            return Vec::new();
         }
-        shared
+        let full = self.full_pages();
+        self.freeze_leading(|_| visibility.clone());
+        self.leading_shared(full, |page| page.visibility() == visibility)
+    }
+
+    /// Like [`SequenceKv::share_full_pages`], with two visibilities: the first
+    /// `public_pages` full pages are frozen [`Visibility::Public`], the rest of the full
+    /// committed pages are frozen for this sequence's own domain. Returns every full
+    /// committed page (pages it already shared, e.g. a cached prefix it started from,
+    /// included), in order, ready for [`crate::PrefixCache::insert`].
+    ///
+    /// The caller asserts that the tokens of the first `public_pages` pages lie inside an
+    /// operator-configured public prefix: compute it with
+    /// [`crate::PublicPrefixes::public_pages`]. This type does not know tokens, so the prefix
+    /// cache re-checks that claim before it offers any page to other domains; a page frozen
+    /// public by mistake stays reachable only through this sequence.
+    pub fn share_full_pages_split(&mut self, public_pages: usize) -> Vec<Arc<SharedPage>> {
+        let own = Visibility::Domain(self.owner.domain.clone());
+        let full = self.full_pages();
+        self.freeze_leading(|i| {
+            if i < public_pages {
+                Visibility::Public
+            } else {
+                own.clone()
+            }
+        });
+        let domain = self.owner.domain.clone();
+        self.leading_shared(full, |page| page.visibility().readable_by(&domain))
+    }
+
+    fn may_publish_as(&self, visibility: &Visibility) -> bool {
+        match visibility {
+            Visibility::Public => true,
+            Visibility::Domain(d) => *d == self.owner.domain,
+        }
+    }
+
+    /// Whole pages inside the committed length.
+    fn full_pages(&self) -> usize {
+        self.len / self.pool.layout().page_tokens
+    }
+
+    /// Freezes owned pages among the first `full_pages()`, page `i` with visibility
+    /// `visibility(i)`, stopping at the first one that cannot be frozen.
+    fn freeze_leading(&mut self, visibility: impl Fn(usize) -> Visibility) {
+        let full = self.full_pages();
+        let mut stopped = false;
+        // Rebuilt rather than edited in place: `freeze` consumes the lease.
+        self.blocks = std::mem::take(&mut self.blocks)
+            .into_iter()
+            .enumerate()
+            .map(|(i, block)| match block {
+                Block::Owned(lease) if !stopped && i < full => match lease.freeze(visibility(i)) {
+                    Ok(page) => Block::Shared(page),
+                    Err((lease, _not_full)) => {
+                        stopped = true;
+                        Block::Owned(lease)
+                    }
+                },
+                other => other,
+            })
+            .collect();
+    }
+
+    /// Clones of the leading run (among the first `full` pages) of shared pages that
+    /// satisfy `keep`.
+    fn leading_shared(
+        &self,
+        full: usize,
+        keep: impl Fn(&SharedPage) -> bool,
+    ) -> Vec<Arc<SharedPage>> {
+        self.blocks
+            .iter()
+            .take(full)
+            .map_while(|b| match b {
+                Block::Shared(page) if keep(page) => Some(page.clone()),
+                _ => None,
+            })
+            .collect()
     }
 }
