@@ -6,6 +6,19 @@ use model::{sampling::argmax, BatchItem, LogitsWanted, Model};
 
 #[test]
 fn greedy_tokens_match_llama_cpp_over_decisive_prefix() {
+    check_cases(&common::golden("completions.json"));
+}
+
+/// More prompts of the same kind (plain and chat-formatted), recorded from llama.cpp with the
+/// settings of the shared goldens (see tests/data/README.md).
+#[test]
+fn held_out_prompts_match_llama_cpp_over_decisive_prefix() {
+    let path = common::workspace_root().join("crates/model/tests/data/heldout_completions.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    check_cases(&serde_json::from_str(&text).unwrap());
+}
+
+fn check_cases(golden: &serde_json::Value) {
     let file = gguf::GgufFile::open(common::default_model()).unwrap();
     let model = Model::load(&file).unwrap();
     let pool = KvPool::new(PoolConfig {
@@ -13,7 +26,6 @@ fn greedy_tokens_match_llama_cpp_over_decisive_prefix() {
         pages: 64,
         scrub: ScrubPolicy::Poison,
     });
-    let golden = common::golden("completions.json");
     let cases = golden["cases"].as_array().unwrap();
     assert!(cases.len() >= 5);
     let mut failures = Vec::new();
