@@ -269,6 +269,9 @@ fn serve(args: ServeArgs) -> Result<()> {
     let template = tok.compile_chat_template()?;
     let model = model::Model::load(&file)?;
     drop(file);
+    // Engine settings without a flag keep their defaults; the update is needless only
+    // while every field has a flag.
+    #[allow(clippy::needless_update)]
     let engine = engine::start(
         model,
         EngineConfig {
@@ -286,6 +289,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             },
             max_batch_tokens: args.max_batch_tokens,
             max_running: args.max_running,
+            ..EngineConfig::default()
         },
     )?;
     let model_name = args.served_model_name.clone().unwrap_or_else(|| {

@@ -68,7 +68,7 @@ impl ApiKeys {
             if let Some(pos) = entries.iter().position(|(k, _)| k == key.as_bytes()) {
                 return Err(KeysError::Duplicate {
                     line,
-                    first: lines_of[pos],
+                    first: lines_of.get(pos).copied().unwrap_or(0),
                 });
             }
             entries.push((key.as_bytes().to_vec(), tenant.to_owned()));

@@ -385,6 +385,8 @@ impl ChatRequest {
                     format!("top_logprobs = {k} exceeds the maximum of {MAX_TOP_LOGPROBS}."),
                 ))
             }
+            // Some clients send `top_logprobs: 0` alongside `logprobs: false`.
+            (false, Some(0)) => None,
             (false, Some(_)) => {
                 return Err(ApiError::invalid(
                     "invalid_value",
