@@ -169,6 +169,12 @@ def test_control_tokens_in_content_are_plain_text(server):
     assert r.usage.prompt_tokens > parsed + 6
 
 
+def test_ignore_eos_runs_to_max_tokens(server):
+    r = chat(server, max_tokens=40, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 40
+
+
 def test_seeded_sampling_is_reproducible(server):
     a = complete(server, temperature=0.9, seed=1234, max_tokens=10)
     b = complete(server, temperature=0.9, seed=1234, max_tokens=10)

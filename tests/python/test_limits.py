@@ -149,6 +149,7 @@ def test_shutdown_mid_stream_sends_one_error_event(tmp_path):
                 "max_tokens": 2000,
                 "temperature": 0.8,
                 "stream": True,
+                "ignore_eos": True,
             },
             stream=True,
         )

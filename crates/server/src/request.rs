@@ -60,6 +60,8 @@ macro_rules! openai_request {
             /// Narrows the tenant's isolation domain: requests with different salts share
             /// no cached prefix even within one tenant.
             pub cache_salt: Option<String>,
+            /// vLLM's extension: keep generating past EOS until `max_tokens`.
+            pub ignore_eos: Option<bool>,
         }
 
         impl $name {
@@ -79,6 +81,7 @@ macro_rules! openai_request {
                     frequency_penalty: self.frequency_penalty,
                     logit_bias: self.logit_bias.as_ref(),
                     cache_salt: self.cache_salt.as_deref(),
+                    ignore_eos: self.ignore_eos,
                 }
             }
         }
@@ -102,6 +105,7 @@ pub struct Common<'a> {
     pub frequency_penalty: Option<f64>,
     pub logit_bias: Option<&'a serde_json::Map<String, Value>>,
     pub cache_salt: Option<&'a str>,
+    pub ignore_eos: Option<bool>,
 }
 
 openai_request! {
@@ -159,6 +163,7 @@ pub struct Settings {
     pub stream: bool,
     pub include_usage: bool,
     pub cache_salt: Option<String>,
+    pub ignore_eos: bool,
 }
 
 fn param(name: &str) -> Option<String> {
@@ -283,6 +288,7 @@ impl Common<'_> {
                     .and_then(|o| o.include_usage)
                     .unwrap_or(false),
             cache_salt: self.cache_salt.map(str::to_owned),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
         })
     }
 }

@@ -208,7 +208,7 @@ fn start(
         max_tokens,
         sampling: settings.sampling,
         stop_tokens: Vec::new(),
-        ignore_eos: false,
+        ignore_eos: settings.ignore_eos,
         logprobs,
     };
     let admitted = admission
