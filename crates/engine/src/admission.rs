@@ -64,7 +64,11 @@ impl Admission {
         if request.prompt.is_empty() {
             return Err(Rejection::EmptyPrompt);
         }
-        if let Some(&id) = request.prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+        if let Some(&id) = request
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.vocab_size)
+        {
             return Err(Rejection::TokenOutOfRange {
                 id,
                 vocab: self.vocab_size,
@@ -117,14 +121,26 @@ mod tests {
         assert!(a.admit(req(50, 50)).is_ok());
         let e = a.admit(req(50, 51)).unwrap_err();
         assert_eq!(e.code(), "context_length_exceeded");
-        assert!(e.to_string().contains("100 tokens") && e.to_string().contains("101"), "{e}");
-        assert_eq!(a.admit(req(100, 1)).unwrap_err().code(), "context_length_exceeded");
-        assert_eq!(a.admit(req(101, 0)).unwrap_err().code(), "context_length_exceeded");
+        assert!(
+            e.to_string().contains("100 tokens") && e.to_string().contains("101"),
+            "{e}"
+        );
+        assert_eq!(
+            a.admit(req(100, 1)).unwrap_err().code(),
+            "context_length_exceeded"
+        );
+        assert_eq!(
+            a.admit(req(101, 0)).unwrap_err().code(),
+            "context_length_exceeded"
+        );
         assert_eq!(a.admit(req(0, 1)).unwrap_err(), Rejection::EmptyPrompt);
         assert_eq!(a.admit(req(3, 0)).unwrap_err(), Rejection::ZeroMaxTokens);
         let mut r = req(3, 1);
         r.prompt[1] = 10;
         assert_eq!(a.admit(r).unwrap_err().code(), "invalid_token");
-        assert_eq!(a.admit(req(1, usize::MAX)).unwrap_err().code(), "context_length_exceeded");
+        assert_eq!(
+            a.admit(req(1, usize::MAX)).unwrap_err().code(),
+            "context_length_exceeded"
+        );
     }
 }

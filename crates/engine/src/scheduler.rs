@@ -10,13 +10,19 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use kv::{KvDtype, KvPool, Owner, PoolConfig, RequestId, ScrubPolicy, SequenceKv};
+use kv::{
+    KvDtype, KvPool, Owner, PoolConfig, PrefixCache, PublicPrefixes, RequestId, ScrubPolicy,
+    SequenceKv, Visibility,
+};
 use model::sampling::{log_softmax, top_logprobs};
 use model::{BatchItem, LogitsWanted, Model, ModelError, Sampler};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::admission::{Admission, Admitted};
-use crate::{EngineError, EngineMetrics, Event, FinishReason, GenerateRequest, SharedMetrics, TokenEvent, Usage};
+use crate::{
+    EngineError, EngineMetrics, Event, FinishReason, GenerateRequest, SharedMetrics, TokenEvent,
+    Usage,
+};
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -29,6 +35,11 @@ pub struct EngineConfig {
     /// Tokens per forward pass (decode rows plus prefill chunks).
     pub max_batch_tokens: usize,
     pub max_running: usize,
+    /// Reuse the K/V of earlier prompts within an isolation domain.
+    pub prefix_cache: bool,
+    /// Token sequences the operator declares public: their pages may be shared across
+    /// domains. Everything else is shared only within one domain.
+    pub public_prefixes: Vec<Vec<u32>>,
 }
 
 impl Default for EngineConfig {
@@ -41,6 +52,8 @@ impl Default for EngineConfig {
             scrub: ScrubPolicy::Zero,
             max_batch_tokens: 512,
             max_running: 32,
+            prefix_cache: true,
+            public_prefixes: Vec::new(),
         }
     }
 }
@@ -104,11 +117,13 @@ impl EngineHandle {
     pub fn submit(&self, admitted: Admitted) -> RequestHandle {
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = unbounded_channel();
-        if let Err(mpsc::SendError(Command::Submit { events, .. })) = self.commands.send(Command::Submit {
-            id,
-            admitted,
-            events: tx,
-        }) {
+        if let Err(mpsc::SendError(Command::Submit { events, .. })) =
+            self.commands.send(Command::Submit {
+                id,
+                admitted,
+                events: tx,
+            })
+        {
             let _ = events.send(Event::Failed(EngineError::Shutdown));
         }
         RequestHandle { id, events: rx }
@@ -122,7 +137,9 @@ impl EngineHandle {
 /// Checks the capacity promise, allocates the pool and starts the engine thread.
 pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, StartupError> {
     if config.page_tokens == 0 || config.max_batch_tokens == 0 || config.max_running == 0 {
-        return Err(StartupError::Config("page size, batch tokens and running limit must be positive".into()));
+        return Err(StartupError::Config(
+            "page size, batch tokens and running limit must be positive".into(),
+        ));
     }
     let pages = config.pool_tokens.div_ceil(config.page_tokens);
     let pool_tokens = pages * config.page_tokens;
@@ -154,7 +171,14 @@ pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, Startup
     };
     let (tx, rx) = mpsc::channel();
     let metrics: SharedMetrics = Arc::default();
+    let cache = config.prefix_cache.then(|| {
+        PrefixCache::with_public_prefixes(
+            config.page_tokens,
+            PublicPrefixes::new(config.public_prefixes.clone()),
+        )
+    });
     let worker = Worker {
+        cache,
         model,
         pool: pool.clone(),
         config,
@@ -212,6 +236,8 @@ enum Outcome {
 }
 
 struct Worker {
+    /// Shared prompt pages, keyed by isolation domain.
+    cache: Option<PrefixCache>,
     model: Model,
     pool: KvPool,
     config: EngineConfig,
@@ -257,8 +283,16 @@ impl Worker {
     /// Returns false on shutdown.
     fn accept(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Submit { id, admitted, events } => {
-                self.waiting.push_back(Waiting { id, admitted, events });
+            Command::Submit {
+                id,
+                admitted,
+                events,
+            } => {
+                self.waiting.push_back(Waiting {
+                    id,
+                    admitted,
+                    events,
+                });
                 true
             }
             Command::Shutdown => {
@@ -285,36 +319,87 @@ impl Worker {
     /// whole reservation fits.
     fn promote(&mut self) {
         while self.running.len() < self.config.max_running {
-            let Some(head) = self.waiting.front() else { break };
+            let Some(head) = self.waiting.front() else {
+                break;
+            };
+            let request = &head.admitted.request;
             let total = head.admitted.total_tokens;
             let owner = Owner {
                 request: head.id,
-                domain: head.admitted.request.domain.clone(),
+                domain: request.domain.clone(),
             };
-            let mut kv = SequenceKv::new(&self.pool, owner);
-            if kv.pages_needed(total) > self.pool.counts().free {
-                break;
+            // A cached prefix of the request's own domain (or a public one); the last prompt
+            // token is always computed, since sampling needs its logits.
+            let prefix = match &mut self.cache {
+                Some(cache) => {
+                    let max_pages = (request.prompt.len() - 1) / self.config.page_tokens;
+                    cache.lookup(&owner.domain, &request.prompt, max_pages)
+                }
+                None => kv::PrefixMatch::default(),
+            };
+            let cached_tokens = prefix.tokens();
+            let mut kv = match SequenceKv::with_prefix(&self.pool, owner, prefix.into_pages()) {
+                Ok(kv) => kv,
+                Err(e) => {
+                    // Unreachable unless the cache broke its contract: fail the request, loudly.
+                    EngineMetrics::add(&self.metrics.isolation_failures, 1);
+                    EngineMetrics::add(&self.metrics.failed, 1);
+                    tracing::error!("prefix cache offered an unreadable page: {e}");
+                    if let Some(w) = self.waiting.pop_front() {
+                        let _ = w.events.send(Event::Failed(EngineError::Isolation(e)));
+                    }
+                    continue;
+                }
+            };
+            let needed = kv.pages_needed(total);
+            let free = self.pool.counts().free;
+            if needed > free {
+                if let Some(cache) = &mut self.cache {
+                    cache.evict(needed - free);
+                }
+                if needed > self.pool.counts().free {
+                    break;
+                }
             }
             if let Err(e) = kv.reserve(total) {
                 tracing::debug!("reservation deferred: {e}");
                 break;
             }
-            let Some(w) = self.waiting.pop_front() else { break };
+            let Some(w) = self.waiting.pop_front() else {
+                break;
+            };
             let request = w.admitted.request;
             EngineMetrics::add(&self.metrics.prompt_tokens, request.prompt.len() as u64);
+            EngineMetrics::add(&self.metrics.cached_prompt_tokens, cached_tokens as u64);
             self.running.push(Running {
                 sampler: Sampler::new(request.sampling),
                 request,
                 events: w.events,
                 kv,
-                prefilled: 0,
+                prefilled: cached_tokens,
                 pending: None,
                 generated: 0,
-                cached_tokens: 0,
+                cached_tokens,
             });
         }
-        self.metrics.running.store(self.running.len() as u64, Ordering::Relaxed);
-        self.metrics.waiting.store(self.waiting.len() as u64, Ordering::Relaxed);
+        self.metrics
+            .running
+            .store(self.running.len() as u64, Ordering::Relaxed);
+        self.metrics
+            .waiting
+            .store(self.waiting.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Offers a request's full prompt pages to the prefix cache once its prompt is in KV.
+    fn share_prompt(&mut self, i: usize) {
+        let Some(cache) = &mut self.cache else { return };
+        let r = &mut self.running[i];
+        let public = cache.public_pages(&r.request.prompt);
+        let pages = r.kv.share_full_pages_split(public);
+        let visibility = Visibility::Domain(r.request.domain.clone());
+        if let Err(e) = cache.insert(&visibility, &r.request.prompt, &pages) {
+            tracing::warn!("prompt pages not cached: {e}");
+        }
     }
 
     fn step(&mut self) {
@@ -365,13 +450,18 @@ impl Worker {
                 items.push(BatchItem {
                     kv: &mut r.kv,
                     tokens,
-                    logits: if *wants { LogitsWanted::Last } else { LogitsWanted::None },
+                    logits: if *wants {
+                        LogitsWanted::Last
+                    } else {
+                        LogitsWanted::None
+                    },
                 });
             }
             self.model.forward(&mut items)
         };
 
-        let mut outcomes: Vec<Outcome> = (0..self.running.len()).map(|_| Outcome::Continue).collect();
+        let mut outcomes: Vec<Outcome> =
+            (0..self.running.len()).map(|_| Outcome::Continue).collect();
         for ((i, range, wants), result) in plan.into_iter().zip(results) {
             let r = &mut self.running[i];
             let logits = match result {
@@ -398,18 +488,21 @@ impl Worker {
                 continue;
             }
             outcomes[i] = sample_next(r, &logits, &self.model.config, &self.metrics);
+            if !range.is_empty() {
+                self.share_prompt(i);
+            }
         }
 
         // Retire finished requests: the terminal event consumes the sender, the record's
         // drop releases the pages.
-        let mut idx = 0;
-        let mut finished = Vec::new();
-        for outcome in outcomes {
-            if let Outcome::Done(ev) = outcome {
-                finished.push((idx, ev));
-            }
-            idx += 1;
-        }
+        let finished: Vec<(usize, Event)> = outcomes
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, outcome)| match outcome {
+                Outcome::Done(ev) => Some((i, ev)),
+                Outcome::Continue => None,
+            })
+            .collect();
         for (i, ev) in finished.into_iter().rev() {
             let r = self.running.swap_remove(i);
             match &ev {
@@ -422,7 +515,9 @@ impl Worker {
             }
             finish(r, ev);
         }
-        self.metrics.running.store(self.running.len() as u64, Ordering::Relaxed);
+        self.metrics
+            .running
+            .store(self.running.len() as u64, Ordering::Relaxed);
     }
 }
 
@@ -433,7 +528,12 @@ fn finish(r: Running, ev: Event) {
     let _ = events.send(ev);
 }
 
-fn sample_next(r: &mut Running, logits: &[f32], config: &model::LlamaConfig, metrics: &EngineMetrics) -> Outcome {
+fn sample_next(
+    r: &mut Running,
+    logits: &[f32],
+    config: &model::LlamaConfig,
+    metrics: &EngineMetrics,
+) -> Outcome {
     let vocab = config.vocab_size;
     if logits.len() != vocab {
         return Outcome::Done(Event::Failed(EngineError::Model(format!(

@@ -45,6 +45,14 @@ pub enum KvError {
         written: usize,
         capacity: usize,
     },
+    #[error(
+        "{request}: commit to {new_len} positions would forget committed positions (length {len})"
+    )]
+    CommitBackwards {
+        request: RequestId,
+        len: usize,
+        new_len: usize,
+    },
     #[error("K/V row has {got} values, layout wants {want}")]
     RowShape { got: usize, want: usize },
     #[error("layer {layer} out of range ({layers} layers)")]

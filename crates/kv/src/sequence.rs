@@ -187,6 +187,15 @@ impl SequenceKv {
 
     /// Declares positions `[len, new_len)` complete; refused unless every layer holds them.
     pub fn commit(&mut self, new_len: usize) -> Result<(), KvError> {
+        if new_len < self.len {
+            // Forgetting committed positions would let a later write land over a page that
+            // may already be frozen and shared.
+            return Err(KvError::CommitBackwards {
+                request: self.owner.request,
+                len: self.len,
+                new_len,
+            });
+        }
         let layers = self.pool.layout().n_layers;
         for layer in 0..layers {
             self.runs(layer, new_len)?;

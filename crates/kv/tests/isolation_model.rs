@@ -652,7 +652,15 @@ impl World {
                 let Some(s) = pick(*seq) else { return };
                 let m = &mut self.seqs[s];
                 let upto = upto.unwrap_or_else(|| m.readable(p));
-                let expect = (0..LAYERS).try_for_each(|l| m.read_outcome(p, l, upto));
+                let expect = if upto < m.len {
+                    Err(KvError::CommitBackwards {
+                        request: m.kv.owner().request,
+                        len: m.len,
+                        new_len: upto,
+                    })
+                } else {
+                    (0..LAYERS).try_for_each(|l| m.read_outcome(p, l, upto))
+                };
                 let got = m.kv.commit(upto);
                 assert_eq!(got, expect);
                 if got.is_ok() {

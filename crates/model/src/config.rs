@@ -28,7 +28,9 @@ impl LlamaConfig {
                 "architecture {arch:?} (only \"llama\" is supported)"
             )));
         }
-        let u = |k: &str| -> Result<usize, ModelError> { Ok(f.get_u64(&format!("llama.{k}"))? as usize) };
+        let u = |k: &str| -> Result<usize, ModelError> {
+            Ok(f.get_u64(&format!("llama.{k}"))? as usize)
+        };
         let n_layers = u("block_count")?;
         let dim = u("embedding_length")?;
         let n_heads = u("attention.head_count")?;
@@ -66,7 +68,9 @@ impl LlamaConfig {
             None => head_dim,
         };
         if rope_dims > head_dim || rope_dims % 2 != 0 {
-            return Err(ModelError::Unsupported(format!("rope dimension count {rope_dims} with head dim {head_dim}")));
+            return Err(ModelError::Unsupported(format!(
+                "rope dimension count {rope_dims} with head dim {head_dim}"
+            )));
         }
         let vocab_size = match f.get("llama.vocab_size") {
             Some(_) => u("vocab_size")?,
@@ -75,8 +79,11 @@ impl LlamaConfig {
         if context_length == 0 {
             return Err(ModelError::Unsupported("context length 0".into()));
         }
-        if !(rms_eps > 0.0 && rms_eps < 1.0) || !(rope_base > 1.0) || !rope_base.is_finite() {
-            return Err(ModelError::Unsupported(format!("rms eps {rms_eps}, rope base {rope_base}")));
+        let plausible = rms_eps > 0.0 && rms_eps < 1.0 && rope_base > 1.0 && rope_base.is_finite();
+        if !plausible {
+            return Err(ModelError::Unsupported(format!(
+                "rms eps {rms_eps}, rope base {rope_base}"
+            )));
         }
         Ok(Self {
             n_layers,
@@ -90,7 +97,10 @@ impl LlamaConfig {
             rope_base,
             rope_dims,
             rms_eps,
-            eos_token: f.get("tokenizer.ggml.eos_token_id").and_then(|v| v.as_u64()).map(|v| v as u32),
+            eos_token: f
+                .get("tokenizer.ggml.eos_token_id")
+                .and_then(|v| v.as_u64())
+                .map(|v| v as u32),
         })
     }
 

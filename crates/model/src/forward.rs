@@ -66,8 +66,10 @@ impl Model {
             })
         };
         let mat = |name: &str, rows: usize, cols: usize| -> Result<Matrix, ModelError> {
-            if cols % QK != 0 {
-                return Err(ModelError::Unsupported(format!("{name}: row length {cols} is not a multiple of {QK}")));
+            if !cols.is_multiple_of(QK) {
+                return Err(ModelError::Unsupported(format!(
+                    "{name}: row length {cols} is not a multiple of {QK}"
+                )));
             }
             Matrix::load(file, tensor(name)?, rows, cols)
         };
@@ -137,10 +139,15 @@ impl Model {
         let (dim, kv_dim, hd) = (c.dim, c.kv_dim(), c.head_dim);
         let mut status: Vec<Result<(), ModelError>> = items
             .iter()
-            .map(|it| match it.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-                Some(&id) => Err(ModelError::TokenOutOfRange { id, vocab: c.vocab_size }),
-                None => Ok(()),
-            })
+            .map(
+                |it| match it.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                    Some(&id) => Err(ModelError::TokenOutOfRange {
+                        id,
+                        vocab: c.vocab_size,
+                    }),
+                    None => Ok(()),
+                },
+            )
             .collect();
         // Flat rows: (item, absolute position).
         let mut rows: Vec<(usize, usize)> = Vec::new();
@@ -162,7 +169,8 @@ impl Model {
             }
             for (t, &tok) in it.tokens.iter().enumerate() {
                 let r = starts[i] + t;
-                self.embed.row_f32(tok as usize, &mut x[r * dim..(r + 1) * dim]);
+                self.embed
+                    .row_f32(tok as usize, &mut x[r * dim..(r + 1) * dim]);
             }
         }
         let rope = RopeTable::new(c, rows.iter().map(|&(_, p)| p));
@@ -195,7 +203,12 @@ impl Model {
                 let base = it.kv.len();
                 for t in 0..it.tokens.len() {
                     let r = starts[i] + t;
-                    if let Err(e) = it.kv.write(li, base + t, &k[r * kv_dim..(r + 1) * kv_dim], &v[r * kv_dim..(r + 1) * kv_dim]) {
+                    if let Err(e) = it.kv.write(
+                        li,
+                        base + t,
+                        &k[r * kv_dim..(r + 1) * kv_dim],
+                        &v[r * kv_dim..(r + 1) * kv_dim],
+                    ) {
                         status[i] = Err(e.into());
                         break;
                     }
@@ -323,17 +336,23 @@ impl Model {
                 let rows = &q[starts[i] * dim..(starts[i] + it.tokens.len()) * dim];
                 let out = match runs.first().map(|r| r.k) {
                     Some(KvSlice::F32(_)) => {
-                        let typed: Vec<_> = runs.iter().filter_map(|r| match (r.k, r.v) {
-                            (KvSlice::F32(k), KvSlice::F32(v)) => Some((k, v, r.tokens)),
-                            _ => None,
-                        }).collect();
+                        let typed: Vec<_> = runs
+                            .iter()
+                            .filter_map(|r| match (r.k, r.v) {
+                                (KvSlice::F32(k), KvSlice::F32(v)) => Some((k, v, r.tokens)),
+                                _ => None,
+                            })
+                            .collect();
                         attend_group::<f32>(&typed, rows, dim, &shape)
                     }
                     _ => {
-                        let typed: Vec<_> = runs.iter().filter_map(|r| match (r.k, r.v) {
-                            (KvSlice::F16(k), KvSlice::F16(v)) => Some((k, v, r.tokens)),
-                            _ => None,
-                        }).collect();
+                        let typed: Vec<_> = runs
+                            .iter()
+                            .filter_map(|r| match (r.k, r.v) {
+                                (KvSlice::F16(k), KvSlice::F16(v)) => Some((k, v, r.tokens)),
+                                _ => None,
+                            })
+                            .collect();
                         attend_group::<f16>(&typed, rows, dim, &shape)
                     }
                 };
@@ -362,8 +381,19 @@ struct HeadShape {
 
 /// Causal attention of the query heads that share KV head `shape.g`, for each of the new
 /// rows in `q_rows` (which sit at the end of the cached positions).
-fn attend_group<T: KvElem>(runs: &[(&[T], &[T], usize)], q_rows: &[f32], dim: usize, shape: &HeadShape) -> Vec<f32> {
-    let HeadShape { g, group, hd, kv_dim, scale } = *shape;
+fn attend_group<T: KvElem>(
+    runs: &[(&[T], &[T], usize)],
+    q_rows: &[f32],
+    dim: usize,
+    shape: &HeadShape,
+) -> Vec<f32> {
+    let HeadShape {
+        g,
+        group,
+        hd,
+        kv_dim,
+        scale,
+    } = *shape;
     let mut k_rows: Vec<&[T]> = Vec::new();
     let mut v_rows: Vec<&[T]> = Vec::new();
     for (k, v, n) in runs {
@@ -383,12 +413,22 @@ fn attend_group<T: KvElem>(runs: &[(&[T], &[T], usize)], q_rows: &[f32], dim: us
         let visible = base + t + 1;
         for h in 0..group {
             let head = g * group + h;
-            for (qv, &x) in qh.iter_mut().zip(&q_rows[t * dim + head * hd..t * dim + (head + 1) * hd]) {
+            for (qv, &x) in qh
+                .iter_mut()
+                .zip(&q_rows[t * dim + head * hd..t * dim + (head + 1) * hd])
+            {
                 // llama.cpp converts Q to the cache's element type before the product.
                 *qv = T::round_query(x);
             }
             let o = &mut out[(t * group + h) * hd..(t * group + h + 1) * hd];
-            attend_head(&qh, &k_rows[..visible], &v_rows[..visible], scale, &mut acc, o);
+            attend_head(
+                &qh,
+                &k_rows[..visible],
+                &v_rows[..visible],
+                scale,
+                &mut acc,
+                o,
+            );
         }
     }
     out
@@ -400,7 +440,14 @@ fn attend_group<T: KvElem>(runs: &[(&[T], &[T], usize)], q_rows: &[f32], dim: us
 /// cache, rounding after every update), normalized at the end. Matching its roundings keeps
 /// greedy output within llama.cpp's near-tie margins; the order is fixed, so the result does
 /// not depend on the batch.
-fn attend_head<T: KvElem>(q: &[f32], k: &[&[T]], v: &[&[T]], scale: f32, acc: &mut [T::Acc], out: &mut [f32]) {
+fn attend_head<T: KvElem>(
+    q: &[f32],
+    k: &[&[T]],
+    v: &[&[T]],
+    scale: f32,
+    acc: &mut [T::Acc],
+    out: &mut [f32],
+) {
     T::acc_clear(acc);
     let mut max = f32::NEG_INFINITY;
     let mut sum = 0f32;
@@ -422,7 +469,6 @@ fn attend_head<T: KvElem>(q: &[f32], k: &[&[T]], v: &[&[T]], scale: f32, acc: &m
     let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
     T::acc_finish(acc, inv, out);
 }
-
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {

@@ -23,7 +23,11 @@ pub fn matmul(w: &Matrix, x_f32: &[f32], x_q8: &[BlockQ8_1], n: usize, out: &mut
         assert_eq!(x_f32.len(), n * cols, "matmul: input shape");
     }
     // Row-major by weight row, so each task owns a contiguous slice.
-    let mut by_row = if n == 1 { Vec::new() } else { vec![0f32; n * rows] };
+    let mut by_row = if n == 1 {
+        Vec::new()
+    } else {
+        vec![0f32; n * rows]
+    };
     let target: &mut [f32] = if n == 1 { out } else { &mut by_row };
     let threads = rayon::current_num_threads().max(1);
     let rows_per_task = (rows / (threads * 8)).clamp(8, 512);
@@ -44,7 +48,15 @@ pub fn matmul(w: &Matrix, x_f32: &[f32], x_q8: &[BlockQ8_1], n: usize, out: &mut
     }
 }
 
-fn rows_kernel(w: &Matrix, r0: usize, nr: usize, x_f32: &[f32], x_q8: &[BlockQ8_1], n: usize, out: &mut [f32]) {
+fn rows_kernel(
+    w: &Matrix,
+    r0: usize,
+    nr: usize,
+    x_f32: &[f32],
+    x_q8: &[BlockQ8_1],
+    n: usize,
+    out: &mut [f32],
+) {
     let cols = w.cols();
     let nb = cols / QK;
     match w {
@@ -118,14 +130,20 @@ pub fn ggml_expf(x: f32) -> f32 {
     let r = f32::from_bits(0x4B40_0000); // 0x1.8p23
     let z = x.mul_add(f32::from_bits(0x3FB8_AA3B), r); // log2(e)
     let n = z - r;
-    let b = (-n).mul_add(f32::from_bits(0x35BF_BE8E), (-n).mul_add(f32::from_bits(0x3F31_7200), x));
+    let b = (-n).mul_add(
+        f32::from_bits(0x35BF_BE8E),
+        (-n).mul_add(f32::from_bits(0x3F31_7200), x),
+    );
     if n.abs() > 192.0 {
         return if n <= 0.0 { 0.0 } else { f32::INFINITY };
     }
     let u = b * b;
     let j = f32::from_bits(0x3C07_2010)
         .mul_add(b, f32::from_bits(0x3D2B_9F17))
-        .mul_add(u, f32::from_bits(0x3E2A_AF33).mul_add(b, f32::from_bits(0x3EFF_FEDB)))
+        .mul_add(
+            u,
+            f32::from_bits(0x3E2A_AF33).mul_add(b, f32::from_bits(0x3EFF_FEDB)),
+        )
         .mul_add(u, f32::from_bits(0x3F7F_FFF6).mul_add(b, 1.0));
     // scalef(j, n): one rounding of j * 2^n, exact in f64 before it.
     (j as f64 * 2f64.powi(n as i32)) as f32
@@ -210,7 +228,7 @@ impl KvElem for half::f16 {
 
     fn acc_mad(acc: &mut [half::f16], v: &[half::f16], w: f32) {
         #[cfg(target_arch = "x86_64")]
-        if has_f16c() && acc.len() == v.len() && acc.len() % 8 == 0 {
+        if has_f16c() && acc.len() == v.len() && acc.len().is_multiple_of(8) {
             // SAFETY: AVX2, FMA and F16C are present (checked) and the slices have equal
             // lengths that are a multiple of 8, as the function requires.
             unsafe { x86::mad_f16(acc, v, w) };
@@ -348,7 +366,12 @@ pub mod scalar {
     pub fn q8_0(w: &[BlockQ8_0], a: &[BlockQ8_1]) -> f32 {
         let mut acc = 0f32;
         for (wb, ab) in w.iter().zip(a) {
-            let isum: i32 = wb.qs.iter().zip(&ab.qs).map(|(&x, &y)| x as i32 * y as i32).sum();
+            let isum: i32 = wb
+                .qs
+                .iter()
+                .zip(&ab.qs)
+                .map(|(&x, &y)| x as i32 * y as i32)
+                .sum();
             acc += wb.d * ab.d * isum as f32;
         }
         acc
@@ -417,7 +440,8 @@ mod x86 {
                 // unaligned loads are allowed.
                 unsafe {
                     let qv = _mm256_loadu_ps(qc.as_ptr().add(h * 8));
-                    let kv = _mm256_cvtph_ps(_mm_loadu_si128(kc.as_ptr().add(h * 8) as *const __m128i));
+                    let kv =
+                        _mm256_cvtph_ps(_mm_loadu_si128(kc.as_ptr().add(h * 8) as *const __m128i));
                     *a = _mm256_fmadd_ps(qv, kv, *a);
                 }
             }
@@ -519,7 +543,9 @@ mod tests {
     use gguf::GgmlType;
 
     fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
     }
 
@@ -544,22 +570,123 @@ mod tests {
         let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 3.0).collect();
         let mut xq = vec![BlockQ8_1::default(); n * cols / QK];
         for t in 0..n {
-            quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * cols / QK..(t + 1) * cols / QK]);
+            quantize_row_q8_1(
+                &x[t * cols..(t + 1) * cols],
+                &mut xq[t * cols / QK..(t + 1) * cols / QK],
+            );
         }
-        let xdq: Vec<f32> = xq.iter().flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d)).collect();
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::F32] {
+        let xdq: Vec<f32> = xq
+            .iter()
+            .flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d))
+            .collect();
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+            GgmlType::F32,
+        ] {
             let (m, deq) = matrix(ty, rows, cols, 7);
             let mut out = vec![0f32; n * rows];
             matmul(&m, &x, &xq, n, &mut out);
             for t in 0..n {
                 let xin = if ty == GgmlType::F32 { &x } else { &xdq };
                 for r in 0..rows {
-                    let want: f32 = (0..cols).map(|c| deq[r * cols + c] * xin[t * cols + c]).sum();
+                    let want: f32 = (0..cols)
+                        .map(|c| deq[r * cols + c] * xin[t * cols + c])
+                        .sum();
                     let got = out[t * rows + r];
-                    assert!((want - got).abs() < 2e-3 * (1.0 + want.abs()), "{ty:?} t{t} r{r}: {want} vs {got}");
+                    // Q4_1's offset term uses ggml's f16-rounded activation sum `s`.
+                    let tol = if ty == GgmlType::Q4_1 { 2e-2 } else { 2e-3 };
+                    assert!(
+                        (want - got).abs() < tol * (1.0 + want.abs()),
+                        "{ty:?} t{t} r{r}: {want} vs {got}"
+                    );
+                    // The dispatched (SIMD) tile against the portable definition.
+                    let nb = cols / QK;
+                    let a = &xq[t * nb..(t + 1) * nb];
+                    let scalar = match &m {
+                        Matrix::Q4_0 { data, .. } => scalar::q4_0(&data[r * nb..(r + 1) * nb], a),
+                        Matrix::Q4_1 { data, .. } => scalar::q4_1(&data[r * nb..(r + 1) * nb], a),
+                        Matrix::Q8_0 { data, .. } => scalar::q8_0(&data[r * nb..(r + 1) * nb], a),
+                        Matrix::F32 { .. } => got,
+                    };
+                    assert!(
+                        (scalar - got).abs() <= 1e-5 * (1.0 + got.abs()),
+                        "{ty:?} t{t} r{r}: SIMD {got} vs scalar {scalar}"
+                    );
                 }
             }
         }
+    }
+
+    /// The SIMD attention kernels agree bit for bit with the scalar definitions (which
+    /// mirror ggml's order), for lengths with and without a partial 64-element step.
+    #[test]
+    fn f16_attention_kernels_match_scalar_bit_for_bit() {
+        use half::f16;
+        let mut s = 11u64;
+        for n in [64usize, 128, 72, 32, 8] {
+            let q: Vec<f32> = (0..n)
+                .map(|_| f16::from_f32(lcg(&mut s)).to_f32())
+                .collect();
+            let k: Vec<f16> = (0..n).map(|_| f16::from_f32(lcg(&mut s) * 4.0)).collect();
+            let got = dot_f16_ggml(&q, &k);
+            // The scalar definition, written out.
+            let np = n & !63;
+            let mut acc = [[0f32; 16]; 4];
+            for i in (0..np).step_by(64) {
+                for (j, lanes) in acc.iter_mut().enumerate() {
+                    for (l, a) in lanes.iter_mut().enumerate() {
+                        *a = q[i + j * 16 + l].mul_add(k[i + j * 16 + l].to_f32(), *a);
+                    }
+                }
+            }
+            let mut v = [0f32; 16];
+            for (l, o) in v.iter_mut().enumerate() {
+                *o = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+            }
+            let head = if np > 0 { reduce16(&v) } else { 0.0 };
+            assert_eq!(
+                got.to_bits(),
+                tail_f64(head, &q[np..], &k[np..]).to_bits(),
+                "n={n}"
+            );
+            let exact: f64 = q
+                .iter()
+                .zip(&k)
+                .map(|(a, b)| *a as f64 * b.to_f32() as f64)
+                .sum();
+            assert!(
+                (got as f64 - exact).abs() < 1e-4 * (1.0 + exact.abs()),
+                "n={n}: {got} vs {exact}"
+            );
+
+            let mut acc_simd: Vec<f16> = (0..n).map(|_| f16::from_f32(lcg(&mut s))).collect();
+            let mut acc_scalar = acc_simd.clone();
+            let w = lcg(&mut s);
+            <f16 as KvElem>::acc_mad(&mut acc_simd, &k, w);
+            for (a, x) in acc_scalar.iter_mut().zip(&k) {
+                *a = f16::from_f32(x.to_f32().mul_add(w, a.to_f32()));
+            }
+            assert_eq!(acc_simd, acc_scalar, "n={n}");
+        }
+    }
+
+    #[test]
+    fn ggml_expf_is_accurate_and_saturates() {
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let want = (x as f64).exp();
+            let got = ggml_expf(x) as f64;
+            assert!(
+                (got - want).abs() <= 4e-7 * want,
+                "exp({x}): {got} vs {want}"
+            );
+            x += 0.173;
+        }
+        assert_eq!(ggml_expf(-200.0), 0.0);
+        assert_eq!(ggml_expf(200.0), f32::INFINITY);
+        assert!((silu(2.0) - 2.0 / (1.0 + (-2.0f32).exp())).abs() < 1e-6);
     }
 
     #[test]
@@ -571,15 +698,28 @@ mod tests {
         let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
         let mut xq = vec![BlockQ8_1::default(); n * cols / QK];
         for t in 0..n {
-            quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * cols / QK..(t + 1) * cols / QK]);
+            quantize_row_q8_1(
+                &x[t * cols..(t + 1) * cols],
+                &mut xq[t * cols / QK..(t + 1) * cols / QK],
+            );
         }
         let mut all = vec![0f32; n * rows];
         matmul(&m, &x, &xq, n, &mut all);
         for t in 0..n {
             let mut one = vec![0f32; rows];
             let nb = cols / QK;
-            matmul(&m, &x[t * cols..(t + 1) * cols], &xq[t * nb..(t + 1) * nb], 1, &mut one);
-            assert_eq!(one, all[t * rows..(t + 1) * rows], "token {t} differs alone vs batched");
+            matmul(
+                &m,
+                &x[t * cols..(t + 1) * cols],
+                &xq[t * nb..(t + 1) * nb],
+                1,
+                &mut one,
+            );
+            assert_eq!(
+                one,
+                all[t * rows..(t + 1) * rows],
+                "token {t} differs alone vs batched"
+            );
         }
     }
 }

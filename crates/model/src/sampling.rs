@@ -51,10 +51,16 @@ pub fn top_logprobs(logprobs: &[f32], k: usize) -> Vec<(u32, f32)> {
         return Vec::new();
     }
     idx.select_nth_unstable_by(k - 1, |&a, &b| {
-        logprobs[b as usize].total_cmp(&logprobs[a as usize]).then(a.cmp(&b))
+        logprobs[b as usize]
+            .total_cmp(&logprobs[a as usize])
+            .then(a.cmp(&b))
     });
     idx.truncate(k);
-    idx.sort_by(|&a, &b| logprobs[b as usize].total_cmp(&logprobs[a as usize]).then(a.cmp(&b)));
+    idx.sort_by(|&a, &b| {
+        logprobs[b as usize]
+            .total_cmp(&logprobs[a as usize])
+            .then(a.cmp(&b))
+    });
     idx.into_iter().map(|i| (i, logprobs[i as usize])).collect()
 }
 
@@ -101,13 +107,20 @@ impl Sampler {
         if p.temperature <= 0.0 || p.top_k == 1 {
             return argmax(logits);
         }
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)).collect();
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l / p.temperature))
+            .collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if p.top_k > 0 {
             cand.truncate(p.top_k);
         }
         let max = cand[0].1;
-        let mut probs: Vec<f64> = cand.iter().map(|&(_, l)| ((l - max) as f64).exp()).collect();
+        let mut probs: Vec<f64> = cand
+            .iter()
+            .map(|&(_, l)| ((l - max) as f64).exp())
+            .collect();
         let total: f64 = probs.iter().sum();
         for pr in probs.iter_mut() {
             *pr /= total;

@@ -26,7 +26,10 @@ const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['r
 
 /// GPT-2's reversible byte-to-character map, so byte tokens are valid vocab strings.
 pub fn byte_to_unicode() -> [char; 256] {
-    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut printable: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
     let mut map = ['\0'; 256];
     for &b in &printable {
         map[b as usize] = char::from_u32(b).unwrap_or('?');
@@ -46,7 +49,10 @@ struct Rng(u64);
 
 impl Rng {
     fn uniform(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 }
@@ -56,13 +62,19 @@ impl SynthSpec {
         if self.layers == 0 || self.heads == 0 || self.kv_heads == 0 || self.context == 0 {
             return Err("layers, heads, kv-heads and context must be positive".into());
         }
-        if self.dim % self.heads != 0 || self.heads % self.kv_heads != 0 {
-            return Err(format!("heads ({}) must divide dim ({}) and kv-heads ({}) must divide heads", self.heads, self.dim, self.kv_heads));
+        if !self.dim.is_multiple_of(self.heads) || !self.heads.is_multiple_of(self.kv_heads) {
+            return Err(format!(
+                "heads ({}) must divide dim ({}) and kv-heads ({}) must divide heads",
+                self.heads, self.dim, self.kv_heads
+            ));
         }
-        if (self.dim / self.heads) % 2 != 0 {
+        if !(self.dim / self.heads).is_multiple_of(2) {
             return Err("head dimension must be even (rotary pairs)".into());
         }
-        if self.dim % 32 != 0 || self.ffn_dim % 32 != 0 || (self.dim / self.heads * self.kv_heads) % 32 != 0 {
+        if !self.dim.is_multiple_of(32)
+            || !self.ffn_dim.is_multiple_of(32)
+            || !(self.dim / self.heads * self.kv_heads).is_multiple_of(32)
+        {
             return Err("dim, ffn dim and kv dim must be multiples of 32".into());
         }
         if self.vocab < 256 + BYTE_BASE as usize {
@@ -87,7 +99,10 @@ impl SynthSpec {
         w.meta("llama.context_length", u(self.context));
         w.meta("llama.rope.dimension_count", u(self.dim / self.heads));
         w.meta("llama.rope.freq_base", MetaValue::F32(10000.0));
-        w.meta("llama.attention.layer_norm_rms_epsilon", MetaValue::F32(1e-5));
+        w.meta(
+            "llama.attention.layer_norm_rms_epsilon",
+            MetaValue::F32(1e-5),
+        );
         w.meta("llama.vocab_size", u(self.vocab));
 
         let bytes = byte_to_unicode();
@@ -115,15 +130,24 @@ impl SynthSpec {
         w.meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(false));
         w.meta("tokenizer.chat_template", s(CHATML));
 
-        let mut rng = Rng(self.seed ^ 0x5EED_0F_C0FFEE);
-        let mut matrix = |w: &mut GgufWriter, name: &str, rows: usize, cols: usize, ty: GgmlType| {
-            let scale = 1.0 / (cols as f32).sqrt();
-            let vals: Vec<f32> = (0..rows * cols).map(|_| rng.uniform() * scale * 1.7).collect();
-            w.tensor_f32(name, &[cols as u64, rows as u64], ty, &vals);
-        };
+        let mut rng = Rng(self.seed ^ 0x5EED_0FC0_FFEE);
+        let mut matrix =
+            |w: &mut GgufWriter, name: &str, rows: usize, cols: usize, ty: GgmlType| {
+                let scale = 1.0 / (cols as f32).sqrt();
+                let vals: Vec<f32> = (0..rows * cols)
+                    .map(|_| rng.uniform() * scale * 1.7)
+                    .collect();
+                w.tensor_f32(name, &[cols as u64, rows as u64], ty, &vals);
+            };
         let kv_dim = self.dim / self.heads * self.kv_heads;
         let ty = self.weight_type;
-        matrix(&mut w, "token_embd.weight", self.vocab, self.dim, GgmlType::Q8_0);
+        matrix(
+            &mut w,
+            "token_embd.weight",
+            self.vocab,
+            self.dim,
+            GgmlType::Q8_0,
+        );
         for l in 0..self.layers {
             let p = |n: &str| format!("blk.{l}.{n}.weight");
             let ones = vec![1.0f32; self.dim];
@@ -137,7 +161,12 @@ impl SynthSpec {
             matrix(&mut w, &p("ffn_up"), self.ffn_dim, self.dim, ty);
             matrix(&mut w, &p("ffn_down"), self.dim, self.ffn_dim, ty);
         }
-        w.tensor_f32("output_norm.weight", &[self.dim as u64], GgmlType::F32, &vec![1.0f32; self.dim]);
+        w.tensor_f32(
+            "output_norm.weight",
+            &[self.dim as u64],
+            GgmlType::F32,
+            &vec![1.0f32; self.dim],
+        );
         Ok(w)
     }
 }

@@ -72,10 +72,26 @@ pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
 
 /// A weight matrix of `rows` output rows, each `cols` long.
 pub enum Matrix {
-    F32 { rows: usize, cols: usize, data: Vec<f32> },
-    Q4_0 { rows: usize, cols: usize, data: Vec<BlockQ4_0> },
-    Q4_1 { rows: usize, cols: usize, data: Vec<BlockQ4_1> },
-    Q8_0 { rows: usize, cols: usize, data: Vec<BlockQ8_0> },
+    F32 {
+        rows: usize,
+        cols: usize,
+        data: Vec<f32>,
+    },
+    Q4_0 {
+        rows: usize,
+        cols: usize,
+        data: Vec<BlockQ4_0>,
+    },
+    Q4_1 {
+        rows: usize,
+        cols: usize,
+        data: Vec<BlockQ4_1>,
+    },
+    Q8_0 {
+        rows: usize,
+        cols: usize,
+        data: Vec<BlockQ8_0>,
+    },
 }
 
 fn f16_at(b: &[u8], i: usize) -> f32 {
@@ -85,13 +101,19 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 impl Matrix {
     pub fn rows(&self) -> usize {
         match self {
-            Matrix::F32 { rows, .. } | Matrix::Q4_0 { rows, .. } | Matrix::Q4_1 { rows, .. } | Matrix::Q8_0 { rows, .. } => *rows,
+            Matrix::F32 { rows, .. }
+            | Matrix::Q4_0 { rows, .. }
+            | Matrix::Q4_1 { rows, .. }
+            | Matrix::Q8_0 { rows, .. } => *rows,
         }
     }
 
     pub fn cols(&self) -> usize {
         match self {
-            Matrix::F32 { cols, .. } | Matrix::Q4_0 { cols, .. } | Matrix::Q4_1 { cols, .. } | Matrix::Q8_0 { cols, .. } => *cols,
+            Matrix::F32 { cols, .. }
+            | Matrix::Q4_0 { cols, .. }
+            | Matrix::Q4_1 { cols, .. }
+            | Matrix::Q8_0 { cols, .. } => *cols,
         }
     }
 
@@ -101,7 +123,12 @@ impl Matrix {
     }
 
     /// Loads a 2-D tensor whose ggml dims are `[cols, rows]`.
-    pub fn load(file: &GgufFile, info: &TensorInfo, rows: usize, cols: usize) -> Result<Self, ModelError> {
+    pub fn load(
+        file: &GgufFile,
+        info: &TensorInfo,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, ModelError> {
         if info.dims.len() != 2 || info.dims[0] as usize != cols || info.dims[1] as usize != rows {
             return Err(ModelError::Tensor {
                 name: info.name.clone(),
@@ -124,7 +151,10 @@ impl Matrix {
                     .map(|b| {
                         let mut qs = [0u8; 16];
                         qs.copy_from_slice(&b[2..18]);
-                        BlockQ4_0 { d: f16_at(b, 0), qs }
+                        BlockQ4_0 {
+                            d: f16_at(b, 0),
+                            qs,
+                        }
                     })
                     .collect(),
             },
@@ -154,7 +184,10 @@ impl Matrix {
                         for (q, &v) in qs.iter_mut().zip(&b[2..34]) {
                             *q = v as i8;
                         }
-                        BlockQ8_0 { d: f16_at(b, 0), qs }
+                        BlockQ8_0 {
+                            d: f16_at(b, 0),
+                            qs,
+                        }
                     })
                     .collect(),
             },
@@ -168,7 +201,10 @@ impl Matrix {
         match self {
             Matrix::F32 { data, .. } => out.copy_from_slice(&data[r * cols..(r + 1) * cols]),
             Matrix::Q4_0 { data, .. } => {
-                for (b, o) in data[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(QK)) {
+                for (b, o) in data[r * nb..(r + 1) * nb]
+                    .iter()
+                    .zip(out.chunks_exact_mut(QK))
+                {
                     for j in 0..16 {
                         o[j] = ((b.qs[j] & 15) as i32 - 8) as f32 * b.d;
                         o[j + 16] = ((b.qs[j] >> 4) as i32 - 8) as f32 * b.d;
@@ -176,7 +212,10 @@ impl Matrix {
                 }
             }
             Matrix::Q4_1 { data, .. } => {
-                for (b, o) in data[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(QK)) {
+                for (b, o) in data[r * nb..(r + 1) * nb]
+                    .iter()
+                    .zip(out.chunks_exact_mut(QK))
+                {
                     for j in 0..16 {
                         o[j] = (b.qs[j] & 15) as f32 * b.d + b.m;
                         o[j + 16] = (b.qs[j] >> 4) as f32 * b.d + b.m;
@@ -184,9 +223,12 @@ impl Matrix {
                 }
             }
             Matrix::Q8_0 { data, .. } => {
-                for (b, o) in data[r * nb..(r + 1) * nb].iter().zip(out.chunks_exact_mut(QK)) {
-                    for j in 0..QK {
-                        o[j] = b.qs[j] as f32 * b.d;
+                for (b, o) in data[r * nb..(r + 1) * nb]
+                    .iter()
+                    .zip(out.chunks_exact_mut(QK))
+                {
+                    for (v, &q) in o.iter_mut().zip(&b.qs) {
+                        *v = q as f32 * b.d;
                     }
                 }
             }

@@ -30,15 +30,35 @@ fn check_cases(golden: &serde_json::Value) {
     assert!(cases.len() >= 5);
     let mut failures = Vec::new();
     for (ci, case) in cases.iter().enumerate() {
-        let prompt: Vec<u32> = case["prompt_tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        let want: Vec<u32> = case["completion_tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let prompt: Vec<u32> = case["prompt_tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let want: Vec<u32> = case["completion_tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
         let decisive = case["decisive_prefix"].as_u64().unwrap() as usize;
-        let mut seq = SequenceKv::new(&pool, Owner { request: RequestId(ci as u64), domain: IsolationDomain::tenant("t") });
+        let mut seq = SequenceKv::new(
+            &pool,
+            Owner {
+                request: RequestId(ci as u64),
+                domain: IsolationDomain::tenant("t"),
+            },
+        );
         seq.reserve(prompt.len() + want.len()).unwrap();
         let mut got = Vec::new();
         let mut input = prompt.clone();
         for _ in 0..want.len() {
-            let mut items = [BatchItem { kv: &mut seq, tokens: &input, logits: LogitsWanted::Last }];
+            let mut items = [BatchItem {
+                kv: &mut seq,
+                tokens: &input,
+                logits: LogitsWanted::Last,
+            }];
             let logits = model.forward(&mut items).pop().unwrap().unwrap();
             let next = argmax(&logits);
             got.push(next);
@@ -49,9 +69,17 @@ fn check_cases(golden: &serde_json::Value) {
         }
         let n = decisive.min(want.len());
         if got.len() < n || got[..n] != want[..n] {
-            failures.push(format!("case {ci} {:?}: want {:?}, got {:?} (decisive {decisive})", case["prompt"], &want[..n], &got[..n.min(got.len())]));
+            failures.push(format!(
+                "case {ci} {:?}: want {:?}, got {:?} (decisive {decisive})",
+                case["prompt"],
+                &want[..n],
+                &got[..n.min(got.len())]
+            ));
         }
-        eprintln!("case {ci}: matched {} of 32 (decisive {decisive})", got.iter().zip(&want).take_while(|(a, b)| a == b).count());
+        eprintln!(
+            "case {ci}: matched {} of 32 (decisive {decisive})",
+            got.iter().zip(&want).take_while(|(a, b)| a == b).count()
+        );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -14,7 +14,10 @@ pub fn default_model() -> PathBuf {
             .arg(root.join("scripts/fetch-model.sh"))
             .status()
             .expect("running scripts/fetch-model.sh");
-        assert!(status.success(), "scripts/fetch-model.sh failed; the default model is required");
+        assert!(
+            status.success(),
+            "scripts/fetch-model.sh failed; the default model is required"
+        );
     }
     path
 }

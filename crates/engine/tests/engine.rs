@@ -1,0 +1,279 @@
+//! The engine end to end on a synthetic model: batching never changes a request's tokens,
+//! the prefix cache is scoped to a domain, cancellation and completion return every page.
+
+use std::time::{Duration, Instant};
+
+use engine::{
+    EngineConfig, EngineHandle, Event, FinishReason, GenerateRequest, IsolationDomain,
+    SamplingParams, StartupError,
+};
+use gguf::GgmlType;
+use kv::ScrubPolicy;
+use model::synth::SynthSpec;
+
+fn synth_model(context: usize) -> model::Model {
+    let spec = SynthSpec {
+        layers: 2,
+        dim: 64,
+        heads: 4,
+        kv_heads: 2,
+        ffn_dim: 128,
+        vocab: 300,
+        context,
+        seed: 7,
+        weight_type: GgmlType::Q4_1,
+    };
+    let file = gguf::GgufFile::parse(spec.build().unwrap().to_bytes()).unwrap();
+    model::Model::load(&file).unwrap()
+}
+
+fn start(config: EngineConfig) -> EngineHandle {
+    engine::start(synth_model(4096), config).unwrap()
+}
+
+fn request(domain: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        domain: IsolationDomain::tenant(domain),
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::default(),
+        stop_tokens: vec![],
+        ignore_eos: true,
+        logprobs: Some(2),
+    }
+}
+
+#[derive(Debug, PartialEq)]
+struct Output {
+    tokens: Vec<(u32, u32)>,
+    finish: FinishReason,
+    cached: usize,
+}
+
+fn collect(mut handle: engine::RequestHandle) -> Output {
+    let mut tokens = Vec::new();
+    loop {
+        match handle.events.blocking_recv() {
+            Some(Event::Token(t)) => tokens.push((t.id, t.logprob.unwrap().to_bits())),
+            Some(Event::Finished { reason, usage }) => {
+                return Output {
+                    tokens,
+                    finish: reason,
+                    cached: usage.cached_tokens,
+                }
+            }
+            Some(Event::Failed(e)) => panic!("request failed: {e}"),
+            None => panic!("stream ended without a terminal event"),
+        }
+    }
+}
+
+fn run(engine: &EngineHandle, req: GenerateRequest) -> Output {
+    collect(engine.submit(engine.admission().admit(req).unwrap()))
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| 3 + (i * 31 + seed * 17) % 250)
+        .collect()
+}
+
+fn wait_for_no_leases(engine: &EngineHandle) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while engine.pool().counts().leased != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "pages still leased: {:?}",
+            engine.pool().counts()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn batched_output_is_identical_to_solo_output() {
+    let config = EngineConfig {
+        pool_tokens: 4096,
+        scrub: ScrubPolicy::Poison,
+        prefix_cache: false,
+        max_batch_tokens: 64,
+        ..EngineConfig::default()
+    };
+    let engine = start(config);
+    let requests: Vec<GenerateRequest> = (0..16)
+        .map(|i| request("t", prompt(i, 5 + 11 * i as usize), 12))
+        .collect();
+    let solo: Vec<Output> = requests.iter().map(|r| run(&engine, r.clone())).collect();
+    // All at once, submitted in reverse order so batch composition and positions differ.
+    let handles: Vec<_> = requests
+        .iter()
+        .rev()
+        .map(|r| engine.submit(engine.admission().admit(r.clone()).unwrap()))
+        .collect();
+    let mut batched: Vec<Output> = handles.into_iter().map(collect).collect();
+    batched.reverse();
+    for (i, (a, b)) in solo.iter().zip(&batched).enumerate() {
+        assert_eq!(a.tokens.len(), 12);
+        assert_eq!(a, b, "request {i}: batched output differs from solo output");
+    }
+    wait_for_no_leases(&engine);
+    assert!(
+        engine
+            .metrics()
+            .steps
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
+}
+
+#[test]
+fn prefix_cache_is_scoped_to_the_domain() {
+    let engine = start(EngineConfig {
+        pool_tokens: 2048,
+        scrub: ScrubPolicy::Poison,
+        ..EngineConfig::default()
+    });
+    let p = prompt(3, 70);
+    let first = run(&engine, request("alice", p.clone(), 8));
+    assert_eq!(first.cached, 0);
+    let again = run(&engine, request("alice", p.clone(), 8));
+    assert_eq!(
+        again.cached, 64,
+        "alice's second request reuses her four full pages"
+    );
+    assert_eq!(
+        first.tokens, again.tokens,
+        "cached K/V gives the same tokens"
+    );
+    let bob = run(&engine, request("bob", p.clone(), 8));
+    assert_eq!(bob.cached, 0, "bob must not hit alice's cache");
+    assert_eq!(bob.tokens, first.tokens);
+    let mut salted = request("alice", p, 8);
+    salted.domain = IsolationDomain::tenant("alice").narrowed("salt-1");
+    let salted = run(&engine, salted);
+    assert_eq!(
+        salted.cached, 0,
+        "a salt narrows sharing: no hit on the unsalted domain"
+    );
+    let counts = engine.pool().counts();
+    assert_eq!(counts.free + counts.leased + counts.cached, counts.total);
+}
+
+#[test]
+fn public_prefixes_are_shared_across_domains() {
+    let public = prompt(9, 40);
+    let engine = start(EngineConfig {
+        pool_tokens: 2048,
+        public_prefixes: vec![public.clone()],
+        ..EngineConfig::default()
+    });
+    let mut a = public.clone();
+    a.extend(prompt(1, 10));
+    let mut b = public.clone();
+    b.extend(prompt(2, 10));
+    assert_eq!(run(&engine, request("alice", a, 4)).cached, 0);
+    // Two whole pages lie inside the public prefix; the third straddles it and stays private.
+    assert_eq!(run(&engine, request("bob", b, 4)).cached, 32);
+}
+
+#[test]
+fn a_dropped_request_releases_its_pages() {
+    let engine = start(EngineConfig {
+        pool_tokens: 1024,
+        prefix_cache: false,
+        ..EngineConfig::default()
+    });
+    let mut handle = engine.submit(
+        engine
+            .admission()
+            .admit(request("t", prompt(1, 20), 900))
+            .unwrap(),
+    );
+    // Wait until it runs, then hang up.
+    match handle.events.blocking_recv() {
+        Some(Event::Token(_)) => {}
+        other => panic!("expected a token, got {other:?}"),
+    }
+    assert!(engine.pool().counts().leased > 0);
+    drop(handle);
+    wait_for_no_leases(&engine);
+    assert_eq!(
+        engine
+            .metrics()
+            .cancelled
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+}
+
+#[test]
+fn a_full_pool_makes_requests_wait_not_fail() {
+    // Room for two requests at a time; ten arrive together.
+    let engine = start(EngineConfig {
+        pool_tokens: 128,
+        max_context: Some(64),
+        prefix_cache: false,
+        ..EngineConfig::default()
+    });
+    let reqs: Vec<_> = (0..10).map(|i| request("t", prompt(i, 30), 30)).collect();
+    let solo: Vec<Output> = reqs
+        .iter()
+        .take(3)
+        .map(|r| run(&engine, r.clone()))
+        .collect();
+    let handles: Vec<_> = reqs
+        .iter()
+        .map(|r| engine.submit(engine.admission().admit(r.clone()).unwrap()))
+        .collect();
+    let outs: Vec<Output> = handles.into_iter().map(collect).collect();
+    for o in &outs {
+        assert_eq!(o.tokens.len(), 30);
+        assert_eq!(o.finish, FinishReason::Length);
+    }
+    assert_eq!(&outs[..3], &solo[..]);
+    wait_for_no_leases(&engine);
+}
+
+#[test]
+fn context_larger_than_pool_refuses_to_start() {
+    let err = engine::start(
+        synth_model(1 << 20),
+        EngineConfig {
+            pool_tokens: 4096,
+            max_context: Some(1 << 20),
+            ..EngineConfig::default()
+        },
+    )
+    .err()
+    .expect("must refuse");
+    assert!(matches!(
+        err,
+        StartupError::ContextExceedsPool {
+            context: 1048576,
+            pool: 4096
+        }
+    ));
+    let msg = err.to_string();
+    assert!(msg.contains("1048576") && msg.contains("4096"), "{msg}");
+}
+
+#[test]
+fn default_context_never_exceeds_the_pool() {
+    // The model advertises 1,048,576 tokens; the node promises only what its pool holds.
+    let engine = engine::start(
+        synth_model(1 << 20),
+        EngineConfig {
+            pool_tokens: 4096,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(engine.max_context(), 4096);
+    let over = engine.admission().admit(request("t", prompt(1, 4096), 1));
+    assert_eq!(over.unwrap_err().code(), "context_length_exceeded");
+    let fits = engine
+        .admission()
+        .admit(request("t", prompt(1, 4095), 1))
+        .unwrap();
+    assert_eq!(collect(engine.submit(fits)).tokens.len(), 1);
+}
