@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: fetches the model, checks formatting and lints,
 # runs the Rust tests, the loom model of the KV pool, and the end-to-end tests that drive a
-# real server with the official OpenAI client.
+# real `kvwarden serve` with the official OpenAI client.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ./scripts/fetch-model.sh
+python=$(./scripts/python-env.sh)
+
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
-cargo build --workspace --all-targets
 cargo test --workspace
+bash crates/kv/loom.sh
+
+# The end-to-end suite runs the binary that `cargo test` just built (optimized dev profile).
+"$python" -m pytest tests/python -q
