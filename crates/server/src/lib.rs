@@ -32,7 +32,7 @@ pub struct AppState {
     pub engine: EngineHandle,
     pub tokenizer: Arc<Tokenizer>,
     /// `None` when the model has no chat template: chat requests are then refused.
-    pub template: Option<ChatTemplate>,
+    pub template: Option<Arc<ChatTemplate>>,
     pub model_name: String,
     pub auth: Auth,
     pub max_body_bytes: usize,
@@ -53,7 +53,7 @@ impl AppState {
         Self {
             engine,
             tokenizer,
-            template,
+            template: template.map(Arc::new),
             model_name,
             auth,
             max_body_bytes,

@@ -163,19 +163,15 @@ async fn start_chat(
         })?;
         messages.push(ChatMessage::new(role, m.text(i)?));
     }
-    if app.template.is_none() {
+    let Some(template) = app.template.clone() else {
         return Err(ApiError::invalid(
             "unsupported_endpoint",
             None,
             "This model has no chat template; use /v1/completions.",
         ));
-    }
-    let state = app.clone();
-    let prompt = blocking(move || match &state.template {
-        Some(template) => chat_prompt::prompt_tokens(&state.tokenizer, template, &messages),
-        None => Err(ApiError::Internal("chat template vanished".into())),
-    })
-    .await?;
+    };
+    let tok = app.tokenizer.clone();
+    let prompt = blocking(move || chat_prompt::prompt_tokens(&tok, &template, &messages)).await?;
     start(
         app,
         tenant,
