@@ -60,7 +60,8 @@ impl StopMatcher {
     fn holdback(&self) -> usize {
         let mut keep = 0;
         for stop in &self.stops {
-            for k in (keep + 1..stop.len()).rev() {
+            let longest = stop.len().saturating_sub(1).min(self.held.len());
+            for k in (keep + 1..=longest).rev() {
                 if stop.is_char_boundary(k) && self.held.ends_with(&stop[..k]) {
                     keep = k;
                     break;
