@@ -136,6 +136,11 @@ impl EngineHandle {
 
 /// Checks the capacity promise, allocates the pool and starts the engine thread.
 pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, StartupError> {
+    if !kv::CHECKS_ENABLED {
+        return Err(StartupError::Config(
+            "this build has the KV read checks compiled out (benchmark-only feature); it must not serve".into(),
+        ));
+    }
     if config.page_tokens == 0 || config.max_batch_tokens == 0 || config.max_running == 0 {
         return Err(StartupError::Config(
             "page size, batch tokens and running limit must be positive".into(),

@@ -31,6 +31,10 @@ pub use pool::{
 pub use prefix::{PrefixCache, PrefixError, PrefixMatch, PublicPrefixes, TreeStats};
 pub use sequence::{KvRun, KvSlice, SequenceKv};
 
+/// False only in the benchmark-only build that measures what the read checks cost; servers
+/// refuse to start without them.
+pub const CHECKS_ENABLED: bool = !cfg!(feature = "bench-unchecked-baseline");
+
 /// The unit of isolation: requests in one domain may share cached prefixes, requests in
 /// different domains never see each other's pages. Built by the server from the
 /// authenticated tenant (and optionally narrowed by a client-supplied salt); never taken

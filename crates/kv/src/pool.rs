@@ -480,6 +480,15 @@ impl PageLease {
         Ok(rows(layout, &self.buf().data, layer, n))
     }
 
+    #[cfg(feature = "bench-unchecked-baseline")]
+    pub(crate) fn rows_unchecked_baseline(
+        &self,
+        layer: usize,
+        n: usize,
+    ) -> (KvSlice<'_>, KvSlice<'_>) {
+        rows(&self.pool.layout, &self.buf().data, layer, n)
+    }
+
     /// Turns a fully written page into an immutable shared page readable by `visibility`.
     /// A partly written page cannot be shared: its free slots would be writable by nobody
     /// and readable by nobody, and the next writer must get a fresh private page.
@@ -547,6 +556,19 @@ impl SharedPage {
     /// Layout of the pool this page belongs to.
     pub fn layout(&self) -> KvLayout {
         self.pool.layout
+    }
+
+    #[cfg(feature = "bench-unchecked-baseline")]
+    pub(crate) fn rows_unchecked_baseline(
+        &self,
+        layer: usize,
+        n: usize,
+    ) -> (KvSlice<'_>, KvSlice<'_>) {
+        let buf = self
+            .buf
+            .as_ref()
+            .expect("a live shared page holds its buffer");
+        rows(&self.pool.layout, &buf.data, layer, n)
     }
 
     /// K and V rows of the first `n` slots of `layer`, if `owner` may read this page.

@@ -207,6 +207,10 @@ impl SequenceKv {
     /// The K/V rows of positions `[0, upto)` on `layer`, one run per page. Fails if any of
     /// those positions was not written for this sequence.
     pub fn runs(&self, layer: usize, upto: usize) -> Result<Vec<KvRun<'_>>, KvError> {
+        #[cfg(feature = "bench-unchecked-baseline")]
+        if upto <= self.capacity() {
+            return Ok(self.runs_unchecked_baseline(layer, upto));
+        }
         let p = self.pool.layout().page_tokens;
         if upto > self.capacity() {
             return Err(KvError::UnwrittenRead {
@@ -251,6 +255,26 @@ impl SequenceKv {
             out.push(KvRun { k, v, tokens: n });
         }
         Ok(out)
+    }
+
+    /// What `runs` costs without its checks; exists only in the benchmark build.
+    #[cfg(feature = "bench-unchecked-baseline")]
+    fn runs_unchecked_baseline(&self, layer: usize, upto: usize) -> Vec<KvRun<'_>> {
+        let p = self.pool.layout().page_tokens;
+        let mut out = Vec::with_capacity(upto.div_ceil(p));
+        for (i, block) in self.blocks.iter().enumerate() {
+            let start = i * p;
+            if start >= upto {
+                break;
+            }
+            let n = (upto - start).min(p);
+            let (k, v) = match block {
+                Block::Owned(lease) => lease.rows_unchecked_baseline(layer, n),
+                Block::Shared(page) => page.rows_unchecked_baseline(layer, n),
+            };
+            out.push(KvRun { k, v, tokens: n });
+        }
+        out
     }
 
     /// Freezes every fully written page of the committed prefix into a shared page (in

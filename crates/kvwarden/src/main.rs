@@ -164,10 +164,8 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     if let Some(n) = cli.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build_global()
-            .context("configuring threads")?;
+        // The model builds its compute pool from this, like rayon's own default.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
     match cli.command {
         Command::Tokenize { model, text } => {
