@@ -317,13 +317,23 @@ impl Model {
                 }
             }
         }
-        let tasks: Vec<(usize, usize)> = (0..items.len())
+        // Tasks: (item, KV head, block of new rows). Rows are independent, so splitting a long
+        // prompt's rows keeps both cores busy without changing any row's arithmetic.
+        const ROWS_PER_TASK: usize = 16;
+        let tasks: Vec<(usize, usize, usize, usize)> = (0..items.len())
             .filter(|&i| views[i].is_some())
-            .flat_map(|i| (0..c.n_kv_heads).map(move |g| (i, g)))
+            .flat_map(|i| {
+                let n = items[i].tokens.len();
+                (0..c.n_kv_heads).flat_map(move |g| {
+                    (0..n)
+                        .step_by(ROWS_PER_TASK)
+                        .map(move |t0| (i, g, t0, (t0 + ROWS_PER_TASK).min(n)))
+                })
+            })
             .collect();
-        let results: Vec<(usize, usize, Vec<f32>)> = tasks
+        let results: Vec<(usize, usize, usize, Vec<f32>)> = tasks
             .par_iter()
-            .map(|&(i, g)| {
+            .map(|&(i, g, t0, t1)| {
                 let runs = views[i].as_deref().unwrap_or(&[]);
                 let it = &items[i];
                 let shape = HeadShape {
@@ -333,7 +343,9 @@ impl Model {
                     kv_dim: c.kv_dim(),
                     scale,
                 };
-                let rows = &q[starts[i] * dim..(starts[i] + it.tokens.len()) * dim];
+                let rows = &q[(starts[i] + t0) * dim..(starts[i] + t1) * dim];
+                // Position of row t0 in the sequence.
+                let first = it.kv.len() + t0;
                 let out = match runs.first().map(|r| r.k) {
                     Some(KvSlice::F32(_)) => {
                         let typed: Vec<_> = runs
@@ -343,7 +355,7 @@ impl Model {
                                 _ => None,
                             })
                             .collect();
-                        attend_group::<f32>(&typed, rows, dim, &shape)
+                        attend_group::<f32>(&typed, rows, first, dim, &shape)
                     }
                     _ => {
                         let typed: Vec<_> = runs
@@ -353,17 +365,16 @@ impl Model {
                                 _ => None,
                             })
                             .collect();
-                        attend_group::<f16>(&typed, rows, dim, &shape)
+                        attend_group::<f16>(&typed, rows, first, dim, &shape)
                     }
                 };
-                (i, g, out)
+                (i, g, t0, out)
             })
             .collect();
-        for (i, g, out) in results {
-            for t in 0..items[i].tokens.len() {
-                let r = starts[i] + t;
-                let dst = &mut attn[r * dim + g * group * hd..r * dim + (g + 1) * group * hd];
-                dst.copy_from_slice(&out[t * group * hd..(t + 1) * group * hd]);
+        for (i, g, t0, out) in results {
+            for (t, row) in out.chunks_exact(group * hd).enumerate() {
+                let r = starts[i] + t0 + t;
+                attn[r * dim + g * group * hd..r * dim + (g + 1) * group * hd].copy_from_slice(row);
             }
         }
     }
@@ -381,9 +392,11 @@ struct HeadShape {
 
 /// Causal attention of the query heads that share KV head `shape.g`, for each of the new
 /// rows in `q_rows` (which sit at the end of the cached positions).
+/// `q_rows` are consecutive new rows, the first at sequence position `first`.
 fn attend_group<T: KvElem>(
     runs: &[(&[T], &[T], usize)],
     q_rows: &[f32],
+    first: usize,
     dim: usize,
     shape: &HeadShape,
 ) -> Vec<f32> {
@@ -403,14 +416,12 @@ fn attend_group<T: KvElem>(
             v_rows.push(&v[at..at + hd]);
         }
     }
-    let ctx = k_rows.len();
     let n_new = q_rows.len() / dim;
-    let base = ctx - n_new;
     let mut out = vec![0f32; n_new * group * hd];
     let mut acc = vec![T::Acc::default(); hd];
     let mut qh = vec![0f32; hd];
     for t in 0..n_new {
-        let visible = base + t + 1;
+        let visible = first + t + 1;
         for h in 0..group {
             let head = g * group + h;
             for (qv, &x) in qh
