@@ -81,3 +81,62 @@ fn tokenize_prints_llama_cpp_ids() {
     assert_eq!(code, Some(0), "{stderr}");
     assert_eq!(stdout.trim(), r#"{"tokens":[19556,905]}"#);
 }
+
+/// The golden completions through the command a user runs:
+/// `kvwarden generate --prompt-tokens ... --max-tokens 32 --temperature 0 --json`.
+#[test]
+fn generate_reproduces_llama_cpp_greedy_tokens() {
+    let model = model();
+    let model = model.to_string_lossy();
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden/completions.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("golden file {} is required: {e}", path.display()));
+    let golden: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}"));
+    let cases = golden["cases"].as_array().cloned().unwrap_or_default();
+    assert!(!cases.is_empty());
+    for case in cases {
+        let ids = |key: &str| -> Vec<u64> {
+            case[key]
+                .as_array()
+                .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
+                .unwrap_or_default()
+        };
+        let prompt: Vec<String> = ids("prompt_tokens").iter().map(u64::to_string).collect();
+        let want = ids("completion_tokens");
+        let decisive = case["decisive_prefix"].as_u64().unwrap_or(0) as usize;
+        let (code, stdout, stderr) = kvwarden(&[
+            "--threads",
+            "2",
+            "generate",
+            "--model",
+            &model,
+            "--prompt-tokens",
+            &prompt.join(","),
+            "--max-tokens",
+            "32",
+            "--temperature",
+            "0",
+            "--json",
+        ]);
+        assert_eq!(code, Some(0), "{stderr}");
+        let out: serde_json::Value =
+            serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+        let got: Vec<u64> = out["tokens"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
+            .unwrap_or_default();
+        let n = decisive.min(want.len());
+        assert!(
+            got.len() >= n && got[..n] == want[..n],
+            "{}: want {:?}, got {:?}",
+            case["prompt"],
+            &want[..n],
+            got
+        );
+        assert_eq!(
+            out["text"].as_str().map(str::is_empty),
+            Some(got.is_empty())
+        );
+    }
+}
