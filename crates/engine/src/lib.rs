@@ -7,6 +7,8 @@
 //! * [`EngineHandle::submit`] consumes the `Admitted` value. Inside the engine a request's
 //!   event sender is consumed by its terminal event (`Finished`, `Failed`), so nothing can
 //!   be sent after a request has ended; dropping the request record releases its pages.
+//! * A preempted request keeps its progress (emitted tokens, sampler state) and loses its
+//!   pages; it recomputes them before going on.
 //! * A client that stops listening (drops its [`RequestHandle`]) is cancelled at the next
 //!   engine step and its pages go back to the pool then.
 
@@ -42,6 +44,8 @@ pub struct TokenEvent {
     pub id: u32,
     pub logprob: Option<f32>,
     pub top_logprobs: Vec<(u32, f32)>,
+    /// Prompt tokens served from the prefix cache (the same on every token of a request).
+    pub cached_prompt_tokens: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +97,8 @@ pub struct EngineMetrics {
     pub generated_tokens: AtomicU64,
     pub cached_prompt_tokens: AtomicU64,
     pub steps: AtomicU64,
+    /// Requests that gave their pages back to let older ones grow, and recomputed later.
+    pub preemptions: AtomicU64,
     /// Gauges.
     pub running: AtomicU64,
     pub waiting: AtomicU64,

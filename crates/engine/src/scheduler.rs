@@ -1,9 +1,12 @@
 //! The engine thread: continuous batching with chunked prefill mixed into decode steps.
 //!
-//! Full-pool policy: wait. A request enters the running set only once every page it may
-//! ever need (prompt + max_tokens) is reserved, so nothing ever runs on partial KV and
-//! nothing is preempted. Admission guarantees each request fits the pool on its own, so
-//! the head of the queue always runs once enough others finish.
+//! Pages are reserved as a request grows, never read before they are written. Full-pool
+//! policy: preempt and recompute. When a running request needs a page and neither the free
+//! list nor the prefix cache has one, the most recently started request gives all of its
+//! pages back and returns to the head of the queue with what it has generated; later it
+//! recomputes that K/V (bit for bit the same: rows do not depend on the batch) and goes on.
+//! Nothing ever runs on partial KV. Admission guarantees each request fits the pool alone,
+//! and the oldest request is never preempted for a younger one, so every request finishes.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -183,6 +186,7 @@ pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, Startup
         )
     });
     let worker = Worker {
+        arrivals: 0,
         cache,
         model,
         pool: pool.clone(),
@@ -204,33 +208,57 @@ pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, Startup
     })
 }
 
-struct Waiting {
+/// Everything about a request except its pages: survives preemption.
+struct Progress {
     id: RequestId,
-    admitted: Admitted,
-    events: UnboundedSender<Event>,
-}
-
-/// A request holding its pages. Dropping it releases them.
-struct Running {
+    /// Arrival order: older requests are scheduled first and preempted last.
+    arrival: u64,
     request: GenerateRequest,
     events: UnboundedSender<Event>,
-    kv: SequenceKv,
     sampler: Sampler,
-    /// Prompt tokens whose K/V is in `kv`.
-    prefilled: usize,
-    /// The last sampled token, fed back at the next step.
-    pending: Option<u32>,
-    generated: usize,
-    cached_tokens: usize,
+    /// Tokens emitted so far. The K/V of `prompt ++ output[..len-1]` is what a running
+    /// request holds; after a preemption all of it is computed again.
+    output: Vec<u32>,
+    /// Prompt tokens served from the prefix cache when the request first ran.
+    cached_tokens: Option<usize>,
+    /// Prompt plus max_tokens: the most positions it can ever hold.
+    total_tokens: usize,
 }
 
-impl Running {
+impl Progress {
+    fn stream_len(&self) -> usize {
+        self.request.prompt.len() + self.output.len()
+    }
+
+    fn stream_token(&self, i: usize) -> u32 {
+        let p = self.request.prompt.len();
+        if i < p {
+            self.request.prompt[i]
+        } else {
+            self.output[i - p]
+        }
+    }
+
     fn usage(&self) -> Usage {
         Usage {
             prompt_tokens: self.request.prompt.len(),
-            completion_tokens: self.generated,
-            cached_tokens: self.cached_tokens,
+            completion_tokens: self.output.len(),
+            cached_tokens: self.cached_tokens.unwrap_or(0),
         }
+    }
+}
+
+/// A request holding pages. Dropping it releases them.
+struct Running {
+    progress: Progress,
+    kv: SequenceKv,
+}
+
+impl Running {
+    /// Tokens of the stream still to feed: the (rest of the) prompt or a replay after
+    /// preemption, or the one token sampled last.
+    fn remaining(&self) -> usize {
+        self.progress.stream_len() - self.kv.len()
     }
 }
 
@@ -241,13 +269,15 @@ enum Outcome {
 }
 
 struct Worker {
+    arrivals: u64,
     /// Shared prompt pages, keyed by isolation domain.
     cache: Option<PrefixCache>,
     model: Model,
     pool: KvPool,
     config: EngineConfig,
     metrics: SharedMetrics,
-    waiting: VecDeque<Waiting>,
+    waiting: VecDeque<Progress>,
+    /// In arrival order.
     running: Vec<Running>,
 }
 
@@ -293,10 +323,18 @@ impl Worker {
                 admitted,
                 events,
             } => {
-                self.waiting.push_back(Waiting {
+                self.arrivals += 1;
+                let total_tokens = admitted.total_tokens;
+                let request = admitted.request;
+                self.waiting.push_back(Progress {
+                    total_tokens,
                     id,
-                    admitted,
+                    arrival: self.arrivals,
+                    sampler: Sampler::new(request.sampling),
+                    request,
                     events,
+                    output: Vec::new(),
+                    cached_tokens: None,
                 });
                 true
             }
@@ -305,7 +343,7 @@ impl Worker {
                     let _ = w.events.send(Event::Failed(EngineError::Shutdown));
                 }
                 for r in self.running.drain(..) {
-                    let _ = r.events.send(Event::Failed(EngineError::Shutdown));
+                    let _ = r.progress.events.send(Event::Failed(EngineError::Shutdown));
                 }
                 false
             }
@@ -315,34 +353,48 @@ impl Worker {
     fn drop_cancelled(&mut self) {
         let before = self.waiting.len() + self.running.len();
         self.waiting.retain(|w| !w.events.is_closed());
-        self.running.retain(|r| !r.events.is_closed());
+        self.running.retain(|r| !r.progress.events.is_closed());
         let cancelled = before - self.waiting.len() - self.running.len();
         EngineMetrics::add(&self.metrics.cancelled, cancelled as u64);
     }
 
-    /// Moves waiting requests into the running set, first come first served, while their
-    /// whole reservation fits.
+    /// Frees pages: unreferenced cached prefixes first.
+    fn make_room(&mut self, pages: usize) -> bool {
+        let free = self.pool.counts().free;
+        if pages <= free {
+            return true;
+        }
+        if let Some(cache) = &mut self.cache {
+            cache.evict(pages - free);
+        }
+        pages <= self.pool.counts().free
+    }
+
+    /// Moves waiting requests into the running set in arrival order, while the pool has
+    /// room for their stream so far plus one page to grow into, and a spare page for each
+    /// request already running.
     fn promote(&mut self) {
         while self.running.len() < self.config.max_running {
             let Some(head) = self.waiting.front() else {
                 break;
             };
-            let request = &head.admitted.request;
-            let total = head.admitted.total_tokens;
             let owner = Owner {
                 request: head.id,
-                domain: request.domain.clone(),
+                domain: head.request.domain.clone(),
             };
-            // A cached prefix of the request's own domain (or a public one); the last prompt
-            // token is always computed, since sampling needs its logits.
+            let stream: Vec<u32> = (0..head.stream_len())
+                .map(|i| head.stream_token(i))
+                .collect();
+            // A cached prefix of the request's own domain (or a public one); the last token
+            // of the stream is always computed, since sampling needs its logits.
             let prefix = match &mut self.cache {
                 Some(cache) => {
-                    let max_pages = (request.prompt.len() - 1) / self.config.page_tokens;
-                    cache.lookup(&owner.domain, &request.prompt, max_pages)
+                    let max_pages = (stream.len() - 1) / self.config.page_tokens;
+                    cache.lookup(&owner.domain, &stream, max_pages)
                 }
                 None => kv::PrefixMatch::default(),
             };
-            let cached_tokens = prefix.tokens();
+            let cached = prefix.tokens();
             let mut kv = match SequenceKv::with_prefix(&self.pool, owner, prefix.into_pages()) {
                 Ok(kv) => kv,
                 Err(e) => {
@@ -356,37 +408,29 @@ impl Worker {
                     continue;
                 }
             };
-            let needed = kv.pages_needed(total);
-            let free = self.pool.counts().free;
-            if needed > free {
-                if let Some(cache) = &mut self.cache {
-                    cache.evict(needed - free);
-                }
-                if needed > self.pool.counts().free {
-                    break;
-                }
+            let target = (stream.len() + self.config.page_tokens).min(head.total_tokens);
+            let headroom = self.running.len();
+            if !self.make_room(kv.pages_needed(target) + headroom) {
+                break;
             }
-            if let Err(e) = kv.reserve(total) {
+            if let Err(e) = kv.reserve(target) {
                 tracing::debug!("reservation deferred: {e}");
                 break;
             }
-            let Some(w) = self.waiting.pop_front() else {
+            let Some(mut progress) = self.waiting.pop_front() else {
                 break;
             };
-            let request = w.admitted.request;
-            EngineMetrics::add(&self.metrics.prompt_tokens, request.prompt.len() as u64);
-            EngineMetrics::add(&self.metrics.cached_prompt_tokens, cached_tokens as u64);
-            self.running.push(Running {
-                sampler: Sampler::new(request.sampling),
-                request,
-                events: w.events,
-                kv,
-                prefilled: cached_tokens,
-                pending: None,
-                generated: 0,
-                cached_tokens,
-            });
+            if progress.cached_tokens.is_none() {
+                progress.cached_tokens = Some(cached);
+                EngineMetrics::add(
+                    &self.metrics.prompt_tokens,
+                    progress.request.prompt.len() as u64,
+                );
+                EngineMetrics::add(&self.metrics.cached_prompt_tokens, cached as u64);
+            }
+            self.running.push(Running { progress, kv });
         }
+        self.running.sort_by_key(|r| r.progress.arrival);
         self.metrics
             .running
             .store(self.running.len() as u64, Ordering::Relaxed);
@@ -395,14 +439,55 @@ impl Worker {
             .store(self.waiting.len() as u64, Ordering::Relaxed);
     }
 
+    /// Gives every running request the pages its next input needs, oldest first. When the
+    /// pool is dry, the youngest running request is preempted (possibly the one asking).
+    fn grow(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let need = {
+                let r = &self.running[i];
+                r.kv.pages_needed(r.progress.stream_len())
+            };
+            if need == 0 || self.make_room(need) {
+                let r = &mut self.running[i];
+                if r.kv.reserve(r.progress.stream_len()).is_ok() {
+                    i += 1;
+                    continue;
+                }
+            }
+            let Some(victim) = self.running.pop() else {
+                break;
+            };
+            self.preempt(victim);
+            // `i` now indexes the same request, or is past the end if it was the victim.
+        }
+    }
+
+    /// Returns a request's pages and puts it back at the head of the queue, to recompute.
+    fn preempt(&mut self, r: Running) {
+        EngineMetrics::add(&self.metrics.preemptions, 1);
+        let Running { progress, kv } = r;
+        drop(kv);
+        let at = self
+            .waiting
+            .iter()
+            .position(|w| w.arrival > progress.arrival)
+            .unwrap_or(self.waiting.len());
+        self.waiting.insert(at, progress);
+    }
+
     /// Offers a request's full prompt pages to the prefix cache once its prompt is in KV.
     fn share_prompt(&mut self, i: usize) {
-        let Some(cache) = &mut self.cache else { return };
+        let Some(cache) = &mut self.cache else {
+            return;
+        };
         let r = &mut self.running[i];
-        let public = cache.public_pages(&r.request.prompt);
+        let public = cache.public_pages(&r.progress.request.prompt);
         let pages = r.kv.share_full_pages_split(public);
-        let visibility = Visibility::Domain(r.request.domain.clone());
-        if let Err(e) = cache.insert(&visibility, &r.request.prompt, &pages) {
+        let prompt_pages = r.progress.request.prompt.len() / self.config.page_tokens;
+        let pages = &pages[..pages.len().min(prompt_pages)];
+        let visibility = Visibility::Domain(r.progress.request.domain.clone());
+        if let Err(e) = cache.insert(&visibility, &r.progress.request.prompt, pages) {
             tracing::warn!("prompt pages not cached: {e}");
         }
     }
@@ -410,6 +495,7 @@ impl Worker {
     fn step(&mut self) {
         self.drop_cancelled();
         self.promote();
+        self.grow();
         if self.running.is_empty() {
             if !self.waiting.is_empty() {
                 // Nothing running yet the head cannot be placed: only possible while pages
@@ -420,42 +506,48 @@ impl Worker {
         }
         EngineMetrics::add(&self.metrics.steps, 1);
 
-        // Plan: decode rows first (one token each), then prefill chunks in arrival order
-        // within the token budget.
+        // Plan: decode rows first (one token each), then prefill and replay chunks in
+        // arrival order within the token budget and the pages already reserved.
         let mut budget = self.config.max_batch_tokens;
-        let mut plan: Vec<(usize, std::ops::Range<usize>, bool)> = Vec::new(); // (running idx, prompt range or empty for decode, wants logits)
+        let mut plan: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
         for (i, r) in self.running.iter().enumerate() {
-            if r.pending.is_some() && budget > 0 {
-                plan.push((i, 0..0, true));
+            if r.remaining() == 1 && budget > 0 {
+                plan.push((i, r.kv.len()..r.kv.len() + 1));
                 budget -= 1;
             }
         }
         for (i, r) in self.running.iter().enumerate() {
-            if r.pending.is_none() && r.prefilled < r.request.prompt.len() && budget > 0 {
-                let end = (r.prefilled + budget).min(r.request.prompt.len());
-                budget -= end - r.prefilled;
-                plan.push((i, r.prefilled..end, end == r.request.prompt.len()));
+            if r.remaining() > 1 && budget > 0 {
+                let start = r.kv.len();
+                let end = (start + budget)
+                    .min(r.progress.stream_len())
+                    .min(r.kv.capacity());
+                if end > start {
+                    budget -= end - start;
+                    plan.push((i, start..end));
+                }
             }
         }
 
-        let decode_tokens: Vec<[u32; 1]> = plan
+        let inputs: Vec<Vec<u32>> = plan
             .iter()
-            .map(|&(i, _, _)| [self.running[i].pending.unwrap_or(0)])
+            .map(|(i, range)| {
+                let p = &self.running[*i].progress;
+                range.clone().map(|t| p.stream_token(t)).collect()
+            })
             .collect();
         let results = {
             let mut slots: Vec<Option<&mut Running>> = self.running.iter_mut().map(Some).collect();
             let mut items: Vec<BatchItem<'_>> = Vec::with_capacity(plan.len());
-            for (p, (i, range, wants)) in plan.iter().enumerate() {
-                let Some(r) = slots[*i].take() else { continue };
-                let tokens: &[u32] = if range.is_empty() {
-                    &decode_tokens[p]
-                } else {
-                    &r.request.prompt[range.clone()]
+            for ((i, range), tokens) in plan.iter().zip(&inputs) {
+                let Some(r) = slots[*i].take() else {
+                    continue;
                 };
+                let last = range.end == r.progress.stream_len();
                 items.push(BatchItem {
                     kv: &mut r.kv,
                     tokens,
-                    logits: if *wants {
+                    logits: if last {
                         LogitsWanted::Last
                     } else {
                         LogitsWanted::None
@@ -467,8 +559,7 @@ impl Worker {
 
         let mut outcomes: Vec<Outcome> =
             (0..self.running.len()).map(|_| Outcome::Continue).collect();
-        for ((i, range, wants), result) in plan.into_iter().zip(results) {
-            let r = &mut self.running[i];
+        for ((i, range), result) in plan.into_iter().zip(results) {
             let logits = match result {
                 Ok(l) => l,
                 Err(e) => {
@@ -484,16 +575,13 @@ impl Worker {
                     continue;
                 }
             };
-            if range.is_empty() {
-                r.pending = None;
-            } else {
-                r.prefilled = range.end;
-            }
-            if !wants {
+            let r = &mut self.running[i];
+            if range.end < r.progress.stream_len() {
                 continue;
             }
-            outcomes[i] = sample_next(r, &logits, &self.model.config, &self.metrics);
-            if !range.is_empty() {
+            let prompt_just_done = r.progress.output.is_empty();
+            outcomes[i] = sample_next(&mut r.progress, &logits, &self.model.config, &self.metrics);
+            if prompt_just_done {
                 self.share_prompt(i);
             }
         }
@@ -509,7 +597,7 @@ impl Worker {
             })
             .collect();
         for (i, ev) in finished.into_iter().rev() {
-            let r = self.running.swap_remove(i);
+            let r = self.running.remove(i);
             match &ev {
                 Event::Finished {
                     reason: FinishReason::Stop,
@@ -528,13 +616,13 @@ impl Worker {
 
 /// Sends the terminal event and drops the request (and with it, its pages).
 fn finish(r: Running, ev: Event) {
-    let Running { events, kv, .. } = r;
+    let Running { progress, kv } = r;
     drop(kv);
-    let _ = events.send(ev);
+    let _ = progress.events.send(ev);
 }
 
 fn sample_next(
-    r: &mut Running,
+    p: &mut Progress,
     logits: &[f32],
     config: &model::LlamaConfig,
     metrics: &EngineMetrics,
@@ -546,34 +634,34 @@ fn sample_next(
             logits.len()
         ))));
     }
-    let token = r.sampler.sample(logits);
-    let eos = Some(token) == config.eos_token && !r.request.ignore_eos;
-    if eos || r.request.stop_tokens.contains(&token) {
+    let token = p.sampler.sample(logits);
+    let eos = Some(token) == config.eos_token && !p.request.ignore_eos;
+    if eos || p.request.stop_tokens.contains(&token) {
         return Outcome::Done(Event::Finished {
             reason: FinishReason::Stop,
-            usage: r.usage(),
+            usage: p.usage(),
         });
     }
-    let (logprob, top) = match r.request.logprobs {
+    let (logprob, top) = match p.request.logprobs {
         Some(k) => {
             let lp = log_softmax(logits);
             (Some(lp[token as usize]), top_logprobs(&lp, k))
         }
         None => (None, Vec::new()),
     };
-    r.generated += 1;
+    p.output.push(token);
     EngineMetrics::add(&metrics.generated_tokens, 1);
-    let _ = r.events.send(Event::Token(TokenEvent {
+    let _ = p.events.send(Event::Token(TokenEvent {
         id: token,
         logprob,
         top_logprobs: top,
+        cached_prompt_tokens: p.cached_tokens.unwrap_or(0),
     }));
-    if r.generated >= r.request.max_tokens {
+    if p.output.len() >= p.request.max_tokens {
         return Outcome::Done(Event::Finished {
             reason: FinishReason::Length,
-            usage: r.usage(),
+            usage: p.usage(),
         });
     }
-    r.pending = Some(token);
     Outcome::Continue
 }

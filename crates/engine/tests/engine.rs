@@ -277,3 +277,45 @@ fn default_context_never_exceeds_the_pool() {
         .unwrap();
     assert_eq!(collect(engine.submit(fits)).tokens.len(), 1);
 }
+
+#[test]
+fn preempted_requests_recompute_to_the_same_tokens() {
+    // Sixteen pages; each request grows to 64 + 80 = 144 positions (nine pages), so two
+    // cannot both finish without one giving its pages back.
+    let engine = start(EngineConfig {
+        pool_tokens: 256,
+        max_context: Some(256),
+        prefix_cache: false,
+        scrub: ScrubPolicy::Poison,
+        ..EngineConfig::default()
+    });
+    let reqs: Vec<_> = (0..4)
+        .map(|i| request("t", prompt(i + 20, 64), 80))
+        .collect();
+    let solo: Vec<Output> = reqs.iter().map(|r| run(&engine, r.clone())).collect();
+    assert_eq!(
+        engine
+            .metrics()
+            .preemptions
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    let handles: Vec<_> = reqs
+        .iter()
+        .map(|r| engine.submit(engine.admission().admit(r.clone()).unwrap()))
+        .collect();
+    let outs: Vec<Output> = handles.into_iter().map(collect).collect();
+    assert_eq!(
+        outs, solo,
+        "preemption and recomputation changed the output"
+    );
+    assert!(
+        engine
+            .metrics()
+            .preemptions
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0,
+        "the pool was meant to run dry"
+    );
+    wait_for_no_leases(&engine);
+}

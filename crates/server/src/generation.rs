@@ -88,6 +88,8 @@ pub struct Generation {
     released_chars: usize,
     prompt_tokens: usize,
     completion_tokens: usize,
+    /// Prompt tokens the engine served from the prefix cache (carried on every token).
+    cached_tokens: usize,
     admitted_at: Instant,
     last_token_at: Option<Instant>,
     metrics: Arc<ServerMetrics>,
@@ -113,6 +115,7 @@ impl Generation {
             released_chars: 0,
             prompt_tokens,
             completion_tokens: 0,
+            cached_tokens: 0,
             admitted_at,
             last_token_at: None,
             guard: OutcomeGuard {
@@ -155,6 +158,7 @@ impl Generation {
         }
         self.last_token_at = Some(now);
         self.completion_tokens += 1;
+        self.cached_tokens = t.cached_prompt_tokens;
         ServerMetrics::add(&self.metrics.generated_tokens, 1);
 
         let piece = match self.decoder.push(&self.tok, t.id) {
@@ -178,8 +182,7 @@ impl Generation {
                 let usage = Usage {
                     prompt_tokens: self.prompt_tokens,
                     completion_tokens: self.completion_tokens,
-                    // Not reported by the engine before its own end; see the report.
-                    cached_tokens: 0,
+                    cached_tokens: self.cached_tokens,
                 };
                 Some(self.done(tail, FinishReason::Stop, usage))
             }

@@ -281,6 +281,13 @@ impl ServerMetrics {
         let _ = writeln!(out, "kvwarden_engine_steps_total {}", get(&m.steps));
         counter(
             &mut out,
+            "kvwarden_preemptions_total",
+            "Requests that gave their KV pages back to let older ones grow, to recompute later.",
+            "counter",
+        );
+        let _ = writeln!(out, "kvwarden_preemptions_total {}", get(&m.preemptions));
+        counter(
+            &mut out,
             "kvwarden_requests_running",
             "Requests holding KV pages.",
             "gauge",

@@ -45,6 +45,7 @@ fn token(id: u32) -> Event {
         id,
         logprob: Some(-0.5),
         top_logprobs: vec![(id, -0.5)],
+        cached_prompt_tokens: 0,
     })
 }
 
