@@ -308,16 +308,31 @@ fn has_avx2() -> bool {
     std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
+#[cfg(target_arch = "x86_64")]
+fn has_vnni() -> bool {
+    has_avx2()
+        && std::arch::is_x86_feature_detected!("avx512vnni")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+}
+
 macro_rules! dispatch {
     ($name:ident, $wt:ty, $scalar:path, $simd:ident) => {
         /// One weight row against a tile of activation rows.
         pub fn $name(w: &[$wt], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
             #[cfg(target_arch = "x86_64")]
+            if has_vnni() {
+                // SAFETY: the CPU supports AVX2, FMA, AVX-512 VNNI and VL (checked just
+                // above), the only requirement of the target-feature function; slice bounds
+                // are checked inside it.
+                unsafe { x86::vnni::$simd(w, acts, out) };
+                return;
+            }
+            #[cfg(target_arch = "x86_64")]
             if has_avx2() {
                 // SAFETY: the CPU supports AVX2 and FMA (checked just above), the only
                 // requirement of the target-feature function; slice bounds are checked
                 // inside it.
-                unsafe { x86::$simd(w, acts, out) };
+                unsafe { x86::avx2::$simd(w, acts, out) };
                 return;
             }
             for (a, o) in acts.iter().zip(out.iter_mut()) {
@@ -382,8 +397,7 @@ pub mod scalar {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::TILE;
-    use crate::weights::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+    use crate::weights::BlockQ8_1;
 
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -394,16 +408,6 @@ mod x86 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
         _mm_cvtss_f32(s)
-    }
-
-    /// Sum of products of 32 unsigned bytes (0..=128) with 32 signed bytes, as 8 i32 lanes
-    /// converted to f32. `maddubs` cannot saturate here: 2 * 128 * 127 < 32767.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256 {
-        let p16 = _mm256_maddubs_epi16(u, s);
-        let p32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-        _mm256_cvtepi32_ps(p32)
     }
 
     #[inline]
@@ -472,68 +476,108 @@ mod x86 {
         }
     }
 
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q4_1(w: &[BlockQ4_1], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
-        let k = acts.len().min(TILE);
-        let mut acc = [_mm256_setzero_ps(); TILE];
-        let mut summs = [0f32; TILE];
-        for (i, wb) in w.iter().enumerate() {
-            let wq = unpack_nibbles(&wb.qs);
-            for t in 0..k {
-                let ab = &acts[t][i];
-                summs[t] += wb.m * ab.s;
-                let xy = dot_u8_i8(wq, load_act(ab));
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), xy, acc[t]);
+    /// The quantized dot-product kernels, compiled once per instruction set. Only the
+    /// byte-product step differs (`maddubs` + `madd` on AVX2, one `dpbusd` with VNNI); both
+    /// give the same exact i32 sums, so the two builds agree bit for bit.
+    macro_rules! quant_kernels {
+        ($module:ident, $features:literal, $doc:literal) => {
+            #[doc = $doc]
+            pub mod $module {
+                use std::arch::x86_64::*;
+
+                use super::super::TILE;
+                use super::{hsum, load_act, unpack_nibbles};
+                use crate::weights::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+
+                /// Sums of products of 32 unsigned bytes (0..=128) with 32 signed bytes, as
+                /// 8 i32 lanes converted to f32. `maddubs` cannot saturate here:
+                /// 2 * 128 * 127 < 32767.
+                #[inline]
+                #[target_feature(enable = $features)]
+                fn dot_u8_i8(u: __m256i, s: __m256i) -> __m256 {
+                    quant_kernels!(@dot $module, u, s)
+                }
+
+                /// # Safety
+                /// The CPU must support the features this module is compiled for.
+                #[target_feature(enable = $features)]
+                pub unsafe fn q4_1(w: &[BlockQ4_1], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
+                    let k = acts.len().min(TILE);
+                    let mut acc = [_mm256_setzero_ps(); TILE];
+                    let mut summs = [0f32; TILE];
+                    for (i, wb) in w.iter().enumerate() {
+                        let wq = unpack_nibbles(&wb.qs);
+                        for t in 0..k {
+                            let ab = &acts[t][i];
+                            summs[t] += wb.m * ab.s;
+                            let xy = dot_u8_i8(wq, load_act(ab));
+                            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), xy, acc[t]);
+                        }
+                    }
+                    for t in 0..k {
+                        out[t] = hsum(acc[t]) + summs[t];
+                    }
+                }
+
+                /// # Safety
+                /// The CPU must support the features this module is compiled for.
+                #[target_feature(enable = $features)]
+                pub unsafe fn q4_0(w: &[BlockQ4_0], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
+                    let k = acts.len().min(TILE);
+                    let mut acc = [_mm256_setzero_ps(); TILE];
+                    let eight = _mm256_set1_epi8(8);
+                    for (i, wb) in w.iter().enumerate() {
+                        let wq = _mm256_sub_epi8(unpack_nibbles(&wb.qs), eight);
+                        let wabs = _mm256_sign_epi8(wq, wq);
+                        for t in 0..k {
+                            let ab = &acts[t][i];
+                            let xy = dot_u8_i8(wabs, _mm256_sign_epi8(load_act(ab), wq));
+                            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), xy, acc[t]);
+                        }
+                    }
+                    for t in 0..k {
+                        out[t] = hsum(acc[t]);
+                    }
+                }
+
+                /// # Safety
+                /// The CPU must support the features this module is compiled for.
+                #[target_feature(enable = $features)]
+                pub unsafe fn q8_0(w: &[BlockQ8_0], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
+                    let k = acts.len().min(TILE);
+                    let mut acc = [_mm256_setzero_ps(); TILE];
+                    for (i, wb) in w.iter().enumerate() {
+                        // SAFETY: `qs` is 32 readable bytes; `loadu` has no alignment
+                        // requirement.
+                        let wq = unsafe { _mm256_loadu_si256(wb.qs.as_ptr() as *const __m256i) };
+                        let wabs = _mm256_sign_epi8(wq, wq);
+                        for t in 0..k {
+                            let ab = &acts[t][i];
+                            let xy = dot_u8_i8(wabs, _mm256_sign_epi8(load_act(ab), wq));
+                            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), xy, acc[t]);
+                        }
+                    }
+                    for t in 0..k {
+                        out[t] = hsum(acc[t]);
+                    }
+                }
             }
-        }
-        for t in 0..k {
-            out[t] = hsum(acc[t]) + summs[t];
-        }
+        };
+        (@dot avx2, $u:ident, $s:ident) => {{
+            let p16 = _mm256_maddubs_epi16($u, $s);
+            _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)))
+        }};
+        (@dot vnni, $u:ident, $s:ident) => {
+            _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), $u, $s))
+        };
     }
 
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q4_0(w: &[BlockQ4_0], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
-        let k = acts.len().min(TILE);
-        let mut acc = [_mm256_setzero_ps(); TILE];
-        let eight = _mm256_set1_epi8(8);
-        for (i, wb) in w.iter().enumerate() {
-            let wq = _mm256_sub_epi8(unpack_nibbles(&wb.qs), eight);
-            let wabs = _mm256_sign_epi8(wq, wq);
-            for t in 0..k {
-                let ab = &acts[t][i];
-                let xy = dot_u8_i8(wabs, _mm256_sign_epi8(load_act(ab), wq));
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), xy, acc[t]);
-            }
-        }
-        for t in 0..k {
-            out[t] = hsum(acc[t]);
-        }
-    }
-
-    /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn q8_0(w: &[BlockQ8_0], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
-        let k = acts.len().min(TILE);
-        let mut acc = [_mm256_setzero_ps(); TILE];
-        for (i, wb) in w.iter().enumerate() {
-            // SAFETY: `qs` is 32 readable bytes; `loadu` has no alignment requirement.
-            let wq = unsafe { _mm256_loadu_si256(wb.qs.as_ptr() as *const __m256i) };
-            let wabs = _mm256_sign_epi8(wq, wq);
-            for t in 0..k {
-                let ab = &acts[t][i];
-                let xy = dot_u8_i8(wabs, _mm256_sign_epi8(load_act(ab), wq));
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), xy, acc[t]);
-            }
-        }
-        for t in 0..k {
-            out[t] = hsum(acc[t]);
-        }
-    }
+    quant_kernels!(avx2, "avx2,fma", "Kernels for AVX2 with FMA.");
+    quant_kernels!(
+        vnni,
+        "avx2,fma,avx512vnni,avx512vl",
+        "Kernels for CPUs with AVX-512 VNNI (Zen 4, Sapphire Rapids and later)."
+    );
 }
 
 #[cfg(test)]
@@ -669,6 +713,49 @@ mod tests {
                 *a = f16::from_f32(x.to_f32().mul_add(w, a.to_f32()));
             }
             assert_eq!(acc_simd, acc_scalar, "n={n}");
+        }
+    }
+
+    /// Both instruction-set builds of the quantized kernels give identical bits.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_and_vnni_kernels_agree_bit_for_bit() {
+        if !has_vnni() {
+            return;
+        }
+        let cols = 128;
+        let nb = cols / QK;
+        let mut s = 3u64;
+        let x: Vec<f32> = (0..TILE * cols).map(|_| lcg(&mut s) * 2.0).collect();
+        let mut xq = vec![BlockQ8_1::default(); TILE * nb];
+        for t in 0..TILE {
+            quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
+        }
+        let acts: Vec<&[BlockQ8_1]> = xq.chunks(nb).collect();
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let (m, _) = matrix(ty, 3, cols, 5);
+            for r in 0..3 {
+                let (mut a, mut b) = ([0f32; TILE], [0f32; TILE]);
+                // SAFETY: AVX2, FMA, AVX-512 VNNI and VL are present (checked above).
+                unsafe {
+                    match &m {
+                        Matrix::Q4_0 { data, .. } => {
+                            x86::avx2::q4_0(&data[r * nb..(r + 1) * nb], &acts, &mut a);
+                            x86::vnni::q4_0(&data[r * nb..(r + 1) * nb], &acts, &mut b);
+                        }
+                        Matrix::Q4_1 { data, .. } => {
+                            x86::avx2::q4_1(&data[r * nb..(r + 1) * nb], &acts, &mut a);
+                            x86::vnni::q4_1(&data[r * nb..(r + 1) * nb], &acts, &mut b);
+                        }
+                        Matrix::Q8_0 { data, .. } => {
+                            x86::avx2::q8_0(&data[r * nb..(r + 1) * nb], &acts, &mut a);
+                            x86::vnni::q8_0(&data[r * nb..(r + 1) * nb], &acts, &mut b);
+                        }
+                        Matrix::F32 { .. } => unreachable!(),
+                    }
+                }
+                assert_eq!(a.map(f32::to_bits), b.map(f32::to_bits), "{ty:?} row {r}");
+            }
         }
     }
 
