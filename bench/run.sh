@@ -13,7 +13,7 @@ if ! "$venv/bin/python" -c "import llama_cpp" 2>/dev/null; then
     "$venv/bin/python" -m pip install --quiet llama-cpp-python==0.3.36
 fi
 ours=$(RAYON_NUM_THREADS=$threads cargo bench -q -p model --bench throughput 2>/dev/null | tail -1)
-theirs=$("$venv/bin/python" bench/llama_cpp.py models/SmolLM2-135M-Instruct.Q4_1.gguf "$threads" | tail -1)
+theirs=$("$venv/bin/python" bench/peer_llama_cpp.py models/SmolLM2-135M-Instruct.Q4_1.gguf "$threads" | tail -1)
 echo "$ours"
 echo "$theirs"
 python3 - "$ours" "$theirs" <<'PY'

@@ -223,9 +223,7 @@ impl Model {
             quantize_rows(&xn, dim, &mut xq);
             matmul(&layer.w_gate, &xn, &xq, n, &mut gate);
             matmul(&layer.w_up, &xn, &xq, n, &mut up);
-            for (g, u) in gate.iter_mut().zip(&up) {
-                *g = crate::kernels::silu(*g) * u;
-            }
+            crate::kernels::swiglu(&mut gate, &up);
             quantize_rows(&gate, c.ffn_dim, &mut hq);
             matmul(&layer.w_down, &gate, &hq, n, &mut proj);
             add_in_place(&mut x, &proj);
