@@ -551,7 +551,6 @@ mod x86 {
             pub mod $module {
                 use std::arch::x86_64::*;
 
-                use super::super::TILE;
                 use super::{hsum, load_act, unpack_nibbles};
                 use crate::weights::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
 
@@ -564,68 +563,82 @@ mod x86 {
                     quant_kernels!(@dot $module, u, s)
                 }
 
-                /// # Safety
-                /// The CPU must support the features this module is compiled for.
+                /// A tile of `N` activation rows against one weight row, unrolled for `N`.
+                #[inline]
                 #[target_feature(enable = $features)]
-                pub unsafe fn q4_1(w: &[BlockQ4_1], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
-                    let k = acts.len().min(TILE);
-                    let mut acc = [_mm256_setzero_ps(); TILE];
-                    let mut summs = [0f32; TILE];
+                fn q4_1_n<const N: usize>(w: &[BlockQ4_1], acts: [&[BlockQ8_1]; N], out: &mut [f32]) {
+                    let mut acc = [_mm256_setzero_ps(); N];
+                    let mut summs = [0f32; N];
                     for (i, wb) in w.iter().enumerate() {
                         let wq = unpack_nibbles(&wb.qs);
-                        for t in 0..k {
+                        for t in 0..N {
                             let ab = &acts[t][i];
                             summs[t] += wb.m * ab.s;
                             let xy = dot_u8_i8(wq, load_act(ab));
                             acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), xy, acc[t]);
                         }
                     }
-                    for t in 0..k {
+                    for t in 0..N {
                         out[t] = hsum(acc[t]) + summs[t];
                     }
                 }
 
-                /// # Safety
-                /// The CPU must support the features this module is compiled for.
+                #[inline]
                 #[target_feature(enable = $features)]
-                pub unsafe fn q4_0(w: &[BlockQ4_0], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
-                    let k = acts.len().min(TILE);
-                    let mut acc = [_mm256_setzero_ps(); TILE];
+                fn q4_0_n<const N: usize>(w: &[BlockQ4_0], acts: [&[BlockQ8_1]; N], out: &mut [f32]) {
+                    let mut acc = [_mm256_setzero_ps(); N];
                     let eight = _mm256_set1_epi8(8);
                     for (i, wb) in w.iter().enumerate() {
                         let wq = _mm256_sub_epi8(unpack_nibbles(&wb.qs), eight);
                         let wabs = _mm256_sign_epi8(wq, wq);
-                        for t in 0..k {
+                        for t in 0..N {
                             let ab = &acts[t][i];
                             let xy = dot_u8_i8(wabs, _mm256_sign_epi8(load_act(ab), wq));
                             acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), xy, acc[t]);
                         }
                     }
-                    for t in 0..k {
+                    for t in 0..N {
                         out[t] = hsum(acc[t]);
                     }
                 }
 
-                /// # Safety
-                /// The CPU must support the features this module is compiled for.
+                #[inline]
                 #[target_feature(enable = $features)]
-                pub unsafe fn q8_0(w: &[BlockQ8_0], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
-                    let k = acts.len().min(TILE);
-                    let mut acc = [_mm256_setzero_ps(); TILE];
+                fn q8_0_n<const N: usize>(w: &[BlockQ8_0], acts: [&[BlockQ8_1]; N], out: &mut [f32]) {
+                    let mut acc = [_mm256_setzero_ps(); N];
                     for (i, wb) in w.iter().enumerate() {
                         // SAFETY: `qs` is 32 readable bytes; `loadu` has no alignment
                         // requirement.
                         let wq = unsafe { _mm256_loadu_si256(wb.qs.as_ptr() as *const __m256i) };
                         let wabs = _mm256_sign_epi8(wq, wq);
-                        for t in 0..k {
+                        for t in 0..N {
                             let ab = &acts[t][i];
                             let xy = dot_u8_i8(wabs, _mm256_sign_epi8(load_act(ab), wq));
                             acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), xy, acc[t]);
                         }
                     }
-                    for t in 0..k {
+                    for t in 0..N {
                         out[t] = hsum(acc[t]);
                     }
+                }
+
+                quant_kernels!(@entry q4_1, q4_1_n, BlockQ4_1, $features);
+                quant_kernels!(@entry q4_0, q4_0_n, BlockQ4_0, $features);
+                quant_kernels!(@entry q8_0, q8_0_n, BlockQ8_0, $features);
+            }
+        };
+        // The public entry: the tile's size picks a fully unrolled instance.
+        (@entry $name:ident, $tile:ident, $wt:ty, $features:literal) => {
+            /// # Safety
+            /// The CPU must support the features this module is compiled for.
+            #[target_feature(enable = $features)]
+            pub unsafe fn $name(w: &[$wt], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
+                match *acts {
+                    [a, b, c, d, ..] => $tile::<4>(w, [a, b, c, d], out),
+                    [a, b, c] => $tile::<3>(w, [a, b, c], out),
+                    [a, b] => $tile::<2>(w, [a, b], out),
+                    [a] => $tile::<1>(w, [a], out),
+                    [] => {}
                 }
             }
         };
