@@ -94,9 +94,23 @@ fn main() {
             *n = argmax(&l.unwrap());
         }
     }
+    // The read path alone, where the checks live: one decode step's worth of `runs` calls
+    // (every layer of every sequence in the batch of eight), repeated to be measurable.
+    let reps = 2000;
+    let t = Instant::now();
+    let mut pages = 0usize;
+    for _ in 0..reps {
+        for s in &seqs {
+            for layer in 0..model.config.n_layers {
+                pages += s.runs(layer, s.len()).map(|r| r.len()).unwrap_or(0);
+            }
+        }
+    }
+    let runs_ms = t.elapsed().as_secs_f64() * 1e3 / reps as f64;
+    assert!(pages > 0);
     let checks = if kv::CHECKS_ENABLED { "on" } else { "off" };
     println!(
-        "kv_checks={checks} decode_step_ms single={:.3} batch8={:.3}",
+        "kv_checks={checks} decode_step_ms single={:.3} batch8={:.3} reads_per_batch8_step_ms={runs_ms:.5}",
         median(single),
         median(batch)
     );
