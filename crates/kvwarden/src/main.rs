@@ -77,6 +77,14 @@ struct ServeArgs {
     api_keys: Option<PathBuf>,
     #[arg(long, default_value_t = 4 * 1024 * 1024)]
     max_body_bytes: usize,
+    /// Do not reuse prompt K/V between requests (by default reuse stays within a tenant).
+    #[arg(long)]
+    no_prefix_cache: bool,
+    /// JSON file with a list of prompt texts (e.g. a common system prompt, rendered as the
+    /// model sees it) that the operator declares public: their cached pages may be shared
+    /// across tenants. Everything else is shared only within one tenant.
+    #[arg(long)]
+    public_prefixes: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -265,11 +273,22 @@ fn serve(args: ServeArgs) -> Result<()> {
     let file = open_model(&args.model)?;
     let tok = tokenizer::Tokenizer::from_gguf(&file)?;
     let template = tok.compile_chat_template()?;
+    let public_prefixes = match &args.public_prefixes {
+        None => Vec::new(),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let texts: Vec<String> = serde_json::from_str(&text)
+                .with_context(|| format!("{}: expected a JSON list of strings", path.display()))?;
+            texts
+                .iter()
+                .map(|t| tok.encode(t))
+                .filter(|t| !t.is_empty())
+                .collect()
+        }
+    };
     let model = model::Model::load(&file)?;
     drop(file);
-    // Engine settings without a flag keep their defaults; the update is needless only
-    // while every field has a flag.
-    #[allow(clippy::needless_update)]
     let engine = engine::start(
         model,
         EngineConfig {
@@ -287,7 +306,8 @@ fn serve(args: ServeArgs) -> Result<()> {
             },
             max_batch_tokens: args.max_batch_tokens,
             max_running: args.max_running,
-            ..EngineConfig::default()
+            prefix_cache: !args.no_prefix_cache,
+            public_prefixes,
         },
     )?;
     let model_name = args.served_model_name.clone().unwrap_or_else(|| {
