@@ -3,7 +3,7 @@ use half::f16;
 use kv::{KvRun, KvSlice, SequenceKv};
 use rayon::prelude::*;
 
-use crate::kernels::{matmul, KvElem};
+use crate::kernels::{matmul, matmul_group, KvElem};
 use crate::weights::{load_vector, quantize_row_q8_1, BlockQ8_1, Matrix, QK};
 use crate::{LlamaConfig, ModelError};
 
@@ -189,9 +189,13 @@ impl Model {
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm_rows(&x, &layer.attn_norm, c.rms_eps, dim, &mut xn);
             quantize_rows(&xn, dim, &mut xq);
-            matmul(&layer.wq, &xn, &xq, n, &mut q);
-            matmul(&layer.wk, &xn, &xq, n, &mut k);
-            matmul(&layer.wv, &xn, &xq, n, &mut v);
+            matmul_group(
+                &[&layer.wq, &layer.wk, &layer.wv],
+                &xn,
+                &xq,
+                n,
+                &mut [&mut q, &mut k, &mut v],
+            );
             for (r, _) in rows.iter().enumerate() {
                 rope.apply(r, &mut q[r * dim..(r + 1) * dim], hd);
                 rope.apply(r, &mut k[r * kv_dim..(r + 1) * kv_dim], hd);
@@ -221,8 +225,13 @@ impl Model {
 
             rms_norm_rows(&x, &layer.ffn_norm, c.rms_eps, dim, &mut xn);
             quantize_rows(&xn, dim, &mut xq);
-            matmul(&layer.w_gate, &xn, &xq, n, &mut gate);
-            matmul(&layer.w_up, &xn, &xq, n, &mut up);
+            matmul_group(
+                &[&layer.w_gate, &layer.w_up],
+                &xn,
+                &xq,
+                n,
+                &mut [&mut gate, &mut up],
+            );
             crate::kernels::swiglu(&mut gate, &up);
             quantize_rows(&gate, c.ffn_dim, &mut hq);
             matmul(&layer.w_down, &gate, &hq, n, &mut proj);

@@ -14,35 +14,64 @@ const TILE: usize = 4;
 /// weights, `x_q8` (the same rows quantized with [`crate::weights::quantize_row_q8_1`]) by
 /// quantized ones; the caller provides whichever [`Matrix::wants_q8`] asks for.
 pub fn matmul(w: &Matrix, x_f32: &[f32], x_q8: &[BlockQ8_1], n: usize, out: &mut [f32]) {
-    let rows = w.rows();
-    let cols = w.cols();
-    assert_eq!(out.len(), n * rows, "matmul: output shape");
-    if w.wants_q8() {
-        assert_eq!(x_q8.len(), n * cols / QK, "matmul: quantized input shape");
-    } else {
-        assert_eq!(x_f32.len(), n * cols, "matmul: input shape");
+    matmul_group(&[w], x_f32, x_q8, n, &mut [out]);
+}
+
+/// Several products of the same input (Q, K and V; gate and up) in one parallel region:
+/// one fork-join instead of one per matrix, which matters at decode where each is short.
+pub fn matmul_group(
+    ws: &[&Matrix],
+    x_f32: &[f32],
+    x_q8: &[BlockQ8_1],
+    n: usize,
+    outs: &mut [&mut [f32]],
+) {
+    assert_eq!(ws.len(), outs.len(), "matmul: one output per matrix");
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        assert_eq!(out.len(), n * w.rows(), "matmul: output shape");
+        if w.wants_q8() {
+            assert_eq!(
+                x_q8.len(),
+                n * w.cols() / QK,
+                "matmul: quantized input shape"
+            );
+        } else {
+            assert_eq!(x_f32.len(), n * w.cols(), "matmul: input shape");
+        }
     }
-    // Row-major by weight row, so each task owns a contiguous slice.
-    let mut by_row = if n == 1 {
-        Vec::new()
-    } else {
-        vec![0f32; n * rows]
-    };
-    let target: &mut [f32] = if n == 1 { out } else { &mut by_row };
     let threads = rayon::current_num_threads().max(1);
-    let rows_per_task = (rows / (threads * 8)).clamp(8, 512);
-    target
-        .par_chunks_mut(rows_per_task * n)
-        .enumerate()
-        .for_each(|(task, chunk)| {
-            let r0 = task * rows_per_task;
-            let nr = chunk.len() / n;
-            rows_kernel(w, r0, nr, x_f32, x_q8, n, chunk);
-        });
+    let total_rows: usize = ws.iter().map(|w| w.rows()).sum();
+    let rows_per_task = (total_rows / (threads * 8)).clamp(8, 512);
+    // Row-major by weight row, so each task owns a contiguous slice; one token needs no
+    // transposition.
+    let mut by_row: Vec<Vec<f32>> = ws
+        .iter()
+        .map(|w| {
+            if n == 1 {
+                Vec::new()
+            } else {
+                vec![0f32; n * w.rows()]
+            }
+        })
+        .collect();
+    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    for (m, (buf, out)) in by_row.iter_mut().zip(outs.iter_mut()).enumerate() {
+        let target: &mut [f32] = if n == 1 { out } else { buf };
+        for (c, chunk) in target.chunks_mut(rows_per_task * n).enumerate() {
+            tasks.push((m, c * rows_per_task, chunk));
+        }
+    }
+    tasks.into_par_iter().for_each(|(m, r0, chunk)| {
+        let nr = chunk.len() / n;
+        rows_kernel(ws[m], r0, nr, x_f32, x_q8, n, chunk);
+    });
     if n != 1 {
-        for r in 0..rows {
-            for t in 0..n {
-                out[t * rows + r] = by_row[r * n + t];
+        for ((w, buf), out) in ws.iter().zip(&by_row).zip(outs.iter_mut()) {
+            let rows = w.rows();
+            for r in 0..rows {
+                for t in 0..n {
+                    out[t * rows + r] = buf[r * n + t];
+                }
             }
         }
     }
