@@ -353,16 +353,22 @@ impl KvSlice<'_> {
         self.len() == 0
     }
 
-    /// Copies into f32 (exact for both types).
-    pub fn to_f32(&self, out: &mut [f32]) {
+    /// Copies the first `min(self.len(), out.len())` values into `out` as f32 (exact for
+    /// both types) and returns how many it copied.
+    pub fn to_f32(&self, out: &mut [f32]) -> usize {
         match self {
             KvSlice::F16(s) => {
                 for (o, v) in out.iter_mut().zip(s.iter()) {
                     *o = v.to_f32();
                 }
             }
-            KvSlice::F32(s) => out[..s.len()].copy_from_slice(s),
+            KvSlice::F32(s) => {
+                for (o, v) in out.iter_mut().zip(s.iter()) {
+                    *o = *v;
+                }
+            }
         }
+        self.len().min(out.len())
     }
 }
 
