@@ -64,7 +64,7 @@ impl Default for EngineConfig {
 /// Reasons a node refuses to start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
-    #[error("--max-context {context} exceeds the KV pool capacity of {pool} tokens: a request of the advertised length could not be held. Enlarge --kv-pool-tokens to at least {context} or lower --max-context.")]
+    #[error("--max-context {context} exceeds the KV pool capacity of {pool} tokens: a request of the advertised length could not be held. Enlarge the pool (--kv-pool-tokens or --kv-pool-mib) to at least {context} tokens or lower --max-context.")]
     ContextExceedsPool { context: usize, pool: usize },
     #[error("--max-context {context} exceeds the model's context length of {model}")]
     ContextExceedsModel { context: usize, model: usize },

@@ -56,8 +56,12 @@ struct ServeArgs {
     /// Refused at startup when the KV pool cannot hold one request of this length.
     #[arg(long)]
     max_context: Option<usize>,
-    #[arg(long, default_value_t = 16_384)]
+    /// KV pool size in tokens, allocated at start.
+    #[arg(long, default_value_t = 16_384, conflicts_with = "kv_pool_mib")]
     kv_pool_tokens: usize,
+    /// KV pool size as a memory budget in MiB instead of tokens (whole pages that fit).
+    #[arg(long)]
+    kv_pool_mib: Option<usize>,
     #[arg(long, default_value_t = 16)]
     kv_page_tokens: usize,
     #[arg(long, value_enum, default_value_t = KvDtypeArg::F16)]
@@ -289,16 +293,31 @@ fn serve(args: ServeArgs) -> Result<()> {
     };
     let model = model::Model::load(&file)?;
     drop(file);
+    let kv_dtype = match args.kv_dtype {
+        KvDtypeArg::F16 => kv::KvDtype::F16,
+        KvDtypeArg::F32 => kv::KvDtype::F32,
+    };
+    let pool_tokens = match args.kv_pool_mib {
+        None => args.kv_pool_tokens,
+        Some(mib) => {
+            let layout = model.kv_layout(args.kv_page_tokens.max(1), kv_dtype);
+            let pages = (mib << 20) / layout.page_bytes().max(1);
+            if pages == 0 {
+                bail!(
+                    "--kv-pool-mib {mib} holds no page of {} bytes",
+                    layout.page_bytes()
+                );
+            }
+            pages * layout.page_tokens
+        }
+    };
     let engine = engine::start(
         model,
         EngineConfig {
             max_context: args.max_context,
-            pool_tokens: args.kv_pool_tokens,
+            pool_tokens,
             page_tokens: args.kv_page_tokens,
-            kv_dtype: match args.kv_dtype {
-                KvDtypeArg::F16 => kv::KvDtype::F16,
-                KvDtypeArg::F32 => kv::KvDtype::F32,
-            },
+            kv_dtype,
             scrub: match args.kv_scrub {
                 ScrubArg::Zero => kv::ScrubPolicy::Zero,
                 ScrubArg::Poison => kv::ScrubPolicy::Poison,

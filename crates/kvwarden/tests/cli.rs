@@ -140,3 +140,27 @@ fn generate_reproduces_llama_cpp_greedy_tokens() {
         );
     }
 }
+
+/// A memory budget is turned into whole pages, and the promise is checked against them.
+#[test]
+fn serve_checks_the_context_against_a_memory_budget() {
+    let model = model();
+    let model = model.to_string_lossy();
+    // 64 MiB holds 182 pages of 16 tokens (368,640 bytes each in f16): 2,912 tokens.
+    let (code, _, stderr) = kvwarden(&[
+        "serve",
+        "--model",
+        &model,
+        "--port",
+        "0",
+        "--kv-pool-mib",
+        "64",
+        "--max-context",
+        "4096",
+    ]);
+    assert!(code.is_some_and(|c| c != 0), "exit {code:?}: {stderr}");
+    assert!(
+        stderr.contains("4096") && stderr.contains("2912"),
+        "{stderr}"
+    );
+}
