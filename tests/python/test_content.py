@@ -200,3 +200,14 @@ def test_health_and_metrics(server, path):
         assert "kvwarden_isolation_check_failures_total" in m
         assert 'kvwarden_requests_total{outcome="stop"}' in m
         assert "kvwarden_time_to_first_token_seconds_count" in m
+
+
+def test_response_ids_are_opaque(server):
+    """Ids must not count requests: a tenant could read others' traffic from them."""
+    import re
+
+    ids = [complete(server, max_tokens=1).id for _ in range(3)]
+    assert len(set(ids)) == 3
+    for i in ids:
+        assert re.fullmatch(r"cmpl-[0-9a-f]{16}", i), i
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{16}", chat(server, max_tokens=1).id)

@@ -39,6 +39,9 @@ pub struct AppState {
     pub metrics: Arc<metrics::ServerMetrics>,
     /// When the server started (the `created` of `/v1/models`).
     pub created: u64,
+    /// Keys the hash that turns engine request numbers into response ids, so an id tells a
+    /// tenant nothing about how many requests others sent.
+    id_keys: std::collections::hash_map::RandomState,
 }
 
 impl AppState {
@@ -58,11 +61,21 @@ impl AppState {
             auth,
             max_body_bytes,
             metrics: Arc::default(),
+            id_keys: std::collections::hash_map::RandomState::new(),
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
         }
+    }
+}
+
+impl AppState {
+    /// An opaque response id for an engine request: a keyed hash (SipHash with a random
+    /// per-process key) of its sequence number.
+    pub fn response_id(&self, prefix: &str, request: engine::RequestId) -> String {
+        use std::hash::BuildHasher;
+        format!("{prefix}-{:016x}", self.id_keys.hash_one(request.0))
     }
 }
 

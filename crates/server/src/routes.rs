@@ -217,8 +217,8 @@ fn start(
     let admitted_at = Instant::now();
     let handle = app.engine.submit(admitted);
     let id = match api {
-        Api::Chat => format!("chatcmpl-{}", handle.id.0),
-        Api::Completion => format!("cmpl-{}", handle.id.0),
+        Api::Chat => app.response_id("chatcmpl", handle.id),
+        Api::Completion => app.response_id("cmpl", handle.id),
     };
     let generation = Generation::new(
         handle,
