@@ -151,3 +151,30 @@ def test_empty_cache_salt_is_refused(tenant_server, salt):
     )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "cache_salt"
+
+
+def test_preemption_under_a_small_pool_keeps_every_answer(make_server):
+    """A pool too small for the load: requests give their pages back and recompute, on
+    poisoned pages, and every answer is still token for token what it is alone."""
+    tight = make_server(
+        "--kv-pool-tokens", "384", "--max-context", "384", "--kv-scrub", "poison",
+        "--no-prefix-cache", name="tight",
+    )
+    prompts = [f"Tell a long story about {s}." for s in SUBJECTS[:4]]
+
+    def run(prompt):
+        r = tight.client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=120, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True},
+        )
+        return r.choices[0].logprobs.tokens
+
+    alone = [run(p) for p in prompts]
+    assert tight.metrics()["kvwarden_preemptions_total"] == 0
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        together = list(pool.map(run, prompts))
+    assert together == alone
+    m = tight.metrics()
+    assert m["kvwarden_preemptions_total"] > 0, "the pool was meant to run dry"
+    assert m["kvwarden_isolation_check_failures_total"] == 0
+    assert wait_for(lambda: kv_leased(tight) == 0)
