@@ -81,6 +81,7 @@ impl PageData {
         }
     }
 
+    #[cfg(feature = "test-support")]
     fn to_f32(&self) -> Vec<f32> {
         match self {
             PageData::F16(d) => d.iter().map(|x| x.to_f32()).collect(),
@@ -259,6 +260,7 @@ impl KvPool {
     /// its owner and is unreachable from here, by construction). Refused for pools that do
     /// not scrub: their free pages may still hold a previous tenant's data, and this must
     /// not become a way to read it.
+    #[cfg(feature = "test-support")]
     #[doc(hidden)]
     pub fn debug_free_page_raw(&self, d: &PageDescriptor) -> Option<Vec<f32>> {
         if self.inner.scrub == ScrubPolicy::None {
@@ -273,6 +275,7 @@ impl KvPool {
 
     /// Test support: the raw contents of every free page; `None` for pools that do not
     /// scrub (see [`KvPool::debug_free_page_raw`]).
+    #[cfg(feature = "test-support")]
     #[doc(hidden)]
     pub fn debug_free_pages_raw(&self) -> Option<Vec<Vec<f32>>> {
         if self.inner.scrub == ScrubPolicy::None {

@@ -61,7 +61,8 @@ pub fn matmul_group(
             tasks.push((m, c * rows_per_task, chunk));
         }
     }
-    let scales = if ws.iter().any(|w| w.wants_q8()) {
+    // Only the Q4_1 kernel reads them.
+    let scales = if ws.iter().any(|w| matches!(w, Matrix::Q4_1 { .. })) {
         tile_scales(x_q8, n, ws[0].cols() / QK)
     } else {
         Vec::new()
