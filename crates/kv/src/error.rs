@@ -55,6 +55,8 @@ pub enum KvError {
     },
     #[error("K/V row has {got} values, layout wants {want}")]
     RowShape { got: usize, want: usize },
+    #[error("received page payload has {got} bytes, its slot count and the layout make {want}")]
+    PayloadShape { got: usize, want: usize },
     #[error("layer {layer} out of range ({layers} layers)")]
     NoSuchLayer { layer: usize, layers: usize },
 }

@@ -22,6 +22,7 @@ mod pool;
 mod prefix;
 mod sequence;
 mod sync;
+mod transfer;
 
 pub use error::KvError;
 pub use pool::{
@@ -65,6 +66,11 @@ impl IsolationDomain {
 
     pub fn tenant_name(&self) -> &str {
         &self.tenant
+    }
+
+    /// The client salt that narrowed this domain, if any.
+    pub fn salt(&self) -> Option<&str> {
+        self.salt.as_deref()
     }
 }
 

@@ -79,6 +79,10 @@ impl SequenceKv {
         })
     }
 
+    pub fn layout(&self) -> crate::KvLayout {
+        self.pool.layout()
+    }
+
     pub fn owner(&self) -> &Owner {
         &self.owner
     }

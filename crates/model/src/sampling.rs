@@ -84,6 +84,17 @@ impl Sampler {
         Self { params, state }
     }
 
+    /// The generator's position, so that another node can go on sampling exactly where
+    /// this one stopped (a prefill node samples the first token, a decode node the rest).
+    pub fn state(&self) -> [u64; 4] {
+        self.state
+    }
+
+    /// A sampler with `params` at a position that [`Sampler::state`] reported.
+    pub fn resume(params: SamplingParams, state: [u64; 4]) -> Self {
+        Self { params, state }
+    }
+
     fn next_u64(&mut self) -> u64 {
         let s = &mut self.state;
         let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
@@ -182,6 +193,29 @@ mod tests {
         // top-3 of logits with value 1.8 (i % 7 == 6): ids 6, 13, 20.
         assert!(a.iter().all(|t| [6, 13, 20].contains(t)), "{a:?}");
         assert!(a.iter().any(|&t| t != a[0]), "sampling never varied");
+    }
+
+    #[test]
+    fn a_resumed_sampler_continues_the_same_sequence() {
+        let logits: Vec<f32> = (0..50).map(|i| (i % 5) as f32 * 0.2).collect();
+        let params = SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            top_k: 0,
+            seed: 9,
+        };
+        let mut whole = Sampler::new(params);
+        let expected: Vec<u32> = (0..40).map(|_| whole.sample(&logits)).collect();
+        let mut first = Sampler::new(params);
+        let head = first.sample(&logits);
+        let mut rest = Sampler::resume(params, first.state());
+        let mut got = vec![head];
+        got.extend((1..40).map(|_| rest.sample(&logits)));
+        assert_eq!(got, expected);
+        // A fresh sampler would not have continued it.
+        let mut fresh = Sampler::new(params);
+        let restarted: Vec<u32> = (1..40).map(|_| fresh.sample(&logits)).collect();
+        assert_ne!(restarted[..], expected[1..]);
     }
 
     #[test]

@@ -1,0 +1,98 @@
+//! A sequence's K/V as bytes, for moving a prompt's cache from a prefill node to a decode
+//! node. Export reads through the same checked path as attention (`SequenceKv::runs`), so
+//! only slots written for this sequence can leave; import writes through
+//! `SequenceKv::write`, so every received slot lands on a page this sequence owns, in
+//! order, exactly once, and the written extents then prove coverage.
+//!
+//! Payload of one page: for each layer, the K rows then the V rows of its first `tokens`
+//! slots, in the pool's element type, little-endian.
+
+use half::f16;
+
+use crate::{KvDtype, KvError, KvLayout, KvSlice, SequenceKv};
+
+impl KvLayout {
+    /// Bytes of one page payload holding `tokens` slots.
+    pub fn payload_bytes(&self, tokens: usize) -> usize {
+        self.n_layers * 2 * tokens * self.kv_dim * self.dtype.bytes()
+    }
+}
+
+fn push_slice(out: &mut Vec<u8>, s: KvSlice<'_>) {
+    match s {
+        KvSlice::F16(v) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        KvSlice::F32(v) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+    }
+}
+
+fn read_row(dtype: KvDtype, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        KvDtype::F16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+        KvDtype::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+    }
+}
+
+impl SequenceKv {
+    /// The payloads of the pages holding positions `[0, upto)`, one per page in position
+    /// order (the last one holds `upto % page_tokens` slots when that is not zero). Fails,
+    /// like attention would, if any of those positions was not written for this sequence.
+    pub fn export_pages(&self, upto: usize) -> Result<Vec<Vec<u8>>, KvError> {
+        let layout = self.layout();
+        let p = layout.page_tokens;
+        let mut pages: Vec<Vec<u8>> = (0..upto.div_ceil(p))
+            .map(|i| Vec::with_capacity(layout.payload_bytes((upto - i * p).min(p))))
+            .collect();
+        for layer in 0..layout.n_layers {
+            for (page, run) in pages.iter_mut().zip(self.runs(layer, upto)?) {
+                push_slice(page, run.k);
+                push_slice(page, run.v);
+            }
+        }
+        Ok(pages)
+    }
+
+    /// Writes a received page: slots `[index * page_tokens, index * page_tokens + tokens)`
+    /// on every layer. Refused unless the payload has exactly that shape, the page is
+    /// reserved and owned by this sequence, and those slots are the next unwritten ones on
+    /// every layer: a page sent twice, out of order, or past the reservation is an error.
+    pub fn import_page(
+        &mut self,
+        index: usize,
+        tokens: usize,
+        bytes: &[u8],
+    ) -> Result<(), KvError> {
+        let layout = self.layout();
+        let want = layout.payload_bytes(tokens);
+        if tokens == 0 || tokens > layout.page_tokens || bytes.len() != want {
+            return Err(KvError::PayloadShape {
+                got: bytes.len(),
+                want,
+            });
+        }
+        let row_bytes = layout.kv_dim * layout.dtype.bytes();
+        let (mut k, mut v) = (vec![0f32; layout.kv_dim], vec![0f32; layout.kv_dim]);
+        let base = index * layout.page_tokens;
+        for (layer, rows) in bytes.chunks_exact(2 * tokens * row_bytes).enumerate() {
+            let (ks, vs) = rows.split_at(tokens * row_bytes);
+            for slot in 0..tokens {
+                let at = slot * row_bytes..(slot + 1) * row_bytes;
+                read_row(layout.dtype, &ks[at.clone()], &mut k);
+                read_row(layout.dtype, &vs[at], &mut v);
+                self.write(layer, base + slot, &k, &v)?;
+            }
+        }
+        Ok(())
+    }
+}
