@@ -1,0 +1,1 @@
+tonic::include_proto!("kvwarden.node.v1");
