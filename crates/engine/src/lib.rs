@@ -13,13 +13,14 @@
 //!   engine step and its pages go back to the pool then.
 
 mod admission;
-mod scheduler;
+mod handle;
+mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub use admission::{Admission, Admitted, Rejection};
-pub use scheduler::{start, EngineConfig, EngineHandle, RequestHandle, StartupError};
+pub use handle::{start, EngineConfig, EngineHandle, RequestHandle, StartupError};
 
 pub use kv::{IsolationDomain, RequestId};
 pub use model::SamplingParams;

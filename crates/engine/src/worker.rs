@@ -10,203 +10,19 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-use std::sync::{mpsc, Arc};
+use std::sync::mpsc;
 use std::time::Duration;
 
-use kv::{
-    KvDtype, KvPool, Owner, PoolConfig, PrefixCache, PublicPrefixes, RequestId, ScrubPolicy,
-    SequenceKv, Visibility,
-};
+use kv::{KvPool, Owner, PrefixCache, RequestId, SequenceKv, Visibility};
 use model::sampling::{log_softmax, top_logprobs};
 use model::{BatchItem, LogitsWanted, Model, ModelError, Sampler};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::mpsc::UnboundedSender;
 
-use crate::admission::{Admission, Admitted};
+use crate::handle::{Command, EngineConfig};
 use crate::{
     EngineError, EngineMetrics, Event, FinishReason, GenerateRequest, SharedMetrics, TokenEvent,
     Usage,
 };
-
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    /// Advertised context; `None` means min(model context, pool capacity).
-    pub max_context: Option<usize>,
-    pub pool_tokens: usize,
-    pub page_tokens: usize,
-    pub kv_dtype: KvDtype,
-    pub scrub: ScrubPolicy,
-    /// Tokens per forward pass (decode rows plus prefill chunks).
-    pub max_batch_tokens: usize,
-    pub max_running: usize,
-    /// Reuse the K/V of earlier prompts within an isolation domain.
-    pub prefix_cache: bool,
-    /// Token sequences the operator declares public: their pages may be shared across
-    /// domains. Everything else is shared only within one domain.
-    pub public_prefixes: Vec<Vec<u32>>,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        Self {
-            max_context: None,
-            pool_tokens: 16_384,
-            page_tokens: 16,
-            kv_dtype: KvDtype::F16,
-            scrub: ScrubPolicy::Zero,
-            max_batch_tokens: 512,
-            max_running: 32,
-            prefix_cache: true,
-            public_prefixes: Vec::new(),
-        }
-    }
-}
-
-/// Reasons a node refuses to start.
-#[derive(Debug, thiserror::Error)]
-pub enum StartupError {
-    #[error("--max-context {context} exceeds the KV pool capacity of {pool} tokens: a request of the advertised length could not be held. Enlarge the pool (--kv-pool-tokens or --kv-pool-mib) to at least {context} tokens or lower --max-context.")]
-    ContextExceedsPool { context: usize, pool: usize },
-    #[error("--max-context {context} exceeds the model's context length of {model}")]
-    ContextExceedsModel { context: usize, model: usize },
-    #[error("invalid engine configuration: {0}")]
-    Config(String),
-}
-
-enum Command {
-    Submit {
-        id: RequestId,
-        admitted: Admitted,
-        events: UnboundedSender<Event>,
-    },
-    Shutdown,
-}
-
-/// The client side of one request: its events, in order, ending with `Finished` or
-/// `Failed`. Dropping it cancels the request.
-pub struct RequestHandle {
-    pub id: RequestId,
-    pub events: UnboundedReceiver<Event>,
-}
-
-/// A cheap, cloneable handle to a running engine.
-#[derive(Clone)]
-pub struct EngineHandle {
-    commands: mpsc::Sender<Command>,
-    admission: Admission,
-    pool: KvPool,
-    metrics: SharedMetrics,
-    next_id: Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl EngineHandle {
-    pub fn admission(&self) -> &Admission {
-        &self.admission
-    }
-
-    pub fn max_context(&self) -> usize {
-        self.admission.max_context
-    }
-
-    pub fn pool(&self) -> &KvPool {
-        &self.pool
-    }
-
-    pub fn metrics(&self) -> &EngineMetrics {
-        &self.metrics
-    }
-
-    /// Hands an admitted request to the engine. If the engine is gone, the stream carries
-    /// a single `Failed(Shutdown)`.
-    pub fn submit(&self, admitted: Admitted) -> RequestHandle {
-        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let (tx, rx) = unbounded_channel();
-        if let Err(mpsc::SendError(Command::Submit { events, .. })) =
-            self.commands.send(Command::Submit {
-                id,
-                admitted,
-                events: tx,
-            })
-        {
-            let _ = events.send(Event::Failed(EngineError::Shutdown));
-        }
-        RequestHandle { id, events: rx }
-    }
-
-    pub fn shutdown(&self) {
-        let _ = self.commands.send(Command::Shutdown);
-    }
-}
-
-/// Checks the capacity promise, allocates the pool and starts the engine thread.
-pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, StartupError> {
-    if !kv::CHECKS_ENABLED {
-        return Err(StartupError::Config(
-            "this build has the KV read checks compiled out (benchmark-only feature); it must not serve".into(),
-        ));
-    }
-    if config.page_tokens == 0 || config.max_batch_tokens == 0 || config.max_running == 0 {
-        return Err(StartupError::Config(
-            "page size, batch tokens and running limit must be positive".into(),
-        ));
-    }
-    let pages = config.pool_tokens.div_ceil(config.page_tokens);
-    let pool_tokens = pages * config.page_tokens;
-    let model_context = model.config.context_length;
-    let max_context = match config.max_context {
-        None => model_context.min(pool_tokens),
-        Some(c) if c > pool_tokens => {
-            return Err(StartupError::ContextExceedsPool {
-                context: c,
-                pool: pool_tokens,
-            })
-        }
-        Some(c) if c > model_context => {
-            return Err(StartupError::ContextExceedsModel {
-                context: c,
-                model: model_context,
-            })
-        }
-        Some(c) => c,
-    };
-    let pool = KvPool::new(PoolConfig {
-        layout: model.kv_layout(config.page_tokens, config.kv_dtype),
-        pages,
-        scrub: config.scrub,
-    });
-    let admission = Admission {
-        max_context,
-        vocab_size: model.config.vocab_size,
-    };
-    let (tx, rx) = mpsc::channel();
-    let metrics: SharedMetrics = Arc::default();
-    let cache = config.prefix_cache.then(|| {
-        PrefixCache::with_public_prefixes(
-            config.page_tokens,
-            PublicPrefixes::new(config.public_prefixes.clone()),
-        )
-    });
-    let worker = Worker {
-        arrivals: 0,
-        cache,
-        model,
-        pool: pool.clone(),
-        config,
-        metrics: metrics.clone(),
-        waiting: VecDeque::new(),
-        running: Vec::new(),
-    };
-    std::thread::Builder::new()
-        .name("kvwarden-engine".into())
-        .spawn(move || worker.run(rx))
-        .map_err(|e| StartupError::Config(format!("cannot start engine thread: {e}")))?;
-    Ok(EngineHandle {
-        commands: tx,
-        admission,
-        pool,
-        metrics,
-        next_id: Arc::new(std::sync::atomic::AtomicU64::new(1)),
-    })
-}
 
 /// Everything about a request except its pages: survives preemption.
 struct Progress {
@@ -268,7 +84,7 @@ enum Outcome {
     Done(Event),
 }
 
-struct Worker {
+pub(crate) struct Worker {
     arrivals: u64,
     /// Shared prompt pages, keyed by isolation domain.
     cache: Option<PrefixCache>,
@@ -282,7 +98,26 @@ struct Worker {
 }
 
 impl Worker {
-    fn run(mut self, commands: mpsc::Receiver<Command>) {
+    pub(crate) fn new(
+        model: Model,
+        pool: KvPool,
+        config: EngineConfig,
+        metrics: SharedMetrics,
+        cache: Option<PrefixCache>,
+    ) -> Self {
+        Self {
+            arrivals: 0,
+            cache,
+            model,
+            pool,
+            config,
+            metrics,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+        }
+    }
+
+    pub(crate) fn run(mut self, commands: mpsc::Receiver<Command>) {
         loop {
             // Idle: block for work. Busy: take whatever arrived and step.
             if self.waiting.is_empty() && self.running.is_empty() {
