@@ -7,8 +7,10 @@ use std::sync::{mpsc, Arc};
 use kv::{KvDtype, KvPool, PoolConfig, PrefixCache, PublicPrefixes, RequestId, ScrubPolicy};
 use model::Model;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::oneshot;
 
 use crate::admission::{Admission, Admitted};
+use crate::handoff::{ImportReservation, VerifiedImport};
 use crate::worker::Worker;
 use crate::{EngineError, EngineMetrics, Event, SharedMetrics};
 
@@ -62,6 +64,20 @@ pub(crate) enum Command {
         id: RequestId,
         admitted: Admitted,
         events: UnboundedSender<Event>,
+        /// Prefill role: stop after the first token and hand over the prompt's K/V.
+        prefill_only: bool,
+    },
+    /// Decode role: reserve pages for a prompt whose K/V another node will send.
+    Reserve {
+        id: RequestId,
+        admitted: Admitted,
+        request_id: String,
+        reply: oneshot::Sender<Result<ImportReservation, EngineError>>,
+    },
+    /// Decode role: run a received, verified sequence from its first token on.
+    SubmitImport {
+        verified: VerifiedImport,
+        events: UnboundedSender<Event>,
     },
     Shutdown,
 }
@@ -100,21 +116,83 @@ impl EngineHandle {
         &self.metrics
     }
 
-    /// Hands an admitted request to the engine. If the engine is gone, the stream carries
-    /// a single `Failed(Shutdown)`.
-    pub fn submit(&self, admitted: Admitted) -> RequestHandle {
-        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let (tx, rx) = unbounded_channel();
-        if let Err(mpsc::SendError(Command::Submit { events, .. })) =
-            self.commands.send(Command::Submit {
-                id,
-                admitted,
-                events: tx,
-            })
+    fn next_id(&self) -> RequestId {
+        RequestId(self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Sends a command that carries a request's event sender; if the engine is gone, the
+    /// stream carries a single `Failed(Shutdown)`.
+    fn send_with_events(
+        &self,
+        id: RequestId,
+        command: Command,
+        rx: UnboundedReceiver<Event>,
+    ) -> RequestHandle {
+        if let Err(mpsc::SendError(
+            Command::Submit { events, .. } | Command::SubmitImport { events, .. },
+        )) = self.commands.send(command)
         {
             let _ = events.send(Event::Failed(EngineError::Shutdown));
         }
         RequestHandle { id, events: rx }
+    }
+
+    /// Hands an admitted request to the engine. If the engine is gone, the stream carries
+    /// a single `Failed(Shutdown)`.
+    pub fn submit(&self, admitted: Admitted) -> RequestHandle {
+        self.submit_with(admitted, false)
+    }
+
+    /// Prefill role: runs the prompt, samples the first token, and ends the request with
+    /// [`Event::Prefilled`] carrying the prompt's K/V. Its pages are then released (or
+    /// kept by the prefix cache of the request's own domain).
+    pub fn submit_prefill(&self, admitted: Admitted) -> RequestHandle {
+        self.submit_with(admitted, true)
+    }
+
+    fn submit_with(&self, admitted: Admitted, prefill_only: bool) -> RequestHandle {
+        let id = self.next_id();
+        let (tx, rx) = unbounded_channel();
+        let command = Command::Submit {
+            id,
+            admitted,
+            events: tx,
+            prefill_only,
+        };
+        self.send_with_events(id, command, rx)
+    }
+
+    /// Decode role: reserves pages for the prompt of `admitted`, whose K/V another node
+    /// will send. Waits while the pool is full; gives up when the returned future is
+    /// dropped.
+    pub async fn reserve_import(
+        &self,
+        admitted: Admitted,
+        request_id: String,
+    ) -> Result<ImportReservation, EngineError> {
+        let (reply, answer) = oneshot::channel();
+        let command = Command::Reserve {
+            id: self.next_id(),
+            admitted,
+            request_id,
+            reply,
+        };
+        if self.commands.send(command).is_err() {
+            return Err(EngineError::Shutdown);
+        }
+        answer.await.unwrap_or(Err(EngineError::Shutdown))
+    }
+
+    /// Decode role: runs a verified sequence; its first event is the prefill node's first
+    /// token.
+    pub fn submit_import(&self, verified: VerifiedImport) -> RequestHandle {
+        let id = verified.id;
+        let (tx, rx) = unbounded_channel();
+        let command = Command::SubmitImport {
+            verified,
+            events: tx,
+        };
+        self.send_with_events(id, command, rx)
     }
 
     pub fn shutdown(&self) {

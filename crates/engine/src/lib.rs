@@ -14,6 +14,7 @@
 
 mod admission;
 mod handle;
+pub mod handoff;
 mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -70,8 +71,14 @@ pub struct Usage {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     Token(TokenEvent),
-    Finished { reason: FinishReason, usage: Usage },
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+    },
     Failed(EngineError),
+    /// Prefill role only ([`EngineHandle::submit_prefill`]): the terminal event, carrying
+    /// the prompt's K/V and the first token for a decode node.
+    Prefilled(Box<handoff::PrefillOutput>),
 }
 
 /// Failures after admission. Each ends its request with an error, never a partial success.
@@ -92,6 +99,8 @@ pub struct EngineMetrics {
     pub finished_stop: AtomicU64,
     pub finished_length: AtomicU64,
     pub failed: AtomicU64,
+    /// Prefill role: prompts whose K/V was handed over.
+    pub prefilled: AtomicU64,
     pub cancelled: AtomicU64,
     pub isolation_failures: AtomicU64,
     pub prompt_tokens: AtomicU64,

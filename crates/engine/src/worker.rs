@@ -17,8 +17,11 @@ use kv::{KvPool, Owner, PrefixCache, RequestId, SequenceKv, Visibility};
 use model::sampling::{log_softmax, top_logprobs};
 use model::{BatchItem, LogitsWanted, Model, ModelError, Sampler};
 use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::oneshot;
 
+use crate::admission::Admitted;
 use crate::handle::{Command, EngineConfig};
+use crate::handoff::{ImportReservation, PrefillOutput, Ticket, VerifiedImport};
 use crate::{
     EngineError, EngineMetrics, Event, FinishReason, GenerateRequest, SharedMetrics, TokenEvent,
     Usage,
@@ -39,6 +42,8 @@ struct Progress {
     cached_tokens: Option<usize>,
     /// Prompt plus max_tokens: the most positions it can ever hold.
     total_tokens: usize,
+    /// Prefill role: end after the first token with the prompt's K/V.
+    prefill_only: bool,
 }
 
 impl Progress {
@@ -95,6 +100,16 @@ pub(crate) struct Worker {
     waiting: VecDeque<Progress>,
     /// In arrival order.
     running: Vec<Running>,
+    /// Decode role: reservations for K/V that other nodes will send, first come first
+    /// served, before any waiting request is placed.
+    reservations: VecDeque<PendingReservation>,
+}
+
+struct PendingReservation {
+    id: RequestId,
+    admitted: Admitted,
+    request_id: String,
+    reply: oneshot::Sender<Result<ImportReservation, EngineError>>,
 }
 
 impl Worker {
@@ -114,13 +129,14 @@ impl Worker {
             metrics,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            reservations: VecDeque::new(),
         }
     }
 
     pub(crate) fn run(mut self, commands: mpsc::Receiver<Command>) {
         loop {
             // Idle: block for work. Busy: take whatever arrived and step.
-            if self.waiting.is_empty() && self.running.is_empty() {
+            if self.idle() {
                 match commands.recv() {
                     Ok(cmd) => {
                         if !self.accept(cmd) {
@@ -139,7 +155,7 @@ impl Worker {
                     }
                     Err(mpsc::TryRecvError::Empty) => break,
                     Err(mpsc::TryRecvError::Disconnected) => {
-                        if self.waiting.is_empty() && self.running.is_empty() {
+                        if self.idle() {
                             return;
                         }
                         break;
@@ -150,6 +166,10 @@ impl Worker {
         }
     }
 
+    fn idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty() && self.reservations.is_empty()
+    }
+
     /// Returns false on shutdown.
     fn accept(&mut self, cmd: Command) -> bool {
         match cmd {
@@ -157,6 +177,7 @@ impl Worker {
                 id,
                 admitted,
                 events,
+                prefill_only,
             } => {
                 self.arrivals += 1;
                 let total_tokens = admitted.total_tokens;
@@ -170,7 +191,27 @@ impl Worker {
                     events,
                     output: Vec::new(),
                     cached_tokens: None,
+                    prefill_only,
                 });
+                true
+            }
+            Command::Reserve {
+                id,
+                admitted,
+                request_id,
+                reply,
+            } => {
+                self.reservations.push_back(PendingReservation {
+                    id,
+                    admitted,
+                    request_id,
+                    reply,
+                });
+                self.place_reservations();
+                true
+            }
+            Command::SubmitImport { verified, events } => {
+                self.start_import(verified, events);
                 true
             }
             Command::Shutdown => {
@@ -180,8 +221,95 @@ impl Worker {
                 for r in self.running.drain(..) {
                     let _ = r.progress.events.send(Event::Failed(EngineError::Shutdown));
                 }
+                for r in self.reservations.drain(..) {
+                    let _ = r.reply.send(Err(EngineError::Shutdown));
+                }
                 false
             }
+        }
+    }
+
+    /// Gives pending reservations their pages, in order, while the pool (after evicting
+    /// unused cached prefixes) has room for a whole prompt.
+    fn place_reservations(&mut self) {
+        self.reservations.retain(|r| !r.reply.is_closed());
+        while let Some(head) = self.reservations.front() {
+            let request = head.admitted.request();
+            let owner = Owner {
+                request: head.id,
+                domain: request.domain.clone(),
+            };
+            let prompt_len = request.prompt.len();
+            let mut kv = SequenceKv::new(&self.pool, owner);
+            if !self.make_room(kv.pages_needed(prompt_len)) || kv.reserve(prompt_len).is_err() {
+                break;
+            }
+            let Some(r) = self.reservations.pop_front() else {
+                break;
+            };
+            let reservation = ImportReservation {
+                id: r.id,
+                ticket: Ticket::random(),
+                request_id: r.request_id,
+                admitted: r.admitted,
+                kv,
+                vocab_size: self.model.config.vocab_size,
+            };
+            // A requester that left drops the reservation, and with it the pages.
+            let _ = r.reply.send(Ok(reservation));
+        }
+    }
+
+    /// Decode role: a verified sequence joins the running set with its prompt's K/V in
+    /// place, and the prefill node's first token is accepted as if sampled here.
+    fn start_import(&mut self, verified: VerifiedImport, events: UnboundedSender<Event>) {
+        let VerifiedImport {
+            id,
+            admitted,
+            kv,
+            first_token,
+            sampler_state,
+            cached_tokens,
+        } = verified;
+        self.arrivals += 1;
+        let total_tokens = admitted.total_tokens;
+        let request = admitted.request;
+        EngineMetrics::add(&self.metrics.prompt_tokens, request.prompt.len() as u64);
+        EngineMetrics::add(&self.metrics.cached_prompt_tokens, cached_tokens as u64);
+        let mut progress = Progress {
+            id,
+            arrival: self.arrivals,
+            sampler: Sampler::resume(request.sampling, sampler_state),
+            request,
+            events,
+            output: Vec::new(),
+            cached_tokens: Some(cached_tokens),
+            total_tokens,
+            prefill_only: false,
+        };
+        match accept_token(
+            &mut progress,
+            first_token,
+            &self.model.config,
+            &self.metrics,
+        ) {
+            Outcome::Continue => self.running.push(Running { progress, kv }),
+            Outcome::Done(ev) => {
+                self.count_finish(&ev);
+                finish(Running { progress, kv }, ev);
+            }
+        }
+    }
+
+    fn count_finish(&self, ev: &Event) {
+        match ev {
+            Event::Finished {
+                reason: FinishReason::Stop,
+                ..
+            } => EngineMetrics::add(&self.metrics.finished_stop, 1),
+            Event::Finished { .. } => EngineMetrics::add(&self.metrics.finished_length, 1),
+            Event::Prefilled(_) => EngineMetrics::add(&self.metrics.prefilled, 1),
+            Event::Failed(_) | Event::Token(_) => EngineMetrics::add(&self.metrics.failed, 1),
         }
     }
 
@@ -329,10 +457,11 @@ impl Worker {
 
     fn step(&mut self) {
         self.drop_cancelled();
+        self.place_reservations();
         self.promote();
         self.grow();
         if self.running.is_empty() {
-            if !self.waiting.is_empty() {
+            if !self.waiting.is_empty() || !self.reservations.is_empty() {
                 // Nothing running yet the head cannot be placed: only possible while pages
                 // are still being returned by another thread. Back off briefly.
                 std::thread::sleep(Duration::from_millis(1));
@@ -415,7 +544,11 @@ impl Worker {
                 continue;
             }
             let prompt_just_done = r.progress.output.is_empty();
-            outcomes[i] = sample_next(&mut r.progress, &logits, &self.model.config, &self.metrics);
+            outcomes[i] = if r.progress.prefill_only {
+                hand_over(r, &logits, &self.model.config)
+            } else {
+                sample_next(&mut r.progress, &logits, &self.model.config, &self.metrics)
+            };
             if prompt_just_done {
                 self.share_prompt(i);
             }
@@ -433,14 +566,7 @@ impl Worker {
             .collect();
         for (i, ev) in finished.into_iter().rev() {
             let r = self.running.remove(i);
-            match &ev {
-                Event::Finished {
-                    reason: FinishReason::Stop,
-                    ..
-                } => EngineMetrics::add(&self.metrics.finished_stop, 1),
-                Event::Finished { .. } => EngineMetrics::add(&self.metrics.finished_length, 1),
-                _ => EngineMetrics::add(&self.metrics.failed, 1),
-            }
+            self.count_finish(&ev);
             finish(r, ev);
         }
         self.metrics
@@ -456,27 +582,19 @@ fn finish(r: Running, ev: Event) {
     let _ = progress.events.send(ev);
 }
 
-fn sample_next(
+fn sampled_token(
     p: &mut Progress,
     logits: &[f32],
     config: &model::LlamaConfig,
-    metrics: &EngineMetrics,
-) -> Outcome {
+) -> Result<TokenEvent, Event> {
     let vocab = config.vocab_size;
     if logits.len() != vocab {
-        return Outcome::Done(Event::Failed(EngineError::Model(format!(
+        return Err(Event::Failed(EngineError::Model(format!(
             "expected {vocab} logits, got {}",
             logits.len()
         ))));
     }
     let token = p.sampler.sample(logits);
-    let eos = Some(token) == config.eos_token && !p.request.ignore_eos;
-    if eos || p.request.stop_tokens.contains(&token) {
-        return Outcome::Done(Event::Finished {
-            reason: FinishReason::Stop,
-            usage: p.usage(),
-        });
-    }
     let (logprob, top) = match p.request.logprobs {
         Some(k) => {
             let lp = log_softmax(logits);
@@ -484,14 +602,66 @@ fn sample_next(
         }
         None => (None, Vec::new()),
     };
-    p.output.push(token);
-    EngineMetrics::add(&metrics.generated_tokens, 1);
-    let _ = p.events.send(Event::Token(TokenEvent {
+    Ok(TokenEvent {
         id: token,
         logprob,
         top_logprobs: top,
         cached_prompt_tokens: p.cached_tokens.unwrap_or(0),
-    }));
+    })
+}
+
+fn sample_next(
+    p: &mut Progress,
+    logits: &[f32],
+    config: &model::LlamaConfig,
+    metrics: &EngineMetrics,
+) -> Outcome {
+    match sampled_token(p, logits, config) {
+        Ok(token) => accept_token(p, token, config, metrics),
+        Err(failed) => Outcome::Done(failed),
+    }
+}
+
+/// Prefill role: the first token and the prompt's K/V, read back through the same checks
+/// as attention, end the request.
+fn hand_over(r: &mut Running, logits: &[f32], config: &model::LlamaConfig) -> Outcome {
+    let first = match sampled_token(&mut r.progress, logits, config) {
+        Ok(token) => token,
+        Err(failed) => return Outcome::Done(failed),
+    };
+    let prompt = &r.progress.request.prompt;
+    match r.kv.export_pages(prompt.len()) {
+        Ok(pages) => Outcome::Done(Event::Prefilled(Box::new(PrefillOutput {
+            first,
+            sampler_state: r.progress.sampler.state(),
+            prompt: prompt.clone(),
+            page_tokens: r.kv.layout().page_tokens,
+            pages,
+            cached_tokens: r.progress.cached_tokens.unwrap_or(0),
+        }))),
+        Err(e) => Outcome::Done(Event::Failed(EngineError::Isolation(e))),
+    }
+}
+
+/// Applies a sampled token: the end of the stream (EOS, a stop token, `max_tokens`), or
+/// one more token event for the client.
+fn accept_token(
+    p: &mut Progress,
+    token: TokenEvent,
+    config: &model::LlamaConfig,
+    metrics: &EngineMetrics,
+) -> Outcome {
+    let id = token.id;
+    let eos = Some(id) == config.eos_token && !p.request.ignore_eos;
+    if eos || p.request.stop_tokens.contains(&id) {
+        return Outcome::Done(Event::Finished {
+            reason: FinishReason::Stop,
+            usage: p.usage(),
+        });
+    }
+    p.output.push(id);
+    EngineMetrics::add(&metrics.generated_tokens, 1);
+    let _ = p.events.send(Event::Token(token));
     if p.output.len() >= p.request.max_tokens {
         return Outcome::Done(Event::Finished {
             reason: FinishReason::Length,

@@ -256,6 +256,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             }
             Event::Finished { .. } => break,
             Event::Failed(e) => bail!("generation failed: {e}"),
+            Event::Prefilled(_) => bail!("the engine answered a prefill-only result"),
         }
     }
     text.push_str(&decoder.finish());

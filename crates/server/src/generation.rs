@@ -144,6 +144,12 @@ impl Generation {
                     return Some(self.on_finished(reason, usage))
                 }
                 Some(Event::Failed(e)) => return Some(self.fail(e.into())),
+                // Only a prefill node's own requests end this way, never a client's.
+                Some(Event::Prefilled(_)) => {
+                    return Some(self.fail(ApiError::Internal(
+                        "a prefill-only result reached a client stream".into(),
+                    )))
+                }
                 // The engine dropped the request without a terminal event: it is gone.
                 None => return Some(self.fail(engine::EngineError::Shutdown.into())),
             }
