@@ -63,6 +63,7 @@ fn collect(mut handle: engine::RequestHandle) -> Output {
                 }
             }
             Some(Event::Failed(e)) => panic!("request failed: {e}"),
+            Some(Event::Prefilled(_)) => panic!("a client request ended as a prefill"),
             None => panic!("stream ended without a terminal event"),
         }
     }
