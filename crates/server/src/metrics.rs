@@ -61,7 +61,7 @@ pub struct Histogram {
 }
 
 impl Histogram {
-    fn new(bounds: &'static [f64]) -> Self {
+    pub fn new(bounds: &'static [f64]) -> Self {
         Self {
             bounds,
             buckets: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
@@ -87,7 +87,7 @@ impl Histogram {
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn render(&self, out: &mut String, name: &str, help: &str) {
+    pub fn render(&self, out: &mut String, name: &str, help: &str) {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
         let mut cumulative = 0;
         for (i, bucket) in self.buckets.iter().enumerate() {

@@ -1,0 +1,245 @@
+//! Conversions between the engine's types and their protobuf form. Everything that comes
+//! off the wire is checked here before it becomes an engine value: a malformed message is
+//! an `invalid_argument` for its own call, never a panic or a default.
+
+use engine::handoff::{Manifest, Ticket};
+use engine::{
+    EngineError, FinishReason, GenerateRequest, IsolationDomain, Rejection, SamplingParams,
+    TokenEvent, Usage,
+};
+use tonic::Status;
+
+use crate::pb;
+
+/// Most logprobs alternatives a request may ask for (the OpenAI API allows 20).
+const MAX_TOP_LOGPROBS: u32 = 20;
+
+pub fn request_to_pb(request_id: &str, r: &GenerateRequest) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        request_id: request_id.to_owned(),
+        tenant: r.domain.tenant_name().to_owned(),
+        salt: r.domain.salt().map(str::to_owned),
+        prompt: r.prompt.clone(),
+        max_tokens: r.max_tokens as u64,
+        sampling: Some(pb::Sampling {
+            temperature: r.sampling.temperature,
+            top_p: r.sampling.top_p,
+            top_k: r.sampling.top_k as u64,
+            seed: r.sampling.seed,
+        }),
+        ignore_eos: r.ignore_eos,
+        logprobs: r.logprobs.map(|k| k as u32),
+    }
+}
+
+pub fn domain(tenant: String, salt: Option<String>) -> IsolationDomain {
+    let d = IsolationDomain::tenant(tenant);
+    match salt {
+        Some(s) => d.narrowed(s),
+        None => d,
+    }
+}
+
+fn invalid(what: &str) -> Status {
+    Status::invalid_argument(what.to_owned())
+}
+
+/// The request id and the engine request; refuses what the router would never send.
+pub fn request_from_pb(r: pb::GenerateRequest) -> Result<(String, GenerateRequest), Status> {
+    if r.request_id.is_empty() || r.request_id.len() > 128 {
+        return Err(invalid("request_id must be 1 to 128 bytes"));
+    }
+    if r.tenant.is_empty() {
+        return Err(invalid("tenant is required"));
+    }
+    let s = r.sampling.ok_or_else(|| invalid("sampling is required"))?;
+    if !(s.temperature.is_finite() && s.temperature >= 0.0)
+        || !(s.top_p.is_finite() && s.top_p > 0.0 && s.top_p <= 1.0)
+    {
+        return Err(invalid("sampling parameters out of range"));
+    }
+    if r.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+        return Err(invalid("logprobs out of range"));
+    }
+    let request = GenerateRequest {
+        domain: domain(r.tenant, r.salt),
+        prompt: r.prompt,
+        max_tokens: usize::try_from(r.max_tokens).unwrap_or(usize::MAX),
+        sampling: SamplingParams {
+            temperature: s.temperature,
+            top_p: s.top_p,
+            top_k: usize::try_from(s.top_k).unwrap_or(usize::MAX),
+            seed: s.seed,
+        },
+        stop_tokens: Vec::new(),
+        ignore_eos: r.ignore_eos,
+        logprobs: r.logprobs.map(|k| k as usize),
+    };
+    Ok((r.request_id, request))
+}
+
+pub fn rejection_to_pb(r: &Rejection) -> pb::Rejection {
+    use pb::rejection::Kind;
+    let kind = match *r {
+        Rejection::EmptyPrompt => Kind::EmptyPrompt(true),
+        Rejection::ZeroMaxTokens => Kind::ZeroMaxTokens(true),
+        Rejection::ContextLengthExceeded {
+            limit,
+            prompt_tokens,
+            max_tokens,
+            total,
+        } => Kind::ContextLengthExceeded(pb::rejection::ContextLengthExceeded {
+            limit: limit as u64,
+            prompt_tokens: prompt_tokens as u64,
+            max_tokens: max_tokens as u64,
+            total: total as u64,
+        }),
+        Rejection::TokenOutOfRange { id, vocab } => {
+            Kind::TokenOutOfRange(pb::rejection::TokenOutOfRange {
+                id,
+                vocab: vocab as u64,
+            })
+        }
+    };
+    pb::Rejection { kind: Some(kind) }
+}
+
+fn size(n: u64) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+/// The node's original rejection, so the client sees the same error as from `serve`.
+pub fn rejection_from_pb(r: pb::Rejection) -> Result<Rejection, Status> {
+    use pb::rejection::Kind;
+    Ok(match r.kind.ok_or_else(|| invalid("empty rejection"))? {
+        Kind::EmptyPrompt(_) => Rejection::EmptyPrompt,
+        Kind::ZeroMaxTokens(_) => Rejection::ZeroMaxTokens,
+        Kind::ContextLengthExceeded(c) => Rejection::ContextLengthExceeded {
+            limit: size(c.limit),
+            prompt_tokens: size(c.prompt_tokens),
+            max_tokens: size(c.max_tokens),
+            total: size(c.total),
+        },
+        Kind::TokenOutOfRange(t) => Rejection::TokenOutOfRange {
+            id: t.id,
+            vocab: size(t.vocab),
+        },
+    })
+}
+
+pub fn token_to_pb(t: &TokenEvent) -> pb::Token {
+    pb::Token {
+        id: t.id,
+        logprob: t.logprob,
+        top_logprobs: t
+            .top_logprobs
+            .iter()
+            .map(|&(id, logprob)| pb::TopLogprob { id, logprob })
+            .collect(),
+        cached_prompt_tokens: t.cached_prompt_tokens as u64,
+    }
+}
+
+pub fn token_from_pb(t: pb::Token) -> Result<TokenEvent, Status> {
+    if t.top_logprobs.len() > MAX_TOP_LOGPROBS as usize {
+        return Err(invalid("too many top logprobs"));
+    }
+    Ok(TokenEvent {
+        id: t.id,
+        logprob: t.logprob,
+        top_logprobs: t
+            .top_logprobs
+            .into_iter()
+            .map(|x| (x.id, x.logprob))
+            .collect(),
+        cached_prompt_tokens: size(t.cached_prompt_tokens),
+    })
+}
+
+pub fn finished_to_pb(reason: FinishReason, usage: &Usage) -> pb::Finished {
+    pb::Finished {
+        stop: reason == FinishReason::Stop,
+        prompt_tokens: usage.prompt_tokens as u64,
+        completion_tokens: usage.completion_tokens as u64,
+        cached_tokens: usage.cached_tokens as u64,
+    }
+}
+
+pub fn finished_from_pb(f: &pb::Finished) -> (FinishReason, Usage) {
+    let reason = if f.stop {
+        FinishReason::Stop
+    } else {
+        FinishReason::Length
+    };
+    let usage = Usage {
+        prompt_tokens: size(f.prompt_tokens),
+        completion_tokens: size(f.completion_tokens),
+        cached_tokens: size(f.cached_tokens),
+    };
+    (reason, usage)
+}
+
+/// A failure's metric label and the message a peer may see. Engine errors carry internal
+/// request numbers in their detail: those are logged, not sent.
+pub fn failure_from_engine(e: &EngineError) -> pb::Failure {
+    let reason = match e {
+        EngineError::Isolation(_) => "isolation",
+        EngineError::Model(_) => "model",
+        EngineError::Shutdown => "shutdown",
+    };
+    tracing::warn!("request failed on this node: {e}");
+    pb::Failure {
+        reason: reason.to_owned(),
+        message: match e {
+            EngineError::Isolation(_) => "a KV isolation check failed on the decode node".into(),
+            EngineError::Model(_) => "the model failed on the node".into(),
+            EngineError::Shutdown => "the node is shutting down".into(),
+        },
+    }
+}
+
+pub fn failure(reason: &str, message: impl Into<String>) -> pb::Failure {
+    pb::Failure {
+        reason: reason.to_owned(),
+        message: message.into(),
+    }
+}
+
+pub fn manifest_to_pb(m: &Manifest) -> pb::Manifest {
+    pb::Manifest {
+        ticket: m.ticket.to_bytes().to_vec(),
+        request_id: m.request_id.clone(),
+        tenant: m.domain.tenant_name().to_owned(),
+        salt: m.domain.salt().map(str::to_owned),
+        prompt_len: m.prompt_len as u64,
+        token_checksum: m.token_checksum,
+        first_token: Some(token_to_pb(&m.first_token)),
+        sampler_state: m.sampler_state.to_vec(),
+        page_tokens: m.page_tokens as u32,
+        page_checksums: m.page_checksums.clone(),
+        cached_tokens: m.cached_tokens as u64,
+    }
+}
+
+pub fn manifest_from_pb(m: pb::Manifest) -> Result<Manifest, Status> {
+    let ticket = Ticket::from_bytes(&m.ticket).ok_or_else(|| invalid("ticket must be 16 bytes"))?;
+    let sampler_state: [u64; 4] = m
+        .sampler_state
+        .try_into()
+        .map_err(|_| invalid("sampler_state must hold 4 words"))?;
+    let first = m
+        .first_token
+        .ok_or_else(|| invalid("first_token is required"))?;
+    Ok(Manifest {
+        ticket,
+        request_id: m.request_id,
+        domain: domain(m.tenant, m.salt),
+        prompt_len: size(m.prompt_len),
+        token_checksum: m.token_checksum,
+        first_token: token_from_pb(first)?,
+        sampler_state,
+        page_tokens: m.page_tokens as usize,
+        page_checksums: m.page_checksums,
+        cached_tokens: size(m.cached_tokens),
+    })
+}
