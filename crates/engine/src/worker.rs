@@ -471,7 +471,7 @@ fn sample_next(
     }
     let token = p.sampler.sample(logits);
     let eos = Some(token) == config.eos_token && !p.request.ignore_eos;
-    if eos || p.request.stop_tokens.contains(&token) {
+    if eos {
         return Outcome::Done(Event::Finished {
             reason: FinishReason::Stop,
             usage: p.usage(),

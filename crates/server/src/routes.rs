@@ -206,7 +206,6 @@ fn start(
         prompt,
         max_tokens,
         sampling: settings.sampling,
-        stop_tokens: Vec::new(),
         ignore_eos: settings.ignore_eos,
         logprobs,
     };
