@@ -1,6 +1,6 @@
 """llama.cpp's pp/tg on the same GGUF file, through the llama-cpp-python package from PyPI.
 
-Settings match the shared goldens' reference: flash attention on, the given thread count,
+Settings match the reference of the goldens in tests/data/golden: flash attention on, the given thread count,
 and no extra buffer types (AMX / repacked weights, which crash on some of these machines).
 """
 import os

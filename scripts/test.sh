@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+./scripts/check-repo.sh
 ./scripts/fetch-model.sh
 python=$(./scripts/python-env.sh)
 

@@ -92,11 +92,10 @@ class Server:
         pytest.fail(f"/health never answered 200:\n{self.stderr()}")
 
     def post(self, path, body=None, *, data=None, headers=None, **kw):
-        h = {"Authorization": f"Bearer {self.api_key}"}
+        h = {"Authorization": f"Bearer {self.api_key}", "Content-Type": "application/json"}
         h.update(headers or {})
         if body is not None:
             data = json.dumps(body)
-            h.setdefault("Content-Type", "application/json")
         return requests.post(self.url + path, data=data, headers=h, timeout=120, **kw)
 
     def metrics(self) -> dict:

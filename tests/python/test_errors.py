@@ -33,6 +33,9 @@ def assert_error(r, status, code, param=None):
         (CHAT, "", 400, "invalid_json", None),
         (CHAT, '{"model": "%s", "messages": []} trailing' % MODEL_NAME, 400, "invalid_json", None),
         (CHAT, '"a string"', 400, "invalid_type", None),
+        # serde's positional form of a struct: a JSON array is not a request.
+        (CHAT, json.dumps([MODEL_NAME, HELLO]), 400, "invalid_type", None),
+        (COMPLETIONS, json.dumps([MODEL_NAME, "hello"]), 400, "invalid_type", None),
         (CHAT, json.dumps({"model": MODEL_NAME}), 400, "missing_required_parameter", "messages"),
         (CHAT, json.dumps({"messages": HELLO}), 400, "missing_required_parameter", "model"),
         (CHAT, json.dumps({"model": MODEL_NAME, "messages": "hello"}), 400, "invalid_type", "messages"),
@@ -121,6 +124,32 @@ def assert_error(r, status, code, param=None):
 )
 def test_client_errors(server, path, data, status, code, param):
     assert_error(server.post(path, data=data, headers={"Content-Type": "application/json"}), status, code, param)
+
+
+def test_messages_name_no_rust_types(server):
+    for path, body in [
+        (COMPLETIONS, {"model": MODEL_NAME, "prompt": {"a": 1}}),
+        (CHAT, {"model": MODEL_NAME, "messages": [5]}),
+        (CHAT, {"model": MODEL_NAME, "messages": HELLO, "stop": 5}),
+        (CHAT, {"model": MODEL_NAME, "messages": HELLO, "max_tokens": 1.5}),
+    ]:
+        err = assert_error(server.post(path, body), 400, "invalid_type")
+        for rust in ("untagged enum", "struct", "u64", "sequence"):
+            assert rust not in err["message"], err
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_only_json_bodies_are_accepted(server, content_type):
+    """A web page can POST text/plain or a form to a loopback server without a preflight;
+    a valid JSON body sent that way must not reach the engine."""
+    body = json.dumps({"model": MODEL_NAME, "prompt": "hello", "max_tokens": 1})
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    r = requests.post(server.url + COMPLETIONS, data=body, headers=headers, timeout=10)
+    assert_error(r, 415, "unsupported_media_type")
+    ok = requests.post(
+        server.url + COMPLETIONS, data=body, headers={"Content-Type": "application/json; charset=utf-8"}, timeout=60
+    )
+    assert ok.status_code == 200, ok.text
 
 
 def test_errors_are_counted_as_rejections(server):

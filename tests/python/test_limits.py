@@ -52,6 +52,8 @@ def test_max_tokens_is_counted(small_server):
     with pytest.raises(openai.BadRequestError) as e:
         small_server.client.completions.create(model=MODEL_NAME, prompt=ids(10), max_tokens=LIMIT - 9)
     assert e.value.code == "context_length_exceeded"
+    # The prompt fits alone: it is max_tokens that does not.
+    assert e.value.body["param"] == "max_tokens"
     r = small_server.client.completions.create(
         model=MODEL_NAME, prompt=ids(10), max_tokens=LIMIT - 10, temperature=0, stop=["."]
     )

@@ -48,13 +48,38 @@ impl Admitted {
 
 /// The limits of one engine. `max_context` never exceeds what the pool holds (checked when
 /// the engine starts), so an admitted request can always be scheduled once others finish.
+///
+/// Only the engine builds one ([`crate::start`]), from limits it checked against its pool:
+/// were the fields public, an `Admission` with a context larger than the pool could admit
+/// a request that never fits and would block the head of the queue forever.
+///
+/// ```compile_fail
+/// let admission = engine::Admission { max_context: 1 << 40, vocab_size: 1 << 20 };
+/// ```
 #[derive(Debug, Clone, Copy)]
 pub struct Admission {
-    pub max_context: usize,
-    pub vocab_size: usize,
+    max_context: usize,
+    vocab_size: usize,
 }
 
 impl Admission {
+    /// `max_context` must already be checked against the pool (see [`crate::start`]).
+    pub(crate) fn new(max_context: usize, vocab_size: usize) -> Self {
+        Self {
+            max_context,
+            vocab_size,
+        }
+    }
+
+    /// The advertised context: prompt plus completion never exceed it.
+    pub fn max_context(&self) -> usize {
+        self.max_context
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
     /// The default completion budget when a client gives none: whatever room is left.
     pub fn default_max_tokens(&self, prompt_tokens: usize) -> usize {
         self.max_context.saturating_sub(prompt_tokens)
@@ -105,7 +130,6 @@ mod tests {
             prompt: vec![5; prompt],
             max_tokens,
             sampling: SamplingParams::default(),
-            stop_tokens: vec![],
             ignore_eos: false,
             logprobs: None,
         }
@@ -113,10 +137,7 @@ mod tests {
 
     #[test]
     fn context_limit_counts_max_tokens() {
-        let a = Admission {
-            max_context: 100,
-            vocab_size: 10,
-        };
+        let a = Admission::new(100, 10);
         assert!(a.admit(req(99, 1)).is_ok());
         assert!(a.admit(req(50, 50)).is_ok());
         let e = a.admit(req(50, 51)).unwrap_err();

@@ -4,7 +4,9 @@
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
-use kv::{KvDtype, KvPool, PoolConfig, PrefixCache, PublicPrefixes, RequestId, ScrubPolicy};
+use kv::{
+    KvDtype, KvPool, PoolConfig, PoolCounts, PrefixCache, PublicPrefixes, RequestId, ScrubPolicy,
+};
 use model::Model;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::oneshot;
@@ -105,11 +107,19 @@ impl EngineHandle {
     }
 
     pub fn max_context(&self) -> usize {
-        self.admission.max_context
+        self.admission.max_context()
     }
 
-    pub fn pool(&self) -> &KvPool {
-        &self.pool
+    /// The KV pool's accounting. Only the counts: the pool itself can allocate, which only
+    /// the engine thread may do.
+    ///
+    /// ```compile_fail
+    /// fn grab(engine: &engine::EngineHandle) {
+    ///     let _ = engine.pool();
+    /// }
+    /// ```
+    pub fn pool_counts(&self) -> PoolCounts {
+        self.pool.counts()
     }
 
     pub fn metrics(&self) -> &EngineMetrics {
@@ -236,10 +246,7 @@ pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, Startup
         pages,
         scrub: config.scrub,
     });
-    let admission = Admission {
-        max_context,
-        vocab_size: model.config.vocab_size,
-    };
+    let admission = Admission::new(max_context, model.config.vocab_size);
     let (tx, rx) = mpsc::channel();
     let metrics: SharedMetrics = Arc::default();
     let cache = config.prefix_cache.then(|| {

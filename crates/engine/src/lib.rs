@@ -12,6 +12,10 @@
 //! * A client that stops listening (drops its [`RequestHandle`]) is cancelled at the next
 //!   engine step and its pages go back to the pool then.
 
+// Memory safety here rests on the compiler alone: the only unsafe code in the workspace is
+// the SIMD kernels of the `model` crate, each with its own safety argument and test.
+#![forbid(unsafe_code)]
+
 mod admission;
 mod handle;
 pub mod handoff;
@@ -33,8 +37,7 @@ pub struct GenerateRequest {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub sampling: SamplingParams,
-    /// Tokens that end generation (besides EOS unless `ignore_eos`); not emitted.
-    pub stop_tokens: Vec<u32>,
+    /// Keep generating past EOS until `max_tokens`.
     pub ignore_eos: bool,
     /// `Some(k)`: report each token's log-probability and the `k` most likely alternatives.
     pub logprobs: Option<usize>,
@@ -52,7 +55,7 @@ pub struct TokenEvent {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
-    /// EOS or a stop token.
+    /// EOS (or, as the server reports it, a stop string).
     Stop,
     /// `max_tokens` reached.
     Length,

@@ -653,7 +653,7 @@ fn accept_token(
 ) -> Outcome {
     let id = token.id;
     let eos = Some(id) == config.eos_token && !p.request.ignore_eos;
-    if eos || p.request.stop_tokens.contains(&id) {
+    if eos {
         return Outcome::Done(Event::Finished {
             reason: FinishReason::Stop,
             usage: p.usage(),

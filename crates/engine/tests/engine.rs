@@ -37,7 +37,6 @@ fn request(domain: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest
         prompt,
         max_tokens,
         sampling: SamplingParams::default(),
-        stop_tokens: vec![],
         ignore_eos: true,
         logprobs: Some(2),
     }
@@ -81,11 +80,11 @@ fn prompt(seed: u32, len: usize) -> Vec<u32> {
 
 fn wait_for_no_leases(engine: &EngineHandle) {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while engine.pool().counts().leased != 0 {
+    while engine.pool_counts().leased != 0 {
         assert!(
             Instant::now() < deadline,
             "pages still leased: {:?}",
-            engine.pool().counts()
+            engine.pool_counts()
         );
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -156,7 +155,7 @@ fn prefix_cache_is_scoped_to_the_domain() {
         salted.cached, 0,
         "a salt narrows sharing: no hit on the unsalted domain"
     );
-    let counts = engine.pool().counts();
+    let counts = engine.pool_counts();
     assert_eq!(counts.free + counts.leased + counts.cached, counts.total);
 }
 
@@ -195,7 +194,7 @@ fn a_dropped_request_releases_its_pages() {
         Some(Event::Token(_)) => {}
         other => panic!("expected a token, got {other:?}"),
     }
-    assert!(engine.pool().counts().leased > 0);
+    assert!(engine.pool_counts().leased > 0);
     drop(handle);
     wait_for_no_leases(&engine);
     assert_eq!(

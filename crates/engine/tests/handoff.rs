@@ -51,7 +51,6 @@ fn request(tenant: &str, len: usize, max_tokens: usize, seed: u64) -> GenerateRe
             top_k: 0,
             seed,
         },
-        stop_tokens: vec![],
         ignore_eos: true,
         logprobs: Some(2),
     }
@@ -107,7 +106,7 @@ fn transfer(
 }
 
 fn leased(engine: &EngineHandle) -> usize {
-    engine.pool().counts().leased
+    engine.pool_counts().leased
 }
 
 fn wait_idle(engine: &EngineHandle) {

@@ -5,6 +5,10 @@
 //! that remain before anything is allocated for it, so a malicious header cannot make the
 //! process allocate more than the file's own size.
 
+// Memory safety here rests on the compiler alone: the only unsafe code in the workspace is
+// the SIMD kernels of the `model` crate, each with its own safety argument and test.
+#![forbid(unsafe_code)]
+
 mod reader;
 mod types;
 mod writer;

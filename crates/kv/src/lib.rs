@@ -17,6 +17,10 @@
 //! * The [`PrefixCache`] keeps one radix tree per isolation domain plus one for prefixes the
 //!   operator declared public, so a cache hit (and its timing) never crosses tenants.
 
+// Memory safety here rests on the compiler alone: the only unsafe code in the workspace is
+// the SIMD kernels of the `model` crate, each with its own safety argument and test.
+#![forbid(unsafe_code)]
+
 mod error;
 mod pool;
 mod prefix;

@@ -568,24 +568,6 @@ impl PrefixCache {
                 .is_some_and(|&r| Arc::strong_count(page) == r)
     }
 
-    /// Drops a domain's whole tree (e.g. the tenant was deleted). Pages that running
-    /// requests hold stay alive until they finish.
-    pub fn clear_domain(&mut self, domain: &IsolationDomain) {
-        if let Some(tree) = self.domains.remove(domain) {
-            for node in tree.nodes.into_iter().flatten() {
-                if let Some(page) = node.page {
-                    let key = page_key(&page);
-                    if let Some(count) = self.refs.get_mut(&key) {
-                        *count -= 1;
-                        if *count == 0 {
-                            self.refs.remove(&key);
-                        }
-                    }
-                }
-            }
-        }
-    }
-
     /// Test support: every distinct page the cache holds.
     #[doc(hidden)]
     pub fn debug_pages(&self) -> Vec<Arc<SharedPage>> {

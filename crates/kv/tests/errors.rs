@@ -703,22 +703,6 @@ fn public_page_shared_by_trees_is_freed_once() {
 }
 
 #[test]
-fn clear_domain_releases_its_pages() {
-    let pool = pool(2);
-    let mut cache = PrefixCache::new(P);
-    let (seq, pages) = shared_prefix(&pool, 1, &a(), 2);
-    cache
-        .insert(&Visibility::Domain(a()), &[1, 2, 3, 4], &pages)
-        .unwrap();
-    drop((seq, pages));
-    counts(&pool, 0, 0, 2);
-    cache.clear_domain(&a());
-    counts(&pool, 2, 0, 0);
-    assert_eq!(cache.cached_pages(), 0);
-    cache.debug_check().unwrap();
-}
-
-#[test]
 fn pool_exhaustion_is_all_or_nothing() {
     let pool = pool(3);
     let held = pool.allocate(RequestId(1), 2).unwrap();

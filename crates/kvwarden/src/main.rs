@@ -1,5 +1,9 @@
 //! The `kvwarden` command line.
 
+// Memory safety here rests on the compiler alone: the only unsafe code in the workspace is
+// the SIMD kernels of the `model` crate, each with its own safety argument and test.
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
@@ -232,7 +236,6 @@ fn generate(args: GenerateArgs) -> Result<()> {
             top_k: args.top_k,
             seed: args.seed,
         },
-        stop_tokens: Vec::new(),
         ignore_eos: false,
         logprobs: None,
     };

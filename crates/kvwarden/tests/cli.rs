@@ -88,8 +88,9 @@ fn tokenize_prints_llama_cpp_ids() {
 fn generate_reproduces_llama_cpp_greedy_tokens() {
     let model = model();
     let model = model.to_string_lossy();
+    // llama.cpp's recorded output, kept in the repository (see tests/data/golden/README.md).
     let path =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden/completions.json");
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/golden/completions.json");
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("golden file {} is required: {e}", path.display()));
     let golden: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}"));

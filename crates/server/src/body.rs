@@ -3,6 +3,7 @@
 //! the offending field.
 
 use axum::body::{Body, Bytes};
+use axum::http::{header, HeaderMap};
 use serde::de::DeserializeOwned;
 
 use crate::error::ApiError;
@@ -26,20 +27,73 @@ pub async fn read(body: Body, limit: usize) -> Result<Bytes, ApiError> {
     })
 }
 
+/// Refuses a body that is not declared JSON. A web page can make a browser POST
+/// `text/plain` (or a form) to any address without a preflight, so accepting bodies
+/// regardless of their type would let any site a user visits drive an unauthenticated
+/// loopback server; it cannot send `application/json` cross-origin without the server's
+/// consent (CORS, which this server never grants).
+pub fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
+    let value = headers.get(header::CONTENT_TYPE);
+    let is_json = value
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"));
+    if is_json {
+        Ok(())
+    } else {
+        Err(ApiError::UnsupportedMediaType {
+            got: value.map(|v| {
+                String::from_utf8_lossy(v.as_bytes())
+                    .chars()
+                    .take(100)
+                    .collect()
+            }),
+        })
+    }
+}
+
 /// Decodes a JSON object, mapping each serde failure to a typed 400.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
-    if bytes.iter().all(u8::is_ascii_whitespace) {
+    let Some(&first) = bytes.iter().find(|b| !b.is_ascii_whitespace()) else {
         return Err(ApiError::invalid(
             "invalid_json",
             None,
             "The request body is empty; expected a JSON object.",
         ));
+    };
+    if first != b'{' {
+        // serde would accept a JSON array as the positional form of a struct
+        // (`["model", [...]]`); the API takes objects only. Anything else that parses is the
+        // wrong type, anything that does not is malformed JSON.
+        return Err(
+            match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
+                Ok(_) => ApiError::invalid(
+                    "invalid_type",
+                    None,
+                    format!(
+                        "The request body must be a JSON object, not {}.",
+                        json_kind(first)
+                    ),
+                ),
+                Err(e) => invalid_json(&e),
+            },
+        );
     }
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| from_path_error(&e))?;
     // Trailing bytes after the object are a malformed body, not something to ignore.
     de.end().map_err(|e| invalid_json(&e))?;
     Ok(value)
+}
+
+fn json_kind(first: u8) -> &'static str {
+    match first {
+        b'[' => "an array",
+        b'"' => "a string",
+        b't' | b'f' => "a boolean",
+        b'n' => "null",
+        _ => "a number",
+    }
 }
 
 fn invalid_json(e: &serde_json::Error) -> ApiError {
@@ -77,11 +131,63 @@ fn from_path_error(e: &serde_path_to_error::Error<serde_json::Error>) -> ApiErro
     } else {
         "invalid_type"
     };
+    let msg = in_api_terms(&msg);
     let message = match &at {
         Some(p) => format!("Invalid value for '{p}': {msg}."),
         None => format!("Invalid request body: {msg}."),
     };
     ApiError::invalid(code, at, message)
+}
+
+/// serde describes what it expected in Rust's terms (`u64`, `struct Message`, `untagged
+/// enum Prompt`, `a sequence`); clients speak JSON. Rewrites those descriptions, keeping
+/// serde's account of what it found and where.
+fn in_api_terms(msg: &str) -> String {
+    let (main, location) = match msg.rfind(" at line ") {
+        Some(i) => msg.split_at(i),
+        None => (msg, ""),
+    };
+    let main =
+        if let Some(name) = main.strip_prefix("data did not match any variant of untagged enum ") {
+            format!("expected {}", untagged_shape(name))
+        } else if let Some((found, expected)) = main.split_once(", expected ") {
+            let found = found
+                .replace("invalid type: map", "invalid type: object")
+                .replace("invalid type: sequence", "invalid type: array");
+            format!("{found}, expected {}", expected_in_json(expected))
+        } else {
+            main.to_owned()
+        };
+    format!("{main}{location}")
+}
+
+/// What each untagged enum of the request types accepts, as JSON.
+fn untagged_shape(name: &str) -> &'static str {
+    match name.trim() {
+        "Prompt" => "a string, an array of strings, an array of token ids or an array of arrays of token ids",
+        "Stop" => "a string or an array of strings",
+        "Content" => "a string or an array of content parts",
+        _ => "a value of another shape",
+    }
+}
+
+fn expected_in_json(expected: &str) -> String {
+    let e = expected.trim();
+    match e {
+        "u8" | "u16" | "u32" | "u64" | "u128" | "usize" => "a non-negative integer".into(),
+        "i8" | "i16" | "i32" | "i64" | "i128" | "isize" => "an integer".into(),
+        "f32" | "f64" => "a number".into(),
+        "a sequence" => "an array".into(),
+        "a map" => "an object".into(),
+        "a borrowed string" | "a string" => "a string".into(),
+        "a boolean" => "a boolean".into(),
+        _ if e.starts_with("struct ") => "an object".into(),
+        _ if e.starts_with("enum ") || e.contains("variant") => "one of the allowed values".into(),
+        _ if e.chars().any(|c| c == '_' || c.is_ascii_uppercase()) => {
+            "a value of another type".into()
+        }
+        _ => e.to_owned(),
+    }
 }
 
 #[cfg(test)]
@@ -138,6 +244,79 @@ mod tests {
             (400, "invalid_value", Some("max_tokens".into()))
         );
         assert_eq!(err("\"text\""), (400, "invalid_type", None));
+        // serde's positional form of a struct: an array is not an object.
+        assert_eq!(
+            err("[\"m\", 5, [{\"role\": \"user\"}]]"),
+            (400, "invalid_type", None)
+        );
+        assert_eq!(err(" [1, 2"), (400, "invalid_json", None));
+        assert_eq!(err("null"), (400, "invalid_type", None));
+    }
+
+    /// Messages speak JSON, never Rust: no type names, no `struct`, `enum` or `u64`.
+    #[test]
+    fn messages_name_no_rust_types() {
+        #[derive(Debug, Deserialize)]
+        #[allow(dead_code)]
+        struct Full {
+            prompt: crate::request::Prompt,
+            stop: Option<crate::request::Stop>,
+            messages: Option<Vec<crate::request::Message>>,
+            n: Option<u64>,
+            seed: Option<i64>,
+            temperature: Option<f64>,
+            stream: Option<bool>,
+        }
+        let bodies = [
+            r#"{"prompt": {"a": 1}}"#,
+            r#"{"prompt": "x", "stop": 5}"#,
+            r#"{"prompt": "x", "messages": [5]}"#,
+            r#"{"prompt": "x", "messages": [{"role": "user", "content": 5}]}"#,
+            r#"{"prompt": "x", "messages": {"role": "user"}}"#,
+            r#"{"prompt": "x", "n": "5"}"#,
+            r#"{"prompt": "x", "n": -1}"#,
+            r#"{"prompt": "x", "n": 1.5}"#,
+            r#"{"prompt": "x", "seed": "x"}"#,
+            r#"{"prompt": "x", "temperature": []}"#,
+            r#"{"prompt": "x", "stream": 1}"#,
+            r#"{"prompt": [[1, -2]]}"#,
+        ];
+        for body in bodies {
+            let e = decode::<Full>(body.as_bytes()).unwrap_err();
+            let msg = e.to_string();
+            assert_eq!(e.status().as_u16(), 400, "{body}: {msg}");
+            for rust in [
+                "struct", "enum", "u64", "i64", "f64", "u32", "sequence", " map", "Prompt", "Stop",
+                "Message", "Content",
+            ] {
+                assert!(!msg.contains(rust), "{body}: {msg:?} mentions {rust:?}");
+            }
+        }
+        let e = decode::<Full>(br#"{"prompt": {"a": 1}}"#).unwrap_err();
+        assert!(e.to_string().contains("array of token ids"), "{e}");
+    }
+
+    #[test]
+    fn only_json_bodies_are_read() {
+        let with = |v: Option<&str>| {
+            let mut h = HeaderMap::new();
+            if let Some(v) = v {
+                h.insert(header::CONTENT_TYPE, v.parse().unwrap());
+            }
+            require_json(&h).map_err(|e| (e.status().as_u16(), e.code()))
+        };
+        assert_eq!(with(Some("application/json")), Ok(()));
+        assert_eq!(with(Some("Application/JSON; charset=utf-8")), Ok(()));
+        for bad in [
+            None,
+            Some("text/plain"),
+            Some("text/plain;charset=UTF-8"),
+            Some("application/x-www-form-urlencoded"),
+            Some("multipart/form-data; boundary=x"),
+            Some("application/jsonp"),
+        ] {
+            assert_eq!(with(bad), Err((415, "unsupported_media_type")), "{bad:?}");
+        }
     }
 
     #[test]

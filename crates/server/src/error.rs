@@ -34,7 +34,9 @@ pub enum ApiError {
     RouteNotFound { method: String, path: String },
     #[error("Method {method} is not allowed for {path}.")]
     MethodNotAllowed { method: String, path: String },
-    #[error("{0}")]
+    #[error("Request bodies must be JSON, sent with `Content-Type: application/json`{}.", got.as_ref().map(|g| format!(" (got '{g}')")).unwrap_or_default())]
+    UnsupportedMediaType { got: Option<String> },
+    #[error("{}", engine_message(.0))]
     Engine(#[from] EngineError),
     /// A server-side fault unrelated to the request's content (a broken chat template, a
     /// token the tokenizer cannot decode).
@@ -42,7 +44,28 @@ pub enum ApiError {
     Internal(String),
 }
 
+/// What a client is told about an engine failure. Never the engine error's own text: a
+/// `KvError` names internal request numbers (for a foreign lease, another request's),
+/// which would undo the opaque response ids. The server logs the detail instead
+/// ([`ApiError::detail`]).
+fn engine_message(e: &EngineError) -> &'static str {
+    match e {
+        EngineError::Isolation(_) => "A KV-cache isolation check stopped this request before it could read memory it does not own. Nothing was read; the server logged the details.",
+        EngineError::Model(_) => "The model failed while processing this request; the server logged the details.",
+        EngineError::Shutdown => "The engine is shutting down; retry later.",
+    }
+}
+
 impl ApiError {
+    /// The full account of a failure, for the server's log only: unlike the client-facing
+    /// message it may name internal request numbers.
+    pub fn detail(&self) -> String {
+        match self {
+            ApiError::Engine(e) => e.to_string(),
+            other => other.to_string(),
+        }
+    }
+
     pub fn invalid(
         code: &'static str,
         param: impl Into<Option<String>>,
@@ -67,6 +90,7 @@ impl ApiError {
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Engine(EngineError::Shutdown) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -82,6 +106,7 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
             ApiError::RouteNotFound { .. } => "not_found",
             ApiError::MethodNotAllowed { .. } => "method_not_allowed",
+            ApiError::UnsupportedMediaType { .. } => "unsupported_media_type",
             ApiError::Engine(EngineError::Isolation(_)) => "isolation_check_failed",
             ApiError::Engine(EngineError::Model(_)) => "model_error",
             ApiError::Engine(EngineError::Shutdown) => "service_unavailable",
@@ -97,6 +122,12 @@ impl ApiError {
                 input_param,
             } => Some(match rejection {
                 Rejection::ZeroMaxTokens => "max_tokens",
+                // The prompt fits on its own: it is the completion budget that does not.
+                Rejection::ContextLengthExceeded {
+                    limit,
+                    prompt_tokens,
+                    ..
+                } if prompt_tokens < limit => "max_tokens",
                 _ => input_param,
             }),
             ApiError::ModelNotFound(_) => Some("model"),
@@ -141,7 +172,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
         if status.is_server_error() {
-            tracing::error!(code = self.code(), "request failed: {self}");
+            tracing::error!(code = self.code(), "request failed: {}", self.detail());
         }
         (status, axum::Json(self.body())).into_response()
     }
@@ -190,6 +221,54 @@ mod tests {
             msg.contains("64 tokens") && msg.contains("65 tokens"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn a_completion_budget_that_does_not_fit_names_max_tokens() {
+        let rejected = |prompt_tokens, max_tokens| ApiError::Rejected {
+            rejection: Rejection::ContextLengthExceeded {
+                limit: 64,
+                prompt_tokens,
+                max_tokens,
+                total: prompt_tokens + max_tokens,
+            },
+            input_param: "prompt",
+        };
+        assert_eq!(shape(&rejected(10, 55)).2.as_deref(), Some("max_tokens"));
+        assert_eq!(shape(&rejected(63, 2)).2.as_deref(), Some("max_tokens"));
+        assert_eq!(shape(&rejected(64, 1)).2.as_deref(), Some("prompt"));
+        assert_eq!(shape(&rejected(100, 0)).2.as_deref(), Some("prompt"));
+    }
+
+    /// Error bodies name no internal request number: a KvError about a foreign lease
+    /// carries another request's, and ids must not tell tenants about each other.
+    #[test]
+    fn engine_errors_name_no_internal_ids() {
+        let errors = [
+            EngineError::Isolation(kv::KvError::ForeignLease {
+                request: kv::RequestId(7_001),
+                owner: kv::RequestId(8_002),
+            }),
+            EngineError::Isolation(kv::KvError::UnwrittenRead {
+                request: kv::RequestId(7_001),
+                layer: 3,
+                position: 9,
+                written: 4,
+            }),
+            EngineError::Isolation(kv::KvError::ForeignPage {
+                request: kv::RequestId(7_001),
+            }),
+            EngineError::Model("expected 300 logits for req-7001".into()),
+        ];
+        for e in errors {
+            let api = ApiError::from(e.clone());
+            let body = api.body().to_string();
+            for leak in ["7001", "7_001", "8002", "req-"] {
+                assert!(!body.contains(leak), "{body} names {leak}");
+            }
+            // The log still has the whole story.
+            assert!(api.detail().contains("req-7001"), "{}", api.detail());
+        }
     }
 
     #[test]

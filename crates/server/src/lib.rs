@@ -6,6 +6,10 @@
 //! shape and never reaches the engine; failures after admission are 5xx responses or one
 //! SSE error event, never a 200.
 
+// Memory safety here rests on the compiler alone: the only unsafe code in the workspace is
+// the SIMD kernels of the `model` crate, each with its own safety argument and test.
+#![forbid(unsafe_code)]
+
 pub mod auth;
 pub mod body;
 pub mod chat_prompt;

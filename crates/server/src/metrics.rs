@@ -214,7 +214,7 @@ impl ServerMetrics {
             "Between consecutive tokens of a request.",
         );
 
-        let pool = engine.pool().counts();
+        let pool = engine.pool_counts();
         counter(
             &mut out,
             "kvwarden_kv_pages",

@@ -162,8 +162,28 @@ pub struct Settings {
     pub stops: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// A fixed-size key derived from the client's `cache_salt` ([`salt_key`]), never the
+    /// salt itself.
     pub cache_salt: Option<String>,
     pub ignore_eos: bool,
+}
+
+/// The isolation-domain key of a client's `cache_salt`: 128 bits of keyed SipHash, as 32
+/// hex digits. The domain is cloned into every cached page's visibility, every tree key
+/// and lookup, so a client-chosen string of any length would multiply memory and
+/// eviction cost; the key has a fixed size whatever the client sends. The hash keys are
+/// random per process, so a key means nothing outside it and a client cannot aim at a
+/// collision it cannot observe; different salts collide with probability about 2^-128.
+pub fn salt_key(salt: &str) -> String {
+    use std::hash::BuildHasher;
+    static KEYS: std::sync::OnceLock<[std::collections::hash_map::RandomState; 2]> =
+        std::sync::OnceLock::new();
+    let keys = KEYS.get_or_init(Default::default);
+    format!(
+        "{:016x}{:016x}",
+        keys[0].hash_one(salt),
+        keys[1].hash_one(salt)
+    )
 }
 
 fn param(name: &str) -> Option<String> {
@@ -287,7 +307,7 @@ impl Common<'_> {
                     .stream_options
                     .and_then(|o| o.include_usage)
                     .unwrap_or(false),
-            cache_salt: self.cache_salt.map(str::to_owned),
+            cache_salt: self.cache_salt.map(salt_key),
             ignore_eos: self.ignore_eos.unwrap_or(false),
         })
     }
@@ -552,6 +572,23 @@ mod tests {
             code(chat(r#"{"model":"m","messages":[],"stream":1}"#)),
             ("invalid_type", Some("stream".into()))
         );
+    }
+
+    /// However long the salt, the domain key is 32 hex digits; salts stay distinct.
+    #[test]
+    fn cache_salt_becomes_a_fixed_size_key() {
+        let salted = |salt: &str| {
+            let body = serde_json::json!({"model": "m", "prompt": "x", "cache_salt": salt});
+            completion(&body.to_string()).unwrap().0.cache_salt.unwrap()
+        };
+        let huge = "s".repeat(2 << 20);
+        let key = salted(&huge);
+        assert_eq!(key.len(), 32);
+        assert!(key.bytes().all(|b| b.is_ascii_hexdigit()), "{key}");
+        assert_eq!(salted("project-x").len(), 32);
+        assert_eq!(salted("project-x"), salted("project-x"));
+        assert_ne!(salted("project-x"), salted("project-y"));
+        assert_ne!(salted(&huge), salted(&huge[1..]));
     }
 
     #[test]

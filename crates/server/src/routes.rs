@@ -84,6 +84,7 @@ fn check_model(app: &AppState, model: &str) -> Result<(), ApiError> {
     }
 }
 
+/// `settings.cache_salt` is already the fixed-size key of the client's salt.
 fn domain_for(tenant: IsolationDomain, settings: &Settings) -> IsolationDomain {
     match &settings.cache_salt {
         Some(salt) => tenant.narrowed(salt.clone()),
@@ -107,6 +108,7 @@ async fn start_completion(
     body: Body,
 ) -> Result<Started, ApiError> {
     let tenant = app.auth.authenticate(headers)?;
+    body::require_json(headers)?;
     let bytes = body::read(body, app.max_body_bytes).await?;
     let req: CompletionRequest = body::decode(&bytes)?;
     check_model(app, &req.model)?;
@@ -138,6 +140,7 @@ async fn start_chat(
     body: Body,
 ) -> Result<Started, ApiError> {
     let tenant = app.auth.authenticate(headers)?;
+    body::require_json(headers)?;
     let bytes = body::read(body, app.max_body_bytes).await?;
     let req: ChatRequest = body::decode(&bytes)?;
     check_model(app, &req.model)?;
@@ -203,7 +206,6 @@ fn start(
         prompt,
         max_tokens,
         sampling: settings.sampling,
-        stop_tokens: Vec::new(),
         ignore_eos: settings.ignore_eos,
         logprobs,
     };

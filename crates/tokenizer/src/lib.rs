@@ -5,6 +5,10 @@
 //! pre-tokenizers listed in [`PreTokenizer`]; anything else is refused at load time rather
 //! than tokenized subtly wrong.
 
+// Memory safety here rests on the compiler alone: the only unsafe code in the workspace is
+// the SIMD kernels of the `model` crate, each with its own safety argument and test.
+#![forbid(unsafe_code)]
+
 mod bpe;
 mod bytes;
 mod decoder;

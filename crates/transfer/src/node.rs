@@ -242,7 +242,7 @@ impl Node for Arc<NodeService> {
             } as i32,
             version: env!("CARGO_PKG_VERSION").to_owned(),
             model_checksum: id.model_checksum,
-            vocab_size: self.engine.admission().vocab_size as u64,
+            vocab_size: self.engine.admission().vocab_size() as u64,
             max_context: self.engine.max_context() as u64,
             pool_tokens: id.pool_tokens as u64,
             page_tokens: id.page_tokens as u32,

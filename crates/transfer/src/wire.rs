@@ -71,7 +71,6 @@ pub fn request_from_pb(r: pb::GenerateRequest) -> Result<(String, GenerateReques
             top_k: usize::try_from(s.top_k).unwrap_or(usize::MAX),
             seed: s.seed,
         },
-        stop_tokens: Vec::new(),
         ignore_eos: r.ignore_eos,
         logprobs: r.logprobs.map(|k| k as usize),
     };

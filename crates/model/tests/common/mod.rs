@@ -22,9 +22,10 @@ pub fn default_model() -> PathBuf {
     path
 }
 
-/// A file from ../shared/golden; missing is a failure, not a skip.
+/// A file of llama.cpp's recorded output, kept in the repository (`tests/data/golden/`, see
+/// its README for provenance); missing is a failure, not a skip.
 pub fn golden(name: &str) -> serde_json::Value {
-    let path = workspace_root().join("../shared/golden").join(name);
+    let path = workspace_root().join("tests/data/golden").join(name);
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("golden file {} is required: {e}", path.display()));
     serde_json::from_str(&text).expect("golden JSON")

@@ -63,14 +63,13 @@ pub fn tokenizer() -> &'static Tokenizer {
     })
 }
 
-/// A file from the shared golden folder next to the repository. Fails loudly if missing.
+/// A file of llama.cpp's recorded output, kept in the repository (`tests/data/golden/`, see
+/// its README for provenance). Fails loudly if missing.
 pub fn golden(name: &str) -> serde_json::Value {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/golden")
-        .join(name);
+    let path = workspace_root().join("tests/data/golden").join(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
-            "golden file {} is missing or unreadable ({e}); the repository must be checked out next to shared/",
+            "golden file {} is missing or unreadable ({e}); it is part of the repository",
             path.display()
         )
     });

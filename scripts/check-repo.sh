@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Static checks of the repository itself, run first by scripts/test.sh (they take a second).
+# Each one guards a promise that no compiler or test would otherwise notice breaking.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+fail=0
+complain() {
+  echo "check-repo: $*" >&2
+  fail=1
+}
+
+# A plain clone must pass its own tests: nothing may read files from outside the repository
+# (the reference outputs live in tests/data/golden/). Documentation may mention the shared
+# folder; code, scripts and configuration may not.
+if hits=$(git grep -n -I -E '\.\./shared|shared/golden' -- \
+  ':(exclude)*.md' ':(exclude)scripts/check-repo.sh' ':(exclude).ci/run'); then
+  complain "code refers to files outside the repository:"
+  echo "$hits" >&2
+fi
+
+# Unsafe code lives only in the model crate's SIMD kernels; every other crate forbids it.
+for root in crates/*/src/lib.rs crates/*/src/main.rs; do
+  case "$root" in crates/model/*) continue ;; esac
+  grep -q '^#!\[forbid(unsafe_code)\]' "$root" || complain "$root lacks #![forbid(unsafe_code)]"
+done
+
+# Every declared dependency is named somewhere in the code that may use it (a dependency
+# nothing uses is build time, supply-chain surface and a false account of the design).
+for manifest in crates/*/Cargo.toml; do
+  crate=$(dirname "$manifest")
+  while read -r kind dep; do
+    ident=${dep//-/_}
+    dirs=("$crate/src")
+    if [ "$kind" = dev ]; then
+      for d in tests benches examples; do
+        [ -d "$crate/$d" ] && dirs+=("$crate/$d")
+      done
+    fi
+    # The crate itself (a dev-dependency on itself turns on its test features).
+    [ "$ident" = "$(basename "$crate")" ] && continue
+    grep -rqw -- "$ident" "${dirs[@]}" || complain "$manifest: dependency '$dep' is not used"
+  done < <(awk '
+    /^\[/ { section = $0; next }
+    section ~ /dependencies\]$/ && /^[A-Za-z0-9_-]+ *(=|\.)/ {
+      split($0, parts, /[ .=]/)
+      print (section ~ /dev-dependencies/ ? "dev" : "normal"), parts[1]
+    }' "$manifest")
+done
+# ...and every workspace-level dependency is declared by some crate.
+while read -r dep; do
+  grep -qE "^$dep *(=|\.)" crates/*/Cargo.toml || complain "Cargo.toml: workspace dependency '$dep' is used by no crate"
+done < <(awk '/^\[/ { section = $0; next }
+  section == "[workspace.dependencies]" && /^[A-Za-z0-9_-]+ *=/ { split($0, p, /[ =]/); print p[1] }' Cargo.toml)
+
+exit "$fail"
