@@ -1,18 +1,19 @@
-use handoff_model::Config;
+use handoff_model::{Config, PrefillBehaviour};
 use stateright::{Checker, Model};
 use std::time::{Duration, Instant};
 
 fn main() {
-    let which = std::env::args().nth(1).unwrap_or_default();
-    let lossy = std::env::args()
-        .nth(2)
-        .map(|s| s == "lossy")
-        .unwrap_or(true);
-    let mut cfg = match which.as_str() {
-        "contention" => Config::contention(),
-        _ => Config::over_length(),
-    };
-    cfg.max_losses = if lossy { 1 } else { 0 };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut cfg = Config::over_length();
+    for a in &args {
+        match a.split_once('=') {
+            Some(("losses", n)) => cfg.max_losses = n.parse().unwrap(),
+            Some(("crashes", n)) => cfg.max_crashes = n.parse().unwrap(),
+            Some(("prefill", "honest")) => cfg.prefill = PrefillBehaviour::Honest,
+            _ if a == "contention" => cfg = Config::contention(),
+            _ => {}
+        }
+    }
     let t = Instant::now();
     let c = cfg
         .into_model()
@@ -22,7 +23,7 @@ fn main() {
         .spawn_bfs()
         .join();
     println!(
-        "{which} lossy={lossy}: unique {} total {} depth {} in {:?} done={}",
+        "{args:?}: unique {} total {} depth {} in {:?} done={}",
         c.unique_state_count(),
         c.state_count(),
         c.max_depth(),
@@ -30,11 +31,8 @@ fn main() {
         c.is_done()
     );
     for p in c.model().properties() {
-        println!(
-            "  {:?} {} -> {}",
-            p.expectation,
-            p.name,
-            c.discovery(p.name).is_some()
-        );
+        if c.discovery(p.name).is_some() != (p.expectation == stateright::Expectation::Sometimes) {
+            println!("  !! {:?} {}", p.expectation, p.name);
+        }
     }
 }

@@ -73,6 +73,7 @@ pub mod prefill;
 pub mod properties;
 pub mod protocol;
 pub mod router;
+pub mod trace;
 
 use std::sync::Arc;
 
@@ -224,7 +225,8 @@ impl Config {
                 },
             ],
             prefill_context: 2,
-            decode_pages: 2,
+            // Room for the long prompt: as in the incident, only the prefill side is short.
+            decode_pages: 3,
             router: RouterBehaviour::Correct,
             prefill: PrefillBehaviour::Faulty,
             decode: DecodeBehaviour::Verify,

@@ -258,6 +258,18 @@ pub(crate) fn on_random(
         PrefillOutcome::Fault(fault) => fault,
     };
     s.faults += 1;
+    let (manifest, pages) = faulty_push(cfg, req, tenant, prompt_len, fault);
+    push(o, decode, ticket, req, manifest, pages);
+}
+
+/// The push of request `req` (tenant, prompt length) spoiled by `fault`.
+pub fn faulty_push(
+    cfg: &Config,
+    req: Req,
+    tenant: Tenant,
+    prompt_len: u8,
+    fault: PushFault,
+) -> (Manifest, Vec<PageWrite>) {
     let (mut manifest, mut pages) = honest_push(req, tenant, prompt_len);
     match fault {
         PushFault::WrongRequest => {
@@ -281,7 +293,7 @@ pub(crate) fn on_random(
         }
         PushFault::CorruptPage => pages[0].kv = Kv::Garbled,
     }
-    push(o, decode, ticket, req, manifest, pages);
+    (manifest, pages)
 }
 
 /// The push of the KV it computed, with a manifest that says what it is.
@@ -356,5 +368,39 @@ fn prefill_mut<'a>(state: &'a mut Cow<NodeState>) -> &'a mut PrefillState {
     match state.to_mut() {
         NodeState::Prefill(s) => s,
         _ => unreachable!("prefill state"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{verify, Mismatch};
+    use crate::router::expect;
+
+    /// Each fault, on a one-page and a two-page prompt, fails exactly the check it targets.
+    #[test]
+    fn every_push_fault_fails_verification() {
+        let cfg = Config::contention();
+        for (req, spec) in [(Req(0), cfg.requests[0]), (Req(1), cfg.requests[1])] {
+            let expect = expect(&cfg, req);
+            let (m, p) = honest_push(req, spec.tenant, spec.prompt_len);
+            assert_eq!(verify(&expect, spec.prompt_len, &m, &p), Ok(()));
+            for fault in PushFault::ALL {
+                let (m, p) = faulty_push(&cfg, req, spec.tenant, spec.prompt_len, fault);
+                let want = match fault {
+                    PushFault::WrongRequest => Mismatch::Request,
+                    PushFault::WrongTenant => Mismatch::Tenant,
+                    PushFault::Truncated => Mismatch::PromptLength,
+                    PushFault::WrongTokens => Mismatch::TokenSum,
+                    PushFault::MissingPage | PushFault::DuplicatePage => Mismatch::Coverage,
+                    PushFault::CorruptPage => Mismatch::PageSum,
+                };
+                assert_eq!(
+                    verify(&expect, spec.prompt_len, &m, &p),
+                    Err(want),
+                    "{fault:?} on {req:?}"
+                );
+            }
+        }
     }
 }

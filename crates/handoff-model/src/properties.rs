@@ -25,6 +25,7 @@ pub const DEADLINE_ARMED: &str = "every unanswered request has the router's dead
 pub const EVERY_REQUEST_ANSWERED: &str =
     "every request eventually gets exactly one terminal answer";
 pub const SOME_SUCCESS: &str = "some request succeeds";
+pub const SOME_ALL_SUCCEED: &str = "every request succeeds";
 pub const SOME_PREFILL_REJECTION: &str =
     "the prefill node rejects a request and its client gets that error";
 pub const SOME_PUSH_REFUSED: &str = "the decode node refuses a corrupted push";
@@ -34,7 +35,7 @@ pub const SOME_RESERVATION_TIMEOUT: &str = "a reservation times out";
 
 /// Every property: (expectation, name, condition).
 pub type Condition = fn(&HandoffModel, &State) -> bool;
-pub const ALL: [(Expectation, &str, Condition); 14] = [
+pub const ALL: [(Expectation, &str, Condition); 15] = [
     (
         Expectation::Always,
         P_REJECTED_NEVER_AT_DECODE,
@@ -68,6 +69,7 @@ pub const ALL: [(Expectation, &str, Condition); 14] = [
         every_request_answered,
     ),
     (Expectation::Sometimes, SOME_SUCCESS, some_success),
+    (Expectation::Sometimes, SOME_ALL_SUCCEED, some_all_succeed),
     (
         Expectation::Sometimes,
         SOME_PREFILL_REJECTION,
@@ -199,6 +201,13 @@ fn some_success(_: &HandoffModel, s: &State) -> bool {
         .reqs
         .iter()
         .any(|r| r.client.contains(&ClientEvent::Success))
+}
+
+fn some_all_succeed(_: &HandoffModel, s: &State) -> bool {
+    router(s)
+        .reqs
+        .iter()
+        .all(|r| r.client.contains(&ClientEvent::Success))
 }
 
 fn some_prefill_rejection(_: &HandoffModel, s: &State) -> bool {
