@@ -175,6 +175,15 @@ pub(crate) fn on_msg(
                 return;
             };
             if r.phase != DecodePhase::AwaitingPush {
+                if cfg.decode == DecodeBehaviour::WriteLatePushes && !r.phase.holds_pages() {
+                    // MUTATION: the late writer lands on pages that may have a new owner.
+                    let (pages_of, s) = (r.pages.clone(), decode_mut(state));
+                    for page in &pages {
+                        if let Some(&physical) = pages_of.get(usize::from(page.slot)) {
+                            s.pool[usize::from(physical)] = page.kv;
+                        }
+                    }
+                }
                 return;
             }
             let reserved = r.pages.clone();
@@ -187,7 +196,7 @@ pub(crate) fn on_msg(
                 }
             }
             let accept = match cfg.decode {
-                DecodeBehaviour::Verify => verdict.is_ok(),
+                DecodeBehaviour::Verify | DecodeBehaviour::WriteLatePushes => verdict.is_ok(),
                 // MUTATION: any push is accepted.
                 DecodeBehaviour::SkipVerification => true,
             };

@@ -60,9 +60,9 @@
 //!
 //! # Mutations
 //!
-//! [`DecodeBehaviour::SkipVerification`], [`RouterBehaviour::ProceedOnPrefillRejection`],
-//! [`PrefillBehaviour::PlaceholderOnOverLength`] and [`RouterBehaviour::NoDeadline`] break the
-//! protocol on purpose; the tests check that the checker then finds counterexamples (with the
+//! [`DecodeBehaviour::SkipVerification`], [`DecodeBehaviour::WriteLatePushes`],
+//! [`RouterBehaviour::ProceedOnPrefillRejection`], [`PrefillBehaviour::PlaceholderOnOverLength`]
+//! and [`RouterBehaviour::NoDeadline`] break the protocol on purpose; the tests check that the checker then finds counterexamples (with the
 //! placeholder and no verification together, it finds the incident itself).
 
 #![forbid(unsafe_code)]
@@ -182,6 +182,9 @@ pub enum DecodeBehaviour {
     Verify,
     /// MUTATION: any push to a waiting reservation is accepted.
     SkipVerification,
+    /// MUTATION (a late writer landing on reused pages): verifies, but a push that arrives
+    /// after its reservation ended is still written into the pages it had held.
+    WriteLatePushes,
 }
 
 /// One request of the run.

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use handoff_model::properties::*;
 use handoff_model::router::ClientEvent;
-use handoff_model::trace::describe_path;
+use handoff_model::trace::{describe_path, minimize};
 use handoff_model::{
     Config, DecodeBehaviour, HandoffModel, PrefillBehaviour, Req, RouterBehaviour, Token,
 };
@@ -25,7 +25,7 @@ fn assert_holds(label: &str, cfg: Config, examples: &[&'static str]) {
             panic!(
                 "{label}: counterexample to \"{}\":\n{}",
                 property.name,
-                describe_path(&path)
+                describe_path(&minimize(checker.model(), property.name, &path))
             );
         }
     }
@@ -76,6 +76,7 @@ fn explore(label: &str, cfg: Config) -> impl Checker<HandoffModel> {
 fn print_counterexample(label: &str, checker: &impl Checker<HandoffModel>, name: &'static str) {
     let path = checker
         .discovery(name)
+        .map(|path| minimize(checker.model(), name, &path))
         .unwrap_or_else(|| panic!("{label}: the checker found no counterexample to \"{name}\""));
     eprintln!(
         "{label}: counterexample to \"{name}\":\n{}\n",
@@ -99,7 +100,7 @@ fn assert_none_found(label: &str, checker: &impl Checker<HandoffModel>, names: &
         if let Some(path) = checker.discovery(name) {
             panic!(
                 "{label}: unexpected counterexample to \"{name}\":\n{}",
-                describe_path(&path)
+                describe_path(&minimize(checker.model(), name, &path))
             );
         }
     }
@@ -163,7 +164,7 @@ fn the_protocol_holds_when_two_tenants_share_the_decode_pool_with_losses_and_a_c
 
 /// The tokens a client was sent that were computed from another request's data.
 fn leaked_tokens(checker: &impl Checker<HandoffModel>, name: &'static str) -> Vec<(Req, Req)> {
-    let path = checker.discovery(name).unwrap();
+    let path = minimize(checker.model(), name, &checker.discovery(name).unwrap());
     router(path.last_state())
         .reqs
         .iter()
@@ -215,6 +216,21 @@ fn a_decode_node_that_skips_verification_leaks_between_tenants() {
         leaks.iter().any(|(to, from)| from.0 < 2 && to != from),
         "expected a leak between the model's two tenants, got {leaks:?}"
     );
+}
+
+/// MUTATION (a late writer): a push that arrives after its reservation timed out is written
+/// into pages that another tenant's request may now own and have verified.
+#[test]
+fn a_decode_node_that_writes_late_pushes_is_caught() {
+    let cfg = Config {
+        decode: DecodeBehaviour::WriteLatePushes,
+        prefill: PrefillBehaviour::Honest,
+        max_losses: 0,
+        max_crashes: 0,
+        ..Config::contention()
+    };
+    let checker = find("late writer", cfg, &[NO_FOREIGN_DATA]);
+    assert!(!leaked_tokens(&checker, NO_FOREIGN_DATA).is_empty());
 }
 
 /// MUTATION (the incident's queue): the router proceeds after the prefill node rejected the
