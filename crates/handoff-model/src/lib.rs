@@ -9,21 +9,26 @@
 //!
 //! # The protocol, as modelled
 //!
-//! | model | real protocol (gRPC) |
-//! |---|---|
-//! | `Admit{req, tenant, prompt_len}` R → P | the router asks the prefill node to admit the prompt |
-//! | `Admitted{req}` / `Rejected{req, OverLength}` P → R | prefill admission: context check; a rejection ends the request with that error, and the decode node never hears of it |
-//! | `Reserve{req, expect}` R → D | the router asks the decode node to reserve; `expect` ([`Expect`]) is what the router knows itself: id, tenant, prompt length, checksum of the token ids |
-//! | `Reserved{req, ticket}` / `Rejected{req, NoCapacity}` D → R | decode admission against its own page pool |
-//! | `Generate{ticket}` R → D | the router opens the token stream |
-//! | `Prefill{req, decode, ticket}` R → P | the router starts the prefill, naming where to push |
-//! | `Push{ticket, manifest, pages}` P → D | the prefill node pushes the KV straight to the decode node; the [`Manifest`] claims id, tenant, length, token checksum, first token, page count and per-page checksums |
-//! | `PrefillDone` / `PrefillFailed` P → R | the prefill RPC's result |
-//! | [`protocol::verify`] in D | the decode node verifies the push: manifest against `expect`, coverage (every slot written exactly once), every page checksum; only then `Verified` |
-//! | `Token{req, index, token}`, `Finished{req, tokens}` D → R | the stream, only from `Verified` |
-//! | `Failed{req, reason}` D → R | a refused push (pages scrubbed) or a reservation timeout |
-//! | [`router::ClientEvent`] | the router's answer to the client: tokens, then exactly one of success or error |
-//! | `Timer::Deadline` (R), `Timer::Reservation`, `Timer::DecodeStep` (D) | the router's per-request deadline, the reservation deadline, a decode step |
+//! Message names follow the handoff's steps; the right column names the real thing in
+//! `crates/transfer/proto/node.proto` and `engine::handoff`.
+//!
+//! | model | meaning | real |
+//! |---|---|---|
+//! | `Admit{req, tenant, prompt_len}` R → P | the router asks the prefill node to admit the prompt | `Admit(GenerateRequest)` |
+//! | `Admitted{req}` / `Rejected{req, OverLength}` P → R | prefill admission; a rejection ends the request with that original error, and the decode node never hears of it | `AdmitReply{admitted \| rejected: Rejection.context_length_exceeded}` |
+//! | `Reserve{req, expect}` R → D | the decode node admits against its own pool and reserves pages; `expect` ([`Expect`]) is what the router knows itself: id, tenant, prompt length, checksum of the token ids | `Decode(GenerateRequest)`: request id, tenant, the prompt itself (decode computes length and checksum) |
+//! | `Reserved{req, ticket}` / `Rejected{req, NoCapacity}` D → R | the reservation, or a refusal | the first `DecodeEvent`: `reserved{ticket}` / `rejected` |
+//! | `Generate{ticket}` R → D | the router opens the token stream | the same `Decode` stream, kept open after `reserved` |
+//! | `Prefill{req, decode, ticket}` R → P | the router starts the prefill, naming where to push | `Prefill(PrefillRequest{request, decode_addr, ticket})` |
+//! | `Push{ticket, manifest, pages}` P → D | the prefill node pushes the KV straight to the decode node; the [`Manifest`] claims id, tenant, length, token checksum, first token, page count and per-page checksums | `PushKv(stream KvFrame)`: a `Manifest` frame, then `Page` frames |
+//! | `PrefillDone` / `PrefillFailed` P → R | the prefill's result | `PrefillReply{done \| rejected \| failed}` |
+//! | [`protocol::verify`] in D | manifest against `expect`, coverage (every slot written exactly once), every page checksum; only then `Verified` | `ImportReservation::begin` → `ImportTransfer::receive_page` → `finish` → `VerifiedImport` |
+//! | [`Mismatch`] `Request`, `Tenant`, `PromptLength` / `TokenSum` / `PageCount`, `Coverage` / `PageSum` | which check failed | `HandoffError::Manifest` / `TokenChecksum` / `Coverage` / `PageChecksum` |
+//! | `Token{req, index, token}`, `Finished{req, tokens}` D → R | the stream, only from `Verified` | `DecodeEvent.token`, `DecodeEvent.finished` |
+//! | `Failed{req, reason}` D → R | a refused push (pages scrubbed) or a reservation timeout | `DecodeEvent.failed{Failure{reason: manifest, checksum, coverage, timeout, ..}}` |
+//! | [`router::ClientEvent`] | the router's answer to the client: tokens, then exactly one of success or error | the OpenAI response or stream: 200 / `finish_reason`, or 4xx/5xx / an error event |
+//! | `Timer::Deadline` (R) | the router's per-request deadline; also stands for a broken stream (`peer_gone`) | the router's timeouts |
+//! | `Timer::Reservation`, `Timer::DecodeStep` (D) | a reservation's deadline; one decode step | the decode node's reservation timeout; its scheduler |
 //!
 //! A page holds one token slot of every layer; data is modelled by provenance ([`Kv`],
 //! [`Token`]), so an answer built on someone else's KV is visible in the state.
@@ -39,7 +44,8 @@
 //!   [`PushFault`]s (another request's KV, wrong tenant, truncated prompt, other tokens, a
 //!   missing page, a page written twice, a corrupted page).
 //! - The decode pool starts full of a previous customer's KV, and a finished request's pages
-//!   are released without scrubbing: only the protocol stands between an answer and stale KV.
+//!   are released without scrubbing (the real pool scrubs on release; the model does not rely
+//!   on it): only the protocol stands between an answer and stale KV.
 //!
 //! # Properties ([`properties`])
 //!
@@ -61,8 +67,9 @@
 //! # Mutations
 //!
 //! [`DecodeBehaviour::SkipVerification`], [`DecodeBehaviour::WriteLatePushes`],
-//! [`RouterBehaviour::ProceedOnPrefillRejection`], [`PrefillBehaviour::PlaceholderOnOverLength`]
-//! and [`RouterBehaviour::NoDeadline`] break the protocol on purpose; the tests check that the checker then finds counterexamples (with the
+//! [`RouterBehaviour::ProceedOnPrefillRejection`], [`PrefillBehaviour::PlaceholderOnOverLength`],
+//! [`RouterBehaviour::ForwardAfterAnswer`] and [`RouterBehaviour::NoDeadline`] break the
+//! protocol on purpose; the tests check that the checker then finds counterexamples (with the
 //! placeholder and no verification together, it finds the incident itself).
 
 #![forbid(unsafe_code)]
@@ -158,6 +165,8 @@ pub enum RouterBehaviour {
     /// MUTATION (the incident's admission queue, which checked only whether execution had
     /// finished): a rejection from the prefill node is treated as an admission.
     ProceedOnPrefillRejection,
+    /// MUTATION: after the terminal answer, a failure that still arrives is passed on too.
+    ForwardAfterAnswer,
     /// MUTATION: no per-request deadline, so a lost message or a dead peer leaves the client
     /// waiting forever.
     NoDeadline,

@@ -21,7 +21,14 @@ pub const SUCCESS_ONLY_FROM_OWN_VERIFIED_KV: &str =
     "a success answers the complete stream, computed from the request's own verified KV";
 pub const NO_FOREIGN_DATA: &str =
     "no client ever receives a token computed from another request's data";
+/// The liveness argument that does not depend on how stateright checks `eventually`: the
+/// deadline is armed until the answer, timers fire (fairly) at some point, and the router's
+/// deadline handler always answers. So every request is answered, over any losses, crashes
+/// or cycles.
 pub const DEADLINE_ARMED: &str = "every unanswered request has the router's deadline armed";
+/// Checked by stateright on paths that end (no action left). Paths into a state already seen
+/// are not followed, so a path that ends only through such a state may be missed: the
+/// [`DEADLINE_ARMED`] invariant is the complete argument; this is its end-to-end check.
 pub const EVERY_REQUEST_ANSWERED: &str =
     "every request eventually gets exactly one terminal answer";
 pub const SOME_SUCCESS: &str = "some request succeeds";

@@ -137,7 +137,7 @@ pub(crate) fn on_msg(
     };
     // After the terminal answer nothing about the request matters: duplicates, late and
     // out-of-order messages all land here.
-    if r.phase == RouterPhase::Answered {
+    if r.phase == RouterPhase::Answered && cfg.router != RouterBehaviour::ForwardAfterAnswer {
         return;
     }
     let (phase, forwarded, finished) = (r.phase, r.forwarded(), r.finished);

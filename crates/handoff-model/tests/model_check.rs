@@ -308,6 +308,18 @@ fn without_either_guard_the_incident_happens() {
     );
 }
 
+/// MUTATION: a router that passes on a failure arriving after the terminal answer (a
+/// reservation timing out after the router's own deadline answered): two terminal answers.
+#[test]
+fn a_router_that_answers_twice_is_caught() {
+    let cfg = Config {
+        router: RouterBehaviour::ForwardAfterAnswer,
+        prefill: PrefillBehaviour::Honest,
+        ..Config::over_length()
+    };
+    find("answers twice", cfg, &[ONE_TERMINAL_ANSWER]);
+}
+
 /// MUTATION: a router without deadlines. With a crash or a lost message, a client waits
 /// forever: the checker must find it.
 #[test]
