@@ -216,6 +216,11 @@ pub struct Config {
     pub prefill: PrefillBehaviour,
     pub decode: DecodeBehaviour,
     /// How many messages the network may lose in a run (it always reorders and duplicates).
+    ///
+    /// For the safety properties a loss adds no behaviour: the duplicating network already
+    /// lets any message go undelivered forever, and no property looks at the network. Nor
+    /// does a crash: in an asynchronous model a node may already take no further step. Losses
+    /// and crashes matter to liveness, where they let a path end with a client unanswered.
     pub max_losses: u8,
     /// How many of the prefill and decode nodes may crash in a run (for good).
     pub max_crashes: usize,
