@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: fetches the model, checks formatting and lints,
 # runs the Rust tests, the loom model of the KV pool, and the end-to-end tests that drive a
-# real `kvwarden serve` with the official OpenAI client.
+# real `kvwarden serve` with the official OpenAI client, then the same end-to-end suite
+# against `kvwarden router` in front of a prefill and a decode node.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,3 +17,6 @@ bash crates/kv/loom.sh
 
 # The end-to-end suite runs the binary that `cargo test` just built (optimized dev profile).
 "$python" -m pytest tests/python -q
+# Every fixture becomes router + prefill node + decode node: the router must answer exactly
+# as `serve` does. (test_cluster.py starts its own clusters and ran above.)
+KVWARDEN_DEPLOYMENT=cluster "$python" -m pytest tests/python -q --ignore tests/python/test_cluster.py

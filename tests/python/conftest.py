@@ -22,6 +22,10 @@ MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smollm2-135m"
 SYSTEM = "You are a helpful assistant."
 STARTUP_TIMEOUT = 90
+# "serve" (default): every fixture is one `kvwarden serve`. "cluster": every fixture is a
+# `kvwarden router` in front of one prefill and one decode node, started with the same
+# flags, so the whole suite checks that the router answers exactly as `serve` does.
+DEPLOYMENT = os.environ.get("KVWARDEN_DEPLOYMENT", "serve")
 
 
 def require_binary():
@@ -37,6 +41,9 @@ def require_binary():
 
 class Server:
     """One `kvwarden serve` on a free port, its stderr in a log file."""
+
+    # KV pools behind this URL (a cluster has one per node).
+    pools = 1
 
     def __init__(self, args, log_path: Path, api_key="unused"):
         require_binary()
@@ -100,13 +107,7 @@ class Server:
 
     def metrics(self) -> dict:
         """Prometheus samples as {'name{labels}': value}."""
-        text = requests.get(self.url + "/metrics", timeout=10).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                out[key] = float(value)
-        return out
+        return parse_metrics(requests.get(self.url + "/metrics", timeout=10).text)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -120,13 +121,159 @@ class Server:
         return self.proc.returncode
 
 
+def wait_for_line(proc, log_path: Path, pattern: str, what: str) -> str:
+    """The first group of `pattern` in a process's stderr log, once it appears."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        m = re.search(pattern, log_path.read_text(errors="replace"))
+        if m:
+            return m.group(1)
+        if proc.poll() is not None:
+            pytest.fail(f"{what} exited with {proc.returncode}:\n{log_path.read_text(errors='replace')}")
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"{what} did not start within {STARTUP_TIMEOUT}s:\n{log_path.read_text(errors='replace')}")
+
+
+def parse_metrics(text: str) -> dict:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+class Node:
+    """One `kvwarden serve --role prefill|decode`: internal API address and metrics URL."""
+
+    def __init__(self, role, args, certs: Path, name: str, log_path: Path, threads=1):
+        require_binary()
+        self.role = role
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        cmd = [
+            str(BIN), "--threads", str(threads), "serve", "--role", role,
+            "--model", str(MODEL), "--port", "0", "--metrics-port", "0",
+            "--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / f"{name}.pem"),
+            "--tls-key", str(certs / f"{name}.key"),
+            *[str(a) for a in args],
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT)
+        self.metrics_url = wait_for_line(self.proc, log_path, r"node metrics on (http://[0-9.]+:\d+)", f"{role} node")
+        self.addr = wait_for_line(self.proc, log_path, r"internal API on ([0-9.]+:\d+)", f"{role} node")
+
+    def metrics(self) -> dict:
+        return parse_metrics(requests.get(self.metrics_url + "/metrics", timeout=10).text)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+# Flags that belong to the router; every other flag configures the nodes.
+ROUTER_FLAGS = {"--api-keys", "--max-body-bytes", "--max-context"}
+ROUTER_AND_NODE_FLAGS = {"--max-context"}
+
+
+def make_certs(dir: Path, names) -> Path:
+    require_binary()
+    subprocess.run(
+        [str(BIN), "certs", "--out", str(dir), *[a for n in names for a in ("--name", n)]],
+        check=True, capture_output=True, cwd=ROOT,
+    )
+    return dir
+
+
+class Cluster(Server):
+    """`kvwarden router` over prefill and decode nodes, with `Server`'s interface. Its
+    metrics() adds up the nodes' samples under the router's, so page accounting and engine
+    counters read as one server's."""
+
+    def __init__(
+        self, args, dir: Path, api_key="unused", prefill=1, decode=1, router_args=(),
+        prefill_args=(), decode_args=(),
+    ):
+        require_binary()
+        names = ["router"] + [f"prefill{i}" for i in range(prefill)] + [f"decode{i}" for i in range(decode)]
+        self.certs = make_certs(dir / "certs", names)
+        router, node = [], []
+        it = iter([str(a) for a in args])
+        for a in it:
+            if a in ROUTER_FLAGS:
+                value = next(it)
+                router += [a, value]
+                if a in ROUTER_AND_NODE_FLAGS:
+                    node += [a, value]
+            else:
+                node.append(a)
+        self.nodes = [
+            Node("prefill", node + list(prefill_args), self.certs, f"prefill{i}", dir / f"prefill{i}.log")
+            for i in range(prefill)
+        ]
+        self.nodes += [
+            Node("decode", node + list(decode_args), self.certs, f"decode{i}", dir / f"decode{i}.log")
+            for i in range(decode)
+        ]
+        self.log_path = dir / "router.log"
+        self.log = open(self.log_path, "wb")
+        cmd = [
+            str(BIN), "router", "--model", str(MODEL), "--port", "0", "--served-model-name", MODEL_NAME,
+            "--tls-ca", str(self.certs / "ca.pem"), "--tls-cert", str(self.certs / "router.pem"),
+            "--tls-key", str(self.certs / "router.key"),
+            *[a for n in self.nodes for a in (f"--{n.role}", n.addr)],
+            *router, *[str(a) for a in router_args],
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT)
+        self.url = wait_for_line(self.proc, self.log_path, r"listening on (http://[0-9.]+:\d+)", "kvwarden router")
+        self._wait_healthy()
+        self.api_key = api_key
+        self.client = self.client_for(api_key)
+
+    @property
+    def pools(self):
+        return len(self.nodes)
+
+    def prefill_nodes(self):
+        return [n for n in self.nodes if n.role == "prefill"]
+
+    def decode_nodes(self):
+        return [n for n in self.nodes if n.role == "decode"]
+
+    def metrics(self) -> dict:
+        out = super().metrics()
+        for n in self.nodes:
+            if n.proc.poll() is not None:
+                continue
+            for k, v in n.metrics().items():
+                if k.startswith("kvwarden_requests_total") and k in out:
+                    continue  # the router counts what its clients saw
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def stop(self) -> int:
+        rc = super().stop()
+        for n in self.nodes:
+            n.stop()
+        return rc
+
+
 @pytest.fixture(scope="session")
 def make_server(tmp_path_factory):
     started = []
 
     def make(*args, api_key="unused", name="server"):
-        log = tmp_path_factory.mktemp(name) / "stderr.log"
-        s = Server(args, log, api_key=api_key)
+        if DEPLOYMENT == "cluster":
+            s = Cluster(args, tmp_path_factory.mktemp(name), api_key=api_key)
+        else:
+            log = tmp_path_factory.mktemp(name) / "stderr.log"
+            s = Server(args, log, api_key=api_key)
         started.append(s)
         return s
 

@@ -196,7 +196,7 @@ def test_health_and_metrics(server, path):
     assert r.status_code == 200
     if path == "/metrics":
         m = server.metrics()
-        assert m['kvwarden_kv_pages{state="total"}'] == 4096 / 16
+        assert m['kvwarden_kv_pages{state="total"}'] == server.pools * 4096 / 16
         assert "kvwarden_isolation_check_failures_total" in m
         assert 'kvwarden_requests_total{outcome="stop"}' in m
         assert "kvwarden_time_to_first_token_seconds_count" in m

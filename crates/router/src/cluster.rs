@@ -103,6 +103,13 @@ impl Node {
         self.healthy.load(Ordering::Relaxed)
     }
 
+    /// A call found the node unreachable: route around it until a poll answers again.
+    pub(crate) fn mark_down(&self) {
+        if self.healthy.swap(false, Ordering::Relaxed) {
+            tracing::warn!("{} node {} is down", self.role.name(), self.addr);
+        }
+    }
+
     /// A request that cannot fit this node never goes to it.
     fn can_hold(&self, total_tokens: usize) -> bool {
         total_tokens <= self.max_context

@@ -63,47 +63,128 @@ pub(crate) async fn start(
     let wire_request = wire::request_to_pb(&request_id, request);
     let timeout = cluster.deadlines.handoff;
 
-    let prefill = cluster
-        .pick_prefill(&request.domain, &request.prompt, total_tokens)
-        .ok_or_else(|| unavailable("no prefill node is up that can hold this request"))?;
-    let prefill_load = InFlight::new(prefill.clone());
-    let mut prefill_client = prefill.client.clone();
+    // Until the decode node has reserved, nothing has been computed or held for this
+    // request, so a node that turns out to be unreachable is skipped for another.
+    let attempts = cluster.prefill.len() + cluster.decode.len();
+    let mut last_error = unavailable("no node is up that can hold this request");
+    for _ in 0..attempts {
+        let prefill = match cluster.pick_prefill(&request.domain, &request.prompt, total_tokens) {
+            Some(node) => node,
+            None => break,
+        };
+        match admit(&cluster, &prefill, &wire_request).await {
+            Ok(()) => {}
+            Err(Placement::Refused(e)) => return Err(e),
+            Err(Placement::Unreachable(e)) => {
+                prefill.mark_down();
+                last_error = e;
+                continue;
+            }
+        }
+        let decode = match cluster.pick_decode(total_tokens) {
+            Some(node) => node,
+            None => break,
+        };
+        let decode_load = InFlight::new(decode.clone());
+        let (events, ticket) = match reserve(&cluster, &decode, &wire_request).await {
+            Ok(reserved) => reserved,
+            Err(Placement::Refused(e)) => return Err(e),
+            Err(Placement::Unreachable(e)) => {
+                decode.mark_down();
+                last_error = e;
+                continue;
+            }
+        };
+        let prefill_load = InFlight::new(prefill.clone());
+        let mut prefill_call = tonic::Request::new(pb::PrefillRequest {
+            request: Some(wire_request),
+            decode_addr: decode.addr.clone(),
+            ticket,
+        });
+        prefill_call.set_timeout(timeout);
+        let (tx, rx) = unbounded_channel();
+        let prefill_client = prefill.client.clone();
+        tokio::spawn(async move {
+            let loads = (prefill_load, decode_load);
+            run(&cluster, prefill_client, prefill_call, events, tx).await;
+            drop(loads);
+        });
+        return Ok(RequestHandle {
+            id: RequestId(number),
+            events: rx,
+        });
+    }
+    Err(last_error)
+}
+
+/// Why a node did not take a request: its refusal is the client's answer; an unreachable
+/// node is skipped.
+enum Placement {
+    Refused(SubmitError),
+    Unreachable(SubmitError),
+}
+
+fn placement_error(status: &tonic::Status) -> Placement {
+    let e = SubmitError::Failed(ApiError::Engine(status_error(status)));
+    match status.code() {
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
+            Placement::Unreachable(e)
+        }
+        _ => Placement::Refused(e),
+    }
+}
+
+/// The prefill node's own admission.
+async fn admit(
+    cluster: &Cluster,
+    prefill: &Node,
+    wire_request: &pb::GenerateRequest,
+) -> Result<(), Placement> {
     let mut call = tonic::Request::new(wire_request.clone());
-    call.set_timeout(timeout);
-    let verdict = prefill_client
+    call.set_timeout(cluster.deadlines.handoff);
+    let verdict = prefill
+        .client
+        .clone()
         .admit(call)
         .await
-        .map_err(|s| SubmitError::Failed(ApiError::Engine(status_error(&s))))?
+        .map_err(|s| placement_error(&s))?
         .into_inner();
     match verdict.outcome {
-        Some(pb::admit_reply::Outcome::Admitted(_)) => {}
+        Some(pb::admit_reply::Outcome::Admitted(_)) => Ok(()),
         Some(pb::admit_reply::Outcome::Rejected(r)) => {
             cluster
                 .metrics
                 .prefill_rejections
                 .fetch_add(1, Ordering::Relaxed);
-            let rejection = wire::rejection_from_pb(r)
-                .map_err(|s| SubmitError::Failed(ApiError::Engine(status_error(&s))))?;
-            return Err(SubmitError::Rejected(rejection));
+            let rejection = wire::rejection_from_pb(r).map_err(|s| placement_error(&s))?;
+            Err(Placement::Refused(SubmitError::Rejected(rejection)))
         }
-        None => return Err(unavailable("the prefill node answered no verdict")),
+        None => Err(Placement::Refused(unavailable(
+            "the prefill node answered no verdict",
+        ))),
     }
+}
 
-    let decode = cluster
-        .pick_decode(total_tokens)
-        .ok_or_else(|| unavailable("no decode node is up that can hold this request"))?;
-    let decode_load = InFlight::new(decode.clone());
-    let mut decode_client = decode.client.clone();
-    let mut events = decode_client
+/// The decode node's admission and reservation: its stream, and the ticket for the push.
+async fn reserve(
+    cluster: &Cluster,
+    decode: &Node,
+    wire_request: &pb::GenerateRequest,
+) -> Result<(Streaming<pb::DecodeEvent>, Vec<u8>), Placement> {
+    let mut events = decode
+        .client
+        .clone()
         .decode(tonic::Request::new(wire_request.clone()))
         .await
-        .map_err(|s| SubmitError::Failed(ApiError::Engine(status_error(&s))))?
+        .map_err(|s| placement_error(&s))?
         .into_inner();
-    let first = tokio::time::timeout(timeout, events.message()).await;
-    let ticket = match first {
+    let first = tokio::time::timeout(cluster.deadlines.handoff, events.message()).await;
+    let refused =
+        |e: EngineError| Err(Placement::Refused(SubmitError::Failed(ApiError::Engine(e))));
+    match first {
         Ok(Ok(Some(pb::DecodeEvent {
             event: Some(DecodeEv::Reserved(r)),
-        }))) => r.ticket,
+        }))) => Ok((events, r.ticket)),
         Ok(Ok(Some(pb::DecodeEvent {
             event: Some(DecodeEv::Rejected(r)),
         }))) => {
@@ -111,45 +192,28 @@ pub(crate) async fn start(
                 .metrics
                 .decode_rejections
                 .fetch_add(1, Ordering::Relaxed);
-            let rejection = wire::rejection_from_pb(r)
-                .map_err(|s| SubmitError::Failed(ApiError::Engine(status_error(&s))))?;
-            return Err(SubmitError::Rejected(rejection));
+            let rejection = wire::rejection_from_pb(r).map_err(|s| placement_error(&s))?;
+            Err(Placement::Refused(SubmitError::Rejected(rejection)))
         }
         Ok(Ok(Some(pb::DecodeEvent {
             event: Some(DecodeEv::Failed(f)),
         }))) => {
             cluster.metrics.transfer.failure(&f.reason);
-            return Err(SubmitError::Failed(ApiError::Engine(remote(f))));
+            refused(remote(f))
         }
-        Ok(Ok(_)) => return Err(unavailable("the decode node answered no reservation")),
-        Ok(Err(s)) => return Err(SubmitError::Failed(ApiError::Engine(status_error(&s)))),
+        Ok(Ok(_)) => Err(Placement::Refused(unavailable(
+            "the decode node answered no reservation",
+        ))),
+        Ok(Err(s)) => Err(placement_error(&s)),
         Err(_) => {
             cluster.metrics.transfer.failure("timeout");
-            return Err(SubmitError::Failed(ApiError::Engine(EngineError::Remote {
+            refused(EngineError::Remote {
                 reason: "timeout".into(),
                 message: "the decode node reserved no pages in time".into(),
-            })));
+            })
         }
-    };
-
-    let mut prefill_call = tonic::Request::new(pb::PrefillRequest {
-        request: Some(wire_request),
-        decode_addr: decode.addr.clone(),
-        ticket,
-    });
-    prefill_call.set_timeout(timeout);
-    let (tx, rx) = unbounded_channel();
-    tokio::spawn(async move {
-        let loads = (prefill_load, decode_load);
-        run(&cluster, prefill_client, prefill_call, events, tx).await;
-        drop(loads);
-    });
-    Ok(RequestHandle {
-        id: RequestId(number),
-        events: rx,
-    })
+    }
 }
-
 /// Drives the prefill call and relays the decode stream until the request ends. Returning
 /// drops both calls, which cancels the request on both nodes (the decode node scrubs its
 /// reservation).

@@ -188,6 +188,23 @@ async fn start_chat(
     .await
 }
 
+/// Records a cancelled request when dropped armed.
+struct CancelledWhileSubmitting(Option<Arc<crate::metrics::ServerMetrics>>);
+
+impl CancelledWhileSubmitting {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CancelledWhileSubmitting {
+    fn drop(&mut self) {
+        if let Some(metrics) = self.0.take() {
+            metrics.outcome(crate::metrics::Outcome::Cancelled);
+        }
+    }
+}
+
 /// Admission, then submission: a rejected request never reaches the engine.
 async fn start(
     app: &Arc<AppState>,
@@ -219,18 +236,18 @@ async fn start(
         })?;
     crate::metrics::ServerMetrics::add(&app.metrics.prompt_tokens, prompt_tokens as u64);
     let admitted_at = Instant::now();
-    let handle = app
-        .backend
-        .clone()
-        .submit(admitted)
-        .await
-        .map_err(|e| match e {
-            crate::SubmitError::Rejected(rejection) => ApiError::Rejected {
-                rejection,
-                input_param,
-            },
-            crate::SubmitError::Failed(e) => e,
-        })?;
+    // A client that leaves while a cluster places its request was still cancelled: once
+    // the future resolves, the generation (or the refusal) records the outcome instead.
+    let leaving = CancelledWhileSubmitting(Some(app.metrics.clone()));
+    let submitted = app.backend.clone().submit(admitted).await;
+    leaving.disarm();
+    let handle = submitted.map_err(|e| match e {
+        crate::SubmitError::Rejected(rejection) => ApiError::Rejected {
+            rejection,
+            input_param,
+        },
+        crate::SubmitError::Failed(e) => e,
+    })?;
     let id = match api {
         Api::Chat => app.response_id("chatcmpl", handle.id),
         Api::Completion => app.response_id("cmpl", handle.id),

@@ -1,0 +1,295 @@
+"""The disaggregated mode end to end: `kvwarden router` over prefill and decode processes on
+loopback, over mutual TLS. Content, not status codes: the router's answers are the
+monolithic server's token for token, an over-length request never reaches a decode node,
+and a killed node costs its own requests an error, never a 200 with partial or foreign
+content.
+
+(The rest of the suite also runs against a router: `KVWARDEN_DEPLOYMENT=cluster`.)
+"""
+
+import json
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import BIN, MODEL, MODEL_NAME, ROOT, Cluster, Node, Server, make_certs
+
+GOLDEN = json.loads((ROOT / "tests" / "data" / "golden" / "completions.json").read_text())["cases"]
+
+
+def complete_ids(server, prompt_tokens, max_tokens, **kw):
+    """Completion text, per-token logprobs, and the finish reason, for a token-id prompt."""
+    r = server.post(
+        "/v1/completions",
+        {
+            "model": MODEL_NAME,
+            "prompt": prompt_tokens,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 1,
+            **kw,
+        },
+    )
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    return c["text"], c["logprobs"]["token_logprobs"], c["finish_reason"], r.json()["usage"]
+
+
+@pytest.fixture(scope="module")
+def mono(tmp_path_factory):
+    s = Server(["--kv-pool-tokens", "4096"], tmp_path_factory.mktemp("mono") / "stderr.log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module", params=[(1, 1), (2, 2)], ids=["1+1", "2+2"])
+def cluster(request, tmp_path_factory):
+    p, d = request.param
+    c = Cluster(
+        ["--kv-pool-tokens", "4096", "--kv-scrub", "poison"],
+        tmp_path_factory.mktemp(f"cluster{p}{d}"),
+        prefill=p,
+        decode=d,
+    )
+    yield c
+    c.stop()
+
+
+def test_golden_completions_through_the_router(cluster, mono):
+    """Every llama.cpp golden case: the router's text equals the golden text, and its
+    tokens and logprob bits equal the monolithic server's."""
+    for case in GOLDEN:
+        n = len(case["completion_tokens"])
+        got = complete_ids(cluster, case["prompt_tokens"], n)
+        want = complete_ids(mono, case["prompt_tokens"], n)
+        assert got[0] == case["completion_text"], case["prompt"]
+        # Same tokens, same logprob bits, same finish reason and token counts (what the
+        # prefix caches served may differ with the history of each).
+        counts = lambda u: (u["prompt_tokens"], u["completion_tokens"])  # noqa: E731
+        assert got[:3] == want[:3], case["prompt"]
+        assert counts(got[3]) == counts(want[3]), case["prompt"]
+
+
+def test_golden_completions_concurrently(cluster):
+    """All cases at once, spread over the nodes: each answer is its solo answer."""
+    def run(case):
+        return complete_ids(cluster, case["prompt_tokens"], len(case["completion_tokens"]))[0]
+
+    with ThreadPoolExecutor(max_workers=len(GOLDEN)) as pool:
+        texts = list(pool.map(run, GOLDEN))
+    for case, text in zip(GOLDEN, texts):
+        assert text == case["completion_text"], case["prompt"]
+    m = cluster.metrics()
+    assert m["kvwarden_isolation_check_failures_total"] == 0
+    assert m["kvwarden_router_handoffs_total"] >= 2 * len(GOLDEN)
+    if len(cluster.decode_nodes()) > 1:
+        used = [n.metrics()["kvwarden_node_decode_requests_total"] for n in cluster.decode_nodes()]
+        assert all(u > 0 for u in used), f"a decode node took no request: {used}"
+
+
+def test_kv_bytes_moved_per_prompt_token(cluster):
+    before = cluster.metrics()['kvwarden_transfer_bytes_total{direction="received"}']
+    prompt = GOLDEN[0]["prompt_tokens"] * 20
+    complete_ids(cluster, prompt, 2)
+    moved = cluster.metrics()['kvwarden_transfer_bytes_total{direction="received"}'] - before
+    # 30 layers x (K + V) x 192 values x 2 bytes (f16) per token.
+    assert moved == len(prompt) * 30 * 2 * 192 * 2
+
+
+def decode_requests(cluster):
+    return sum(n.metrics()["kvwarden_node_decode_requests_total"] for n in cluster.decode_nodes())
+
+
+def test_over_length_never_reaches_a_decode_node(tmp_path):
+    """Pools of 256 (prefill) and 128 (decode) tokens: the router advertises the smaller;
+    at limit - 1 the request succeeds, at the limit and above it is refused with 400 and no
+    decode node hears of it."""
+    c = Cluster(
+        [], tmp_path, prefill_args=["--kv-pool-tokens", "256"], decode_args=["--kv-pool-tokens", "128"]
+    )
+    try:
+        models = c.client.models.list()
+        assert models.data[0].model_extra["max_model_len"] == 128
+        base = decode_requests(c)
+        ok = c.post("/v1/completions", {"model": MODEL_NAME, "prompt": [504] * 127, "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+        assert decode_requests(c) == base + 1
+        for n in (128, 129, 1000):
+            r = c.post("/v1/completions", {"model": MODEL_NAME, "prompt": [504] * n, "max_tokens": 1})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+            assert "128" in r.json()["error"]["message"]
+        assert decode_requests(c) == base + 1, "a rejected request reached a decode node"
+    finally:
+        c.stop()
+
+
+def test_router_refuses_to_advertise_more_than_a_node_holds(tmp_path):
+    certs = make_certs(tmp_path / "certs", ["router", "prefill0", "decode0"])
+    nodes = [
+        Node("prefill", ["--kv-pool-tokens", "512"], certs, "prefill0", tmp_path / "p.log"),
+        Node("decode", ["--kv-pool-tokens", "256"], certs, "decode0", tmp_path / "d.log"),
+    ]
+    try:
+        r = subprocess.run(
+            [
+                str(BIN), "router", "--model", str(MODEL), "--port", "0", "--max-context", "300",
+                "--prefill", nodes[0].addr, "--decode", nodes[1].addr,
+                "--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / "router.pem"),
+                "--tls-key", str(certs / "router.key"),
+            ],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )
+        assert r.returncode != 0
+        assert "300" in r.stderr and "256" in r.stderr, r.stderr
+        assert "listening" not in r.stderr
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_router_refuses_a_node_outside_the_cluster_ca(tmp_path):
+    certs = make_certs(tmp_path / "certs", ["router", "prefill0", "decode0"])
+    other = make_certs(tmp_path / "other", ["router"])
+    nodes = [
+        Node("prefill", ["--kv-pool-tokens", "256"], certs, "prefill0", tmp_path / "p.log"),
+        Node("decode", ["--kv-pool-tokens", "256"], certs, "decode0", tmp_path / "d.log"),
+    ]
+    try:
+        r = subprocess.run(
+            [
+                str(BIN), "router", "--model", str(MODEL), "--port", "0",
+                "--prefill", nodes[0].addr, "--decode", nodes[1].addr,
+                "--tls-ca", str(other / "ca.pem"), "--tls-cert", str(other / "router.pem"),
+                "--tls-key", str(other / "router.key"),
+            ],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )
+        assert r.returncode != 0
+        assert "not reachable" in r.stderr, r.stderr
+        m = nodes[0].metrics()
+        assert m['kvwarden_transfer_failures_total{reason="auth"}'] >= 1
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def stream_events(cluster, prompt_tokens, max_tokens, out: list, started: threading.Event):
+    """Collects a streamed completion's data events; sets `started` at the first token."""
+    try:
+        r = cluster.post(
+            "/v1/completions",
+            {
+                "model": MODEL_NAME, "prompt": prompt_tokens, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True,
+            },
+            stream=True,
+        )
+        out.append(("status", r.status_code))
+        for line in r.iter_lines():
+            if line.startswith(b"data: "):
+                out.append(("data", line[6:]))
+                started.set()
+    except requests.RequestException as e:
+        out.append(("error", str(e)))
+    finally:
+        started.set()
+
+
+def ended_with_error(events) -> bool:
+    data = [d for kind, d in events if kind == "data"]
+    if any(kind == "error" for kind, _ in events):
+        return True
+    return bool(data) and b"[DONE]" not in data and "error" in json.loads(data[-1])
+
+
+def wait_idle(nodes, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(n.metrics()['kvwarden_kv_pages{state="leased"}'] == 0 for n in nodes):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_killing_a_decode_node_mid_stream(tmp_path, mono):
+    """One prefill, two decode nodes: the client on the killed node gets one error event
+    (no [DONE], no 200 that looks complete); the client on the other node gets its full,
+    correct answer; the survivors hold no page afterwards."""
+    c = Cluster(["--kv-pool-tokens", "4096"], tmp_path, prefill=1, decode=2)
+    try:
+        victim_events, started = [], threading.Event()
+        victim = threading.Thread(
+            target=stream_events, args=(c, GOLDEN[1]["prompt_tokens"], 3000, victim_events, started)
+        )
+        victim.start()
+        assert started.wait(60), "the stream never started"
+        busy = [n for n in c.decode_nodes() if n.metrics()['kvwarden_kv_pages{state="leased"}'] > 0]
+        assert len(busy) == 1, "the streaming request should hold pages on exactly one decode node"
+        survivor_case = GOLDEN[2]
+        n = len(survivor_case["completion_tokens"])
+        with ThreadPoolExecutor(1) as pool:
+            other = pool.submit(complete_ids, c, survivor_case["prompt_tokens"], n)
+            time.sleep(0.5)
+            busy[0].proc.send_signal(signal.SIGKILL)
+            text = other.result(timeout=120)[0]
+        victim.join(timeout=60)
+        assert not victim.is_alive(), "the victim's client hung"
+        assert ("status", 200) in victim_events
+        assert ended_with_error(victim_events), victim_events[-3:]
+        assert text == survivor_case["completion_text"]
+        survivors = [x for x in c.nodes if x.proc.poll() is None]
+        assert wait_idle(survivors), "survivors kept pages"
+        # The cluster keeps serving on the surviving decode node.
+        assert complete_ids(c, GOLDEN[0]["prompt_tokens"], 4)[0] == complete_ids(mono, GOLDEN[0]["prompt_tokens"], 4)[0]
+    finally:
+        c.stop()
+
+
+def test_killing_a_prefill_node_mid_handoff(tmp_path):
+    """Two prefill nodes: a long prompt's prefill node is killed while it computes and
+    hands over the K/V; that client gets an error status, never a 200; the decode node
+    releases the reservation; a request on the other prefill node answers correctly."""
+    c = Cluster(["--kv-pool-tokens", "8192"], tmp_path, prefill=2, decode=1)
+    try:
+        long_prompt = (GOLDEN[3]["prompt_tokens"] * 400)[:6000]
+        result = {}
+
+        def victim():
+            try:
+                result["r"] = c.post(
+                    "/v1/completions",
+                    {"model": MODEL_NAME, "prompt": long_prompt, "max_tokens": 4, "temperature": 0},
+                )
+            except requests.RequestException as e:
+                result["e"] = e
+
+        t = threading.Thread(target=victim)
+        t.start()
+        deadline = time.monotonic() + 60
+        busy = []
+        while not busy and time.monotonic() < deadline:
+            busy = [n for n in c.prefill_nodes() if n.metrics()['kvwarden_kv_pages{state="leased"}'] > 0]
+            time.sleep(0.05)
+        assert busy, "the long prefill never started"
+        busy[0].proc.send_signal(signal.SIGKILL)
+        t.join(timeout=120)
+        assert not t.is_alive(), "the client hung"
+        assert "r" in result, result
+        assert result["r"].status_code >= 500, result["r"].text
+        assert result["r"].json()["error"]["code"] in ("service_unavailable", "upstream_timeout", "kv_handoff_failed")
+        decode = c.decode_nodes()[0]
+        assert wait_idle([decode]), "the decode node kept the reservation"
+        # The router marks the dead node down within a poll and uses the other one.
+        time.sleep(2)
+        case = GOLDEN[4]
+        text = complete_ids(c, case["prompt_tokens"], len(case["completion_tokens"]))[0]
+        assert text == case["completion_text"]
+    finally:
+        c.stop()
