@@ -1,18 +1,17 @@
 //! The client side of the engine: configuration, the startup checks, and the handles that
 //! submit requests to the engine thread ([`crate::worker`]) and receive their events.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 
 use kv::{
     KvDtype, KvPool, PoolConfig, PoolCounts, PrefixCache, PublicPrefixes, RequestId, ScrubPolicy,
 };
-use model::Model;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::admission::{Admission, Admitted};
 use crate::worker::Worker;
-use crate::{EngineError, EngineMetrics, Event, SharedMetrics};
+use crate::{EngineError, EngineMetrics, Event, SharedMetrics, StepModel};
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -25,6 +24,9 @@ pub struct EngineConfig {
     /// Tokens per forward pass (decode rows plus prefill chunks).
     pub max_batch_tokens: usize,
     pub max_running: usize,
+    /// Admitted requests that may wait for a running slot. Beyond `max_running +
+    /// max_waiting` requests in the engine, [`EngineHandle::submit`] answers [`QueueFull`].
+    pub max_waiting: usize,
     /// Reuse the K/V of earlier prompts within an isolation domain.
     pub prefix_cache: bool,
     /// Token sequences the operator declares public: their pages may be shared across
@@ -42,6 +44,7 @@ impl Default for EngineConfig {
             scrub: ScrubPolicy::Zero,
             max_batch_tokens: 512,
             max_running: 32,
+            max_waiting: 256,
             prefix_cache: true,
             public_prefixes: Vec::new(),
         }
@@ -59,17 +62,60 @@ pub enum StartupError {
     Config(String),
 }
 
+/// The engine holds as many requests as it may (running plus waiting): retry later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the engine's queue is full ({limit} requests running or waiting)")]
+pub struct QueueFull {
+    pub limit: usize,
+}
+
 pub(crate) enum Command {
     Submit {
         id: RequestId,
         admitted: Admitted,
         events: UnboundedSender<Event>,
+        slot: Slot,
     },
+    /// Only wakes the engine: the request to stop is the `stopping` flag, which a full
+    /// command channel cannot hold back.
     Shutdown,
+}
+
+/// One of the engine's places for a request, held from `submit` until the request ends
+/// (whichever way: finished, failed, cancelled, or the command dropped undelivered).
+/// Dropping it frees the place.
+pub(crate) struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// What the engine thread and its handles share about its state.
+pub(crate) struct Lifecycle {
+    /// Set by [`EngineHandle::shutdown`].
+    pub(crate) stopping: AtomicBool,
+    /// True while the engine thread runs; cleared when it exits, however it exits.
+    pub(crate) alive: AtomicBool,
+}
+
+/// Clears `alive` when the engine thread ends, by return or by panic.
+struct AliveGuard(Arc<Lifecycle>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.alive.store(false, Ordering::Release);
+    }
 }
 
 /// The client side of one request: its events, in order, ending with `Finished` or
 /// `Failed`. Dropping it cancels the request.
+///
+/// The event channel is unbounded on purpose: the engine thread must never wait for a slow
+/// client. It is bounded all the same, by the request: at most one event per completion
+/// token plus the terminal one, and `max_tokens` is within the advertised context.
+#[derive(Debug)]
 pub struct RequestHandle {
     pub id: RequestId,
     pub events: UnboundedReceiver<Event>,
@@ -78,11 +124,16 @@ pub struct RequestHandle {
 /// A cheap, cloneable handle to a running engine.
 #[derive(Clone)]
 pub struct EngineHandle {
-    commands: mpsc::Sender<Command>,
+    /// Bounded: it never holds more than the requests the engine has places for.
+    commands: mpsc::SyncSender<Command>,
     admission: Admission,
     pool: KvPool,
     metrics: SharedMetrics,
     next_id: Arc<std::sync::atomic::AtomicU64>,
+    /// Requests submitted and not yet ended, and the most there may be.
+    in_engine: Arc<AtomicUsize>,
+    capacity: usize,
+    lifecycle: Arc<Lifecycle>,
 }
 
 impl EngineHandle {
@@ -110,30 +161,64 @@ impl EngineHandle {
         &self.metrics
     }
 
-    /// Hands an admitted request to the engine. If the engine is gone, the stream carries
-    /// a single `Failed(Shutdown)`.
-    pub fn submit(&self, admitted: Admitted) -> RequestHandle {
-        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let (tx, rx) = unbounded_channel();
-        if let Err(mpsc::SendError(Command::Submit { events, .. })) =
-            self.commands.send(Command::Submit {
-                id,
-                admitted,
-                events: tx,
-            })
-        {
-            let _ = events.send(Event::Failed(EngineError::Shutdown));
-        }
-        RequestHandle { id, events: rx }
+    /// False once the engine thread has ended (shut down, or died of a fault it could not
+    /// recover from): nothing submitted will run.
+    pub fn is_alive(&self) -> bool {
+        self.lifecycle.alive.load(Ordering::Acquire)
     }
 
+    /// Hands an admitted request to the engine, or refuses it when the engine already holds
+    /// `max_running + max_waiting` requests. If the engine is gone, the stream carries a
+    /// single `Failed(Shutdown)`.
+    pub fn submit(&self, admitted: Admitted) -> Result<RequestHandle, QueueFull> {
+        let full = QueueFull {
+            limit: self.capacity,
+        };
+        self.in_engine
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.capacity).then_some(n + 1)
+            })
+            .map_err(|_| full)?;
+        let slot = Slot(self.in_engine.clone());
+        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let (tx, rx) = unbounded_channel();
+        let command = Command::Submit {
+            id,
+            admitted,
+            events: tx,
+            slot,
+        };
+        match self.commands.try_send(command) {
+            Ok(()) => {}
+            Err(mpsc::TrySendError::Disconnected(Command::Submit { events, slot, .. })) => {
+                drop(slot);
+                let _ = events.send(Event::Failed(EngineError::Shutdown));
+            }
+            // The channel has a place for every slot, so this cannot happen; the command
+            // (and its slot) is dropped, and the client is told to retry.
+            Err(mpsc::TrySendError::Full(_)) => return Err(full),
+            Err(mpsc::TrySendError::Disconnected(Command::Shutdown)) => {}
+        }
+        Ok(RequestHandle { id, events: rx })
+    }
+
+    /// Asks the engine to end every request with `Failed(Shutdown)` and stop.
     pub fn shutdown(&self) {
-        let _ = self.commands.send(Command::Shutdown);
+        self.lifecycle.stopping.store(true, Ordering::Release);
+        // A wake-up for an idle engine; a full channel means it is busy and will see the
+        // flag at its next step.
+        let _ = self.commands.try_send(Command::Shutdown);
     }
 }
 
 /// Checks the capacity promise, allocates the pool and starts the engine thread.
-pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, StartupError> {
+///
+/// A panic inside a forward step fails that step's requests (HTTP 500) and the engine goes
+/// on: the model keeps no state between steps, and the failed requests' pages are dropped.
+/// After several consecutive steps that panic, the engine fails every request and stops,
+/// and [`EngineHandle::is_alive`] turns false. A panic anywhere else ends the engine
+/// thread the same way.
+pub fn start(model: impl StepModel, config: EngineConfig) -> Result<EngineHandle, StartupError> {
     if !kv::CHECKS_ENABLED {
         return Err(StartupError::Config(
             "this build has the KV read checks compiled out (benchmark-only feature); it must not serve".into(),
@@ -146,7 +231,7 @@ pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, Startup
     }
     let pages = config.pool_tokens.div_ceil(config.page_tokens);
     let pool_tokens = pages * config.page_tokens;
-    let model_context = model.config.context_length;
+    let model_context = model.config().context_length;
     let max_context = match config.max_context {
         None => model_context.min(pool_tokens),
         Some(c) if c > pool_tokens => {
@@ -168,8 +253,14 @@ pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, Startup
         pages,
         scrub: config.scrub,
     });
-    let admission = Admission::new(max_context, model.config.vocab_size);
-    let (tx, rx) = mpsc::channel();
+    let admission = Admission::new(max_context, model.config().vocab_size);
+    let capacity = config.max_running.saturating_add(config.max_waiting);
+    // A place for every request the engine may hold, and one for a shutdown wake-up.
+    let (tx, rx) = mpsc::sync_channel(capacity.saturating_add(1));
+    let lifecycle = Arc::new(Lifecycle {
+        stopping: AtomicBool::new(false),
+        alive: AtomicBool::new(true),
+    });
     let metrics: SharedMetrics = Arc::default();
     let cache = config.prefix_cache.then(|| {
         PrefixCache::with_public_prefixes(
@@ -177,10 +268,21 @@ pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, Startup
             PublicPrefixes::new(config.public_prefixes.clone()),
         )
     });
-    let worker = Worker::new(model, pool.clone(), config, metrics.clone(), cache);
+    let worker = Worker::new(
+        Box::new(model),
+        pool.clone(),
+        config,
+        metrics.clone(),
+        cache,
+        lifecycle.clone(),
+    );
+    let guard = AliveGuard(lifecycle.clone());
     std::thread::Builder::new()
         .name("kvwarden-engine".into())
-        .spawn(move || worker.run(rx))
+        .spawn(move || {
+            let _guard = guard;
+            worker.run(rx)
+        })
         .map_err(|e| StartupError::Config(format!("cannot start engine thread: {e}")))?;
     Ok(EngineHandle {
         commands: tx,
@@ -188,5 +290,8 @@ pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, Startup
         pool,
         metrics,
         next_id: Arc::new(std::sync::atomic::AtomicU64::new(1)),
+        in_engine: Arc::new(AtomicUsize::new(0)),
+        capacity,
+        lifecycle,
     })
 }

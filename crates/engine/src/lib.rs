@@ -24,10 +24,40 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub use admission::{Admission, Admitted, Rejection};
-pub use handle::{start, EngineConfig, EngineHandle, RequestHandle, StartupError};
+pub use handle::{start, EngineConfig, EngineHandle, QueueFull, RequestHandle, StartupError};
 
 pub use kv::{IsolationDomain, RequestId};
 pub use model::SamplingParams;
+
+/// What the engine needs from a model: its shape and one batched forward step.
+/// [`model::Model`] is the one that serves; tests wrap it to make a step fail.
+pub trait StepModel: Send + 'static {
+    fn config(&self) -> &model::LlamaConfig;
+    fn kv_layout(&self, page_tokens: usize, dtype: kv::KvDtype) -> kv::KvLayout;
+    /// One step over a batch; see [`model::Model::forward`]. A panic fails the step's
+    /// requests, not the engine (up to a limit, see [`crate::start`]).
+    fn forward(
+        &self,
+        items: &mut [model::BatchItem<'_>],
+    ) -> Vec<Result<model::Logits, model::ModelError>>;
+}
+
+impl StepModel for model::Model {
+    fn config(&self) -> &model::LlamaConfig {
+        &self.config
+    }
+
+    fn kv_layout(&self, page_tokens: usize, dtype: kv::KvDtype) -> kv::KvLayout {
+        model::Model::kv_layout(self, page_tokens, dtype)
+    }
+
+    fn forward(
+        &self,
+        items: &mut [model::BatchItem<'_>],
+    ) -> Vec<Result<model::Logits, model::ModelError>> {
+        model::Model::forward(self, items)
+    }
+}
 
 /// What a client asked the engine to do, after the server validated and tokenized it.
 #[derive(Debug, Clone)]

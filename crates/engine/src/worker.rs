@@ -9,20 +9,26 @@
 //! and the oldest request is never preempted for a younger one, so every request finishes.
 
 use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use kv::{KvPool, Owner, PrefixCache, RequestId, SequenceKv, Visibility};
 use model::sampling::{log_softmax, top_logprobs};
-use model::{BatchItem, LogitsWanted, Model, ModelError, Sampler};
+use model::{BatchItem, LogitsWanted, ModelError, Sampler};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::handle::{Command, EngineConfig};
+use crate::handle::{Command, EngineConfig, Lifecycle, Slot};
 use crate::{
-    EngineError, EngineMetrics, Event, FinishReason, GenerateRequest, SharedMetrics, TokenEvent,
-    Usage,
+    EngineError, EngineMetrics, Event, FinishReason, GenerateRequest, SharedMetrics, StepModel,
+    TokenEvent, Usage,
 };
+
+/// Consecutive forward steps that may panic before the engine gives up: one panic is a bug
+/// hit by some batch, and the engine goes on without that batch's requests; a panic at
+/// every step means nothing can be served, and the engine stops so that `/health` says so.
+const MAX_CONSECUTIVE_PANICS: u32 = 3;
 
 /// Everything about a request except its pages: survives preemption.
 struct Progress {
@@ -39,6 +45,8 @@ struct Progress {
     cached_tokens: Option<usize>,
     /// Prompt plus max_tokens: the most positions it can ever hold.
     total_tokens: usize,
+    /// The request's place in the engine, freed when the request ends.
+    slot: Slot,
 }
 
 impl Progress {
@@ -53,6 +61,14 @@ impl Progress {
         } else {
             self.output[i - p]
         }
+    }
+
+    /// Ends the request with its terminal event. Its place in the engine is freed first, so
+    /// a client that reads the end can submit again at once.
+    fn end(self, ev: Event) {
+        let Progress { events, slot, .. } = self;
+        drop(slot);
+        let _ = events.send(ev);
     }
 
     fn usage(&self) -> Usage {
@@ -88,22 +104,26 @@ pub(crate) struct Worker {
     arrivals: u64,
     /// Shared prompt pages, keyed by isolation domain.
     cache: Option<PrefixCache>,
-    model: Model,
+    model: Box<dyn StepModel>,
     pool: KvPool,
     config: EngineConfig,
     metrics: SharedMetrics,
     waiting: VecDeque<Progress>,
     /// In arrival order.
     running: Vec<Running>,
+    lifecycle: Arc<Lifecycle>,
+    /// Forward steps in a row that panicked.
+    panics_in_a_row: u32,
 }
 
 impl Worker {
     pub(crate) fn new(
-        model: Model,
+        model: Box<dyn StepModel>,
         pool: KvPool,
         config: EngineConfig,
         metrics: SharedMetrics,
         cache: Option<PrefixCache>,
+        lifecycle: Arc<Lifecycle>,
     ) -> Self {
         Self {
             arrivals: 0,
@@ -114,11 +134,17 @@ impl Worker {
             metrics,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            lifecycle,
+            panics_in_a_row: 0,
         }
     }
 
     pub(crate) fn run(mut self, commands: mpsc::Receiver<Command>) {
         loop {
+            if self.lifecycle.stopping.load(Ordering::Acquire) {
+                self.fail_all(&EngineError::Shutdown);
+                return;
+            }
             // Idle: block for work. Busy: take whatever arrived and step.
             if self.waiting.is_empty() && self.running.is_empty() {
                 match commands.recv() {
@@ -146,7 +172,9 @@ impl Worker {
                     }
                 }
             }
-            self.step();
+            if !self.step() {
+                return;
+            }
         }
     }
 
@@ -157,6 +185,7 @@ impl Worker {
                 id,
                 admitted,
                 events,
+                slot,
             } => {
                 self.arrivals += 1;
                 let total_tokens = admitted.total_tokens;
@@ -170,18 +199,27 @@ impl Worker {
                     events,
                     output: Vec::new(),
                     cached_tokens: None,
+                    slot,
                 });
                 true
             }
             Command::Shutdown => {
-                for w in self.waiting.drain(..) {
-                    let _ = w.events.send(Event::Failed(EngineError::Shutdown));
+                if self.lifecycle.stopping.load(Ordering::Acquire) {
+                    self.fail_all(&EngineError::Shutdown);
+                    return false;
                 }
-                for r in self.running.drain(..) {
-                    let _ = r.progress.events.send(Event::Failed(EngineError::Shutdown));
-                }
-                false
+                true
             }
+        }
+    }
+
+    /// Ends every request with `error`.
+    fn fail_all(&mut self, error: &EngineError) {
+        for w in self.waiting.drain(..) {
+            w.end(Event::Failed(error.clone()));
+        }
+        for r in self.running.drain(..) {
+            finish(r, Event::Failed(error.clone()));
         }
     }
 
@@ -238,7 +276,7 @@ impl Worker {
                     EngineMetrics::add(&self.metrics.failed, 1);
                     tracing::error!("prefix cache offered an unreadable page: {e}");
                     if let Some(w) = self.waiting.pop_front() {
-                        let _ = w.events.send(Event::Failed(EngineError::Isolation(e)));
+                        w.end(Event::Failed(EngineError::Isolation(e)));
                     }
                     continue;
                 }
@@ -327,7 +365,8 @@ impl Worker {
         }
     }
 
-    fn step(&mut self) {
+    /// Returns false when the engine must stop.
+    fn step(&mut self) -> bool {
         self.drop_cancelled();
         self.promote();
         self.grow();
@@ -337,7 +376,7 @@ impl Worker {
                 // are still being returned by another thread. Back off briefly.
                 std::thread::sleep(Duration::from_millis(1));
             }
-            return;
+            return true;
         }
         EngineMetrics::add(&self.metrics.steps, 1);
 
@@ -389,7 +428,18 @@ impl Worker {
                     },
                 });
             }
-            self.model.forward(&mut items)
+            // A panic in the model must not take the engine thread (and every other
+            // request) with it. The model keeps no state between steps, so unwinding out
+            // of one leaves nothing half-done but this step's requests, which fail below.
+            let model = &self.model;
+            catch_unwind(AssertUnwindSafe(|| model.forward(&mut items)))
+        };
+        let results = match results {
+            Ok(results) => {
+                self.panics_in_a_row = 0;
+                results
+            }
+            Err(panic) => return self.step_panicked(&plan, panic.as_ref()),
         };
 
         let mut outcomes: Vec<Outcome> =
@@ -415,7 +465,7 @@ impl Worker {
                 continue;
             }
             let prompt_just_done = r.progress.output.is_empty();
-            outcomes[i] = sample_next(&mut r.progress, &logits, &self.model.config, &self.metrics);
+            outcomes[i] = sample_next(&mut r.progress, &logits, self.model.config(), &self.metrics);
             if prompt_just_done {
                 self.share_prompt(i);
             }
@@ -446,6 +496,47 @@ impl Worker {
         self.metrics
             .running
             .store(self.running.len() as u64, Ordering::Relaxed);
+        true
+    }
+
+    /// Fails the requests of a step whose forward pass panicked; their pages are dropped
+    /// with them (whatever the step wrote is never read). Returns false when too many steps
+    /// in a row panicked: then every request fails and the engine stops.
+    fn step_panicked(
+        &mut self,
+        plan: &[(usize, std::ops::Range<usize>)],
+        panic: &(dyn std::any::Any + Send),
+    ) -> bool {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".into());
+        self.panics_in_a_row += 1;
+        tracing::error!(
+            "the forward pass panicked ({} in a row): {what}",
+            self.panics_in_a_row
+        );
+        let error = EngineError::Model(format!("the forward pass panicked: {what}"));
+        let mut failed: Vec<usize> = plan.iter().map(|(i, _)| *i).collect();
+        failed.sort_unstable();
+        failed.dedup();
+        for i in failed.into_iter().rev() {
+            let r = self.running.remove(i);
+            EngineMetrics::add(&self.metrics.failed, 1);
+            finish(r, Event::Failed(error.clone()));
+        }
+        if self.panics_in_a_row >= MAX_CONSECUTIVE_PANICS {
+            tracing::error!("the forward pass keeps panicking; the engine stops");
+            let n = (self.waiting.len() + self.running.len()) as u64;
+            EngineMetrics::add(&self.metrics.failed, n);
+            self.fail_all(&error);
+            return false;
+        }
+        self.metrics
+            .running
+            .store(self.running.len() as u64, Ordering::Relaxed);
+        true
     }
 }
 
@@ -453,7 +544,7 @@ impl Worker {
 fn finish(r: Running, ev: Event) {
     let Running { progress, kv } = r;
     drop(kv);
-    let _ = progress.events.send(ev);
+    progress.end(ev);
 }
 
 fn sample_next(

@@ -79,6 +79,10 @@ struct ServeArgs {
     /// Requests holding KV pages at once; more wait in the queue.
     #[arg(long, default_value_t = 32)]
     max_running: usize,
+    /// Admitted requests that may wait for a running slot; beyond that, requests get 429
+    /// with Retry-After.
+    #[arg(long, default_value_t = 256)]
+    max_waiting: usize,
     /// File of `KEY TENANT` lines: requests must carry `Authorization: Bearer KEY`, and
     /// each tenant is its own isolation domain. Without it: one tenant, no authentication.
     #[arg(long)]
@@ -240,7 +244,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         logprobs: None,
     };
     let admitted = engine.admission().admit(request)?;
-    let mut handle = engine.submit(admitted);
+    let mut handle = engine.submit(admitted)?;
     let mut tokens = Vec::new();
     let mut decoder = tokenizer::IncrementalDecoder::new();
     let mut text = String::new();
@@ -328,6 +332,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             },
             max_batch_tokens: args.max_batch_tokens,
             max_running: args.max_running,
+            max_waiting: args.max_waiting,
             prefix_cache: !args.no_prefix_cache,
             public_prefixes,
         },

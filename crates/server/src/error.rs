@@ -3,7 +3,7 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use engine::{EngineError, Rejection};
+use engine::{EngineError, QueueFull, Rejection};
 use serde_json::{json, Value};
 
 /// A failed request. Client mistakes are 4xx and never reach the engine; engine failures
@@ -38,6 +38,12 @@ pub enum ApiError {
     UnsupportedMediaType { got: Option<String> },
     #[error("{}", engine_message(.0))]
     Engine(#[from] EngineError),
+    /// The engine holds as many requests as it may; the client should retry shortly.
+    #[error("The server is at capacity ({} requests running or queued); retry shortly.", .0.limit)]
+    QueueFull(#[from] QueueFull),
+    /// The engine thread is not running (it stopped, or died of a fault).
+    #[error("The inference engine is not running; this server cannot answer generation requests.")]
+    EngineUnavailable,
     /// A server-side fault unrelated to the request's content (a broken chat template, a
     /// token the tokenizer cannot decode).
     #[error("internal error: {0}")]
@@ -91,7 +97,10 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ApiError::Engine(EngineError::Shutdown) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Engine(EngineError::Shutdown) | ApiError::EngineUnavailable => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Engine(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -110,6 +119,8 @@ impl ApiError {
             ApiError::Engine(EngineError::Isolation(_)) => "isolation_check_failed",
             ApiError::Engine(EngineError::Model(_)) => "model_error",
             ApiError::Engine(EngineError::Shutdown) => "service_unavailable",
+            ApiError::QueueFull(_) => "queue_full",
+            ApiError::EngineUnavailable => "engine_unavailable",
             ApiError::Internal(_) => "internal_error",
         }
     }
@@ -135,8 +146,19 @@ impl ApiError {
         }
     }
 
+    /// Seconds after which a retry may succeed, sent as `Retry-After`.
+    pub fn retry_after(&self) -> Option<u32> {
+        match self {
+            ApiError::QueueFull(_) => Some(1),
+            _ => None,
+        }
+    }
+
     pub fn error_type(&self) -> &'static str {
-        if self.status().is_client_error() {
+        if self.status() == StatusCode::TOO_MANY_REQUESTS {
+            // Not the request's fault: the same request may succeed on retry.
+            "rate_limit_error"
+        } else if self.status().is_client_error() {
             "invalid_request_error"
         } else {
             "server_error"
@@ -174,7 +196,13 @@ impl IntoResponse for ApiError {
         if status.is_server_error() {
             tracing::error!(code = self.code(), "request failed: {}", self.detail());
         }
-        (status, axum::Json(self.body())).into_response()
+        let mut response = (status, axum::Json(self.body())).into_response();
+        if let Some(secs) = self.retry_after() {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        response
     }
 }
 
@@ -347,6 +375,21 @@ mod tests {
             "roles must alternate".into(),
         ));
         assert_eq!(shape(&e).0, 400);
+    }
+
+    #[test]
+    fn a_full_queue_is_429_with_retry_after() {
+        let e = ApiError::from(QueueFull { limit: 3 });
+        assert_eq!(
+            shape(&e),
+            (429, "queue_full".into(), None, "rate_limit_error".into())
+        );
+        let r = e.into_response();
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            r.headers().get(axum::http::header::RETRY_AFTER),
+            Some(&axum::http::HeaderValue::from_static("1"))
+        );
     }
 
     #[test]

@@ -217,7 +217,7 @@ fn start(
         })?;
     crate::metrics::ServerMetrics::add(&app.metrics.prompt_tokens, prompt_tokens as u64);
     let admitted_at = Instant::now();
-    let handle = app.engine.submit(admitted);
+    let handle = app.engine.submit(admitted)?;
     let id = match api {
         Api::Chat => app.response_id("chatcmpl", handle.id),
         Api::Completion => app.response_id("cmpl", handle.id),
@@ -363,8 +363,14 @@ async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Respons
     .into_response()
 }
 
-async fn health() -> Response {
-    Json(json!({ "status": "ok" })).into_response()
+/// 200 while the engine thread runs; 503 once it has stopped or died, since no generation
+/// request could then succeed.
+async fn health(State(app): State<Arc<AppState>>) -> Response {
+    if app.engine.is_alive() {
+        Json(json!({ "status": "ok" })).into_response()
+    } else {
+        ApiError::EngineUnavailable.into_response()
+    }
 }
 
 async fn metrics(State(app): State<Arc<AppState>>) -> Response {
