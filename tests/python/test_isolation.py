@@ -113,6 +113,28 @@ def test_stop_string_releases_the_engine_request(server):
     assert wait_for(lambda: kv_leased(server) == 0)
 
 
+def test_a_stop_string_ends_a_request_as_stop_counted_once(server):
+    """One count of requests (by how the client saw them end) and one of tokens: a stop
+    string is a stop, not a cancellation, and no second, engine-side request count exists."""
+    assert wait_for(lambda: kv_leased(server) == 0)
+    before = server.metrics()
+    r = server.client.completions.create(
+        model=MODEL_NAME, prompt="The capital of France is", max_tokens=500, temperature=0, stop=["."]
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert wait_for(lambda: kv_leased(server) == 0)
+    after = server.metrics()
+
+    def delta(key):
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta('kvwarden_requests_total{outcome="stop"}') == 1
+    assert delta('kvwarden_requests_total{outcome="cancelled"}') == 0
+    assert not [k for k in after if k.startswith("kvwarden_engine_requests_total")]
+    assert delta("kvwarden_prompt_tokens_total") == r.usage.prompt_tokens
+    assert delta("kvwarden_generation_tokens_total") >= r.usage.completion_tokens
+
+
 FRANCE = [
     {"role": "system", "content": SYSTEM},
     {"role": "user", "content": "What is the capital of France? Answer in one word."},

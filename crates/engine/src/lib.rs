@@ -119,15 +119,17 @@ pub enum EngineError {
     Shutdown,
 }
 
-/// Counters the server exposes on `/metrics`. Monotonic unless named otherwise.
+/// Counters of the engine's work, which the server exposes on `/metrics`. Monotonic unless
+/// named otherwise. Requests are counted once, by how their client saw them end, and that
+/// is the server's count: the engine cannot tell a client that went away from one whose
+/// stop string matched.
 #[derive(Debug, Default)]
 pub struct EngineMetrics {
-    pub finished_stop: AtomicU64,
-    pub finished_length: AtomicU64,
-    pub failed: AtomicU64,
-    pub cancelled: AtomicU64,
     pub isolation_failures: AtomicU64,
+    /// Prompt tokens of requests the engine started (once per request, however many times
+    /// it was preempted and recomputed).
     pub prompt_tokens: AtomicU64,
+    /// Tokens sampled, including any the server then dropped after a stop string.
     pub generated_tokens: AtomicU64,
     pub cached_prompt_tokens: AtomicU64,
     pub steps: AtomicU64,

@@ -223,12 +223,11 @@ impl Worker {
         }
     }
 
+    /// Drops the requests whose client stopped listening. Why it stopped (it went away, or
+    /// the server matched a stop string) is the server's to count, not the engine's.
     fn drop_cancelled(&mut self) {
-        let before = self.waiting.len() + self.running.len();
         self.waiting.retain(|w| !w.events.is_closed());
         self.running.retain(|r| !r.progress.events.is_closed());
-        let cancelled = before - self.waiting.len() - self.running.len();
-        EngineMetrics::add(&self.metrics.cancelled, cancelled as u64);
     }
 
     /// Frees pages: unreferenced cached prefixes first.
@@ -273,7 +272,6 @@ impl Worker {
                 Err(e) => {
                     // Unreachable unless the cache broke its contract: fail the request, loudly.
                     EngineMetrics::add(&self.metrics.isolation_failures, 1);
-                    EngineMetrics::add(&self.metrics.failed, 1);
                     tracing::error!("prefix cache offered an unreadable page: {e}");
                     if let Some(w) = self.waiting.pop_front() {
                         w.end(Event::Failed(EngineError::Isolation(e)));
@@ -483,14 +481,6 @@ impl Worker {
             .collect();
         for (i, ev) in finished.into_iter().rev() {
             let r = self.running.remove(i);
-            match &ev {
-                Event::Finished {
-                    reason: FinishReason::Stop,
-                    ..
-                } => EngineMetrics::add(&self.metrics.finished_stop, 1),
-                Event::Finished { .. } => EngineMetrics::add(&self.metrics.finished_length, 1),
-                _ => EngineMetrics::add(&self.metrics.failed, 1),
-            }
             finish(r, ev);
         }
         self.metrics
@@ -523,13 +513,10 @@ impl Worker {
         failed.dedup();
         for i in failed.into_iter().rev() {
             let r = self.running.remove(i);
-            EngineMetrics::add(&self.metrics.failed, 1);
             finish(r, Event::Failed(error.clone()));
         }
         if self.panics_in_a_row >= MAX_CONSECUTIVE_PANICS {
             tracing::error!("the forward pass keeps panicking; the engine stops");
-            let n = (self.waiting.len() + self.running.len()) as u64;
-            EngineMetrics::add(&self.metrics.failed, n);
             self.fail_all(&error);
             return false;
         }

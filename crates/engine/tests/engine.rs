@@ -208,13 +208,6 @@ fn a_dropped_request_releases_its_pages() {
     assert!(engine.pool_counts().leased > 0);
     drop(handle);
     wait_for_no_leases(&engine);
-    assert_eq!(
-        engine
-            .metrics()
-            .cancelled
-            .load(std::sync::atomic::Ordering::Relaxed),
-        1
-    );
 }
 
 #[test]

@@ -215,7 +215,6 @@ fn start(
             rejection,
             input_param,
         })?;
-    crate::metrics::ServerMetrics::add(&app.metrics.prompt_tokens, prompt_tokens as u64);
     let admitted_at = Instant::now();
     let handle = app.engine.submit(admitted)?;
     let id = match api {
