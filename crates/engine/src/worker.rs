@@ -230,14 +230,19 @@ impl Worker {
         self.running.retain(|r| !r.progress.events.is_closed());
     }
 
-    /// Frees pages: unreferenced cached prefixes first.
+    /// Frees pages by evicting cached prefixes that no request uses, least recently used
+    /// first, if that can make enough room. Cheap when it cannot (the head of the queue may
+    /// wait many steps): the cache counts its evictable pages, so nothing is scanned and
+    /// nothing is evicted in vain.
     fn make_room(&mut self, pages: usize) -> bool {
         let free = self.pool.counts().free;
         if pages <= free {
             return true;
         }
         if let Some(cache) = &mut self.cache {
-            cache.evict(pages - free);
+            if free + cache.evictable_pages() >= pages {
+                cache.evict(pages - free);
+            }
         }
         pages <= self.pool.counts().free
     }
