@@ -105,6 +105,27 @@ def test_rejections_never_reach_the_engine(small_server):
     assert after["kvwarden_engine_steps_total"] == before["kvwarden_engine_steps_total"]
 
 
+def test_a_hundred_thousand_empty_messages_are_refused_at_once(server):
+    """3 MB of empty messages used to be rendered with a quadratic substitution (about a
+    minute of CPU) before admission refused them; the count alone rules them out."""
+    body = json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": ""}] * 100_000})
+    # A liveness timeout, generous for a refusal that takes no rendering at all.
+    r = requests.post(
+        server.url + "/v1/chat/completions", data=body,
+        headers={"Content-Type": "application/json"}, timeout=30,
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "messages"), err
+
+
+def test_the_message_count_is_checked_before_any_message(server):
+    messages = [{"role": "user", "content": ""}] * 4096 + [{"role": "nobody", "content": ""}]
+    r = server.post("/v1/chat/completions", {"model": MODEL_NAME, "messages": messages})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_a_full_queue_is_429_with_retry_after(make_server):
     s = make_server(
         "--kv-pool-tokens", "1024", "--max-running", "1", "--max-waiting", "0", name="queue"

@@ -41,6 +41,9 @@ pub enum ApiError {
     /// The engine holds as many requests as it may; the client should retry shortly.
     #[error("The server is at capacity ({} requests running or queued); retry shortly.", .0.limit)]
     QueueFull(#[from] QueueFull),
+    /// The client went away while its prompt was being prepared; nobody reads this.
+    #[error("The client closed the connection before its prompt was ready.")]
+    Abandoned,
     /// The engine thread is not running (it stopped, or died of a fault).
     #[error("The inference engine is not running; this server cannot answer generation requests.")]
     EngineUnavailable,
@@ -91,7 +94,9 @@ impl ApiError {
 
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::InvalidRequest { .. } | ApiError::Rejected { .. } => StatusCode::BAD_REQUEST,
+            ApiError::InvalidRequest { .. } | ApiError::Rejected { .. } | ApiError::Abandoned => {
+                StatusCode::BAD_REQUEST
+            }
             ApiError::ModelNotFound(_) | ApiError::RouteNotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -120,6 +125,7 @@ impl ApiError {
             ApiError::Engine(EngineError::Model(_)) => "model_error",
             ApiError::Engine(EngineError::Shutdown) => "service_unavailable",
             ApiError::QueueFull(_) => "queue_full",
+            ApiError::Abandoned => "client_closed_request",
             ApiError::EngineUnavailable => "engine_unavailable",
             ApiError::Internal(_) => "internal_error",
         }

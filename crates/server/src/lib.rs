@@ -17,6 +17,7 @@ pub mod error;
 pub mod format;
 pub mod generation;
 pub mod metrics;
+pub mod prep;
 pub mod request;
 mod routes;
 pub mod stop;
@@ -46,6 +47,8 @@ pub struct AppState {
     /// Keys the hash that turns engine request numbers into response ids, so an id tells a
     /// tenant nothing about how many requests others sent.
     id_keys: std::collections::hash_map::RandomState,
+    /// The bounded pool that prepares prompts (templates, tokenization).
+    pub prompt_workers: prep::PromptWorkers,
 }
 
 impl AppState {
@@ -66,6 +69,7 @@ impl AppState {
             max_body_bytes,
             metrics: Arc::default(),
             id_keys: std::collections::hash_map::RandomState::new(),
+            prompt_workers: prep::PromptWorkers::per_core(),
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())

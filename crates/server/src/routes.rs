@@ -92,16 +92,6 @@ fn domain_for(tenant: IsolationDomain, settings: &Settings) -> IsolationDomain {
     }
 }
 
-/// Runs CPU-heavy prompt work (templating, BPE over up to the body limit) off the async
-/// workers.
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
-) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ApiError::Internal(format!("prompt worker failed: {e}")))?
-}
-
 async fn start_completion(
     app: &Arc<AppState>,
     headers: &HeaderMap,
@@ -120,7 +110,9 @@ async fn start_completion(
             let text = s.to_owned();
             // The whole prompt is the client's own: control-token text is parsed, so
             // clients can format their own turns.
-            blocking(move || Ok(tok.encode(&text))).await?
+            app.prompt_workers
+                .run(move |_| Ok(tok.encode(&text)))
+                .await?
         }
     };
     start(
@@ -152,6 +144,7 @@ async fn start_chat(
             "'messages' must contain at least one message.",
         ));
     }
+    chat_prompt::check_message_count(req.messages.len(), app.engine.max_context())?;
     let mut messages = Vec::with_capacity(req.messages.len());
     for (i, m) in req.messages.iter().enumerate() {
         let role = chat_prompt::normalize_role(&m.role).ok_or_else(|| {
@@ -174,7 +167,10 @@ async fn start_chat(
         ));
     };
     let tok = app.tokenizer.clone();
-    let prompt = blocking(move || chat_prompt::prompt_tokens(&tok, &template, &messages)).await?;
+    let prompt = app
+        .prompt_workers
+        .run(move |cancel| chat_prompt::prompt_tokens(&tok, &template, &messages, cancel))
+        .await?;
     start(
         app,
         tenant,
