@@ -7,6 +7,7 @@ $KVWARDEN_BIN) and fails loudly when it is missing.
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import time
@@ -38,7 +39,7 @@ def require_binary():
 class Server:
     """One `kvwarden serve` on a free port, its stderr in a log file."""
 
-    def __init__(self, args, log_path: Path, api_key="unused"):
+    def __init__(self, args, log_path: Path, api_key="unused", nofile=None):
         require_binary()
         self.log_path = log_path
         self.log = open(log_path, "wb")
@@ -55,7 +56,13 @@ class Server:
             MODEL_NAME,
             *[str(a) for a in args],
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT)
+        def limit_files():
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT, preexec_fn=limit_files
+        )
         self.url = self._wait_for_address()
         self._wait_healthy()
         self.api_key = api_key
@@ -124,9 +131,9 @@ class Server:
 def make_server(tmp_path_factory):
     started = []
 
-    def make(*args, api_key="unused", name="server"):
+    def make(*args, api_key="unused", name="server", nofile=None):
         log = tmp_path_factory.mktemp(name) / "stderr.log"
-        s = Server(args, log, api_key=api_key)
+        s = Server(args, log, api_key=api_key, nofile=nofile)
         started.append(s)
         return s
 

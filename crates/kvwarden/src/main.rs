@@ -89,6 +89,26 @@ struct ServeArgs {
     api_keys: Option<PathBuf>,
     #[arg(long, default_value_t = 4 * 1024 * 1024)]
     max_body_bytes: usize,
+    /// Open connections at most; one more is answered 503 (with Retry-After) and closed.
+    /// Must fit under the open-file limit (`ulimit -n`) with room to spare.
+    #[arg(long, default_value_t = 256)]
+    max_connections: usize,
+    /// Seconds a connection may take to send a request's headers, counted from when it
+    /// opens or its previous response ends (so also the idle limit of keep-alive).
+    #[arg(long, default_value_t = 10)]
+    header_timeout: u64,
+    /// Seconds a request body may take to arrive (408 beyond).
+    #[arg(long, default_value_t = 30)]
+    body_timeout: u64,
+    /// Seconds a response may wait on a client that does not read it before the
+    /// connection (and its generation) is dropped.
+    #[arg(long, default_value_t = 30)]
+    send_timeout: u64,
+    /// Serve /metrics only here (HOST:PORT, e.g. an address only the operator's scraper
+    /// reaches) instead of on the API address, where it needs an API key when
+    /// --api-keys is given: its totals describe every tenant's traffic.
+    #[arg(long)]
+    metrics_listen: Option<String>,
     /// Do not reuse prompt K/V between requests (by default reuse stays within a tenant).
     #[arg(long)]
     no_prefix_cache: bool,
@@ -343,14 +363,39 @@ fn serve(args: ServeArgs) -> Result<()> {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "kvwarden".to_owned())
     });
-    let state = std::sync::Arc::new(server::AppState::new(
+    let mut state = server::AppState::new(
         engine,
         std::sync::Arc::new(tok),
         template,
         model_name,
         auth,
         args.max_body_bytes,
-    ));
+    );
+    if args.max_connections == 0 || args.header_timeout == 0 || args.body_timeout == 0 {
+        bail!("--max-connections, --header-timeout and --body-timeout must be positive");
+    }
+    // Past the descriptor limit, accept fails and even /health hangs: the cap must keep
+    // clear of it (listeners, the runtime and the model file need a few too).
+    if let Some(limit) = server::conn::open_files_limit() {
+        let needed = args.max_connections as u64 + server::conn::RESERVED_DESCRIPTORS;
+        if needed > limit {
+            bail!(
+                "--max-connections {} needs about {needed} open files, but the limit is {limit}: lower --max-connections or raise `ulimit -n`",
+                args.max_connections
+            );
+        }
+    }
+    state.body_timeout = std::time::Duration::from_secs(args.body_timeout);
+    state.connection_limits = server::ConnectionLimits {
+        max_connections: args.max_connections,
+        header_timeout: std::time::Duration::from_secs(args.header_timeout),
+        send_timeout: std::time::Duration::from_secs(args.send_timeout.max(1)),
+        ..server::ConnectionLimits::default()
+    };
+    if args.metrics_listen.is_some() {
+        state.metrics_access = server::MetricsAccess::OwnListener;
+    }
+    let state = std::sync::Arc::new(state);
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -368,6 +413,28 @@ fn serve(args: ServeArgs) -> Result<()> {
             state.model_name,
             state.engine.max_context()
         );
+        let (stopping, stopped) = tokio::sync::watch::channel(false);
+        let metrics = match &args.metrics_listen {
+            None => None,
+            Some(at) => {
+                let listener = tokio::net::TcpListener::bind(at.as_str())
+                    .await
+                    .with_context(|| format!("binding --metrics-listen {at}"))?;
+                eprintln!(
+                    "kvwarden: metrics on http://{}/metrics",
+                    listener.local_addr()?
+                );
+                let mut stopped = stopped.clone();
+                let shutdown = async move {
+                    let _ = stopped.changed().await;
+                };
+                Some(tokio::spawn(server::serve_metrics(
+                    listener,
+                    state.clone(),
+                    shutdown,
+                )))
+            }
+        };
         let on_signal = {
             let engine = state.engine.clone();
             async move {
@@ -376,11 +443,19 @@ fn serve(args: ServeArgs) -> Result<()> {
                 // Ends every open stream with an error event so graceful shutdown does
                 // not wait on generations.
                 engine.shutdown();
+                let _ = stopping.send(true);
             }
         };
         server::serve(listener, state, on_signal)
             .await
-            .context("serving")
+            .context("serving")?;
+        if let Some(metrics) = metrics {
+            metrics
+                .await
+                .context("metrics listener")?
+                .context("serving metrics")?;
+        }
+        anyhow::Ok(())
     })?;
     engine.shutdown();
     Ok(())

@@ -41,6 +41,15 @@ pub enum ApiError {
     /// The engine holds as many requests as it may; the client should retry shortly.
     #[error("The server is at capacity ({} requests running or queued); retry shortly.", .0.limit)]
     QueueFull(#[from] QueueFull),
+    /// The connection cap is reached; this connection is answered and closed.
+    #[error("The server has {limit} connections open, its limit; retry shortly.")]
+    TooManyConnections { limit: usize },
+    /// The request body did not arrive in time.
+    #[error("The request body did not arrive within {secs} seconds.")]
+    BodyTimeout { secs: u64 },
+    /// What the HTTP layer answers by itself when it cannot parse a request.
+    #[error("{}", http_message(*.status))]
+    Http { status: StatusCode },
     /// The client went away while its prompt was being prepared; nobody reads this.
     #[error("The client closed the connection before its prompt was ready.")]
     Abandoned,
@@ -51,6 +60,16 @@ pub enum ApiError {
     /// token the tokenizer cannot decode).
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+fn http_message(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        408 => "The request did not arrive in time.",
+        413 => "The request is too large.",
+        414 => "The request URL is too long.",
+        431 => "The request's headers are too large.",
+        _ => "The request is not valid HTTP/1.1 (its request line, a header or its Content-Length could not be parsed).",
+    }
 }
 
 /// What a client is told about an engine failure. Never the engine error's own text: a
@@ -103,6 +122,9 @@ impl ApiError {
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::TooManyConnections { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            ApiError::Http { status } => *status,
             ApiError::Engine(EngineError::Shutdown) | ApiError::EngineUnavailable => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -125,6 +147,15 @@ impl ApiError {
             ApiError::Engine(EngineError::Model(_)) => "model_error",
             ApiError::Engine(EngineError::Shutdown) => "service_unavailable",
             ApiError::QueueFull(_) => "queue_full",
+            ApiError::TooManyConnections { .. } => "too_many_connections",
+            ApiError::BodyTimeout { .. } => "request_timeout",
+            ApiError::Http { status } => match status.as_u16() {
+                408 => "request_timeout",
+                413 => "payload_too_large",
+                414 => "uri_too_long",
+                431 => "request_header_fields_too_large",
+                _ => "invalid_http_request",
+            },
             ApiError::Abandoned => "client_closed_request",
             ApiError::EngineUnavailable => "engine_unavailable",
             ApiError::Internal(_) => "internal_error",
@@ -155,7 +186,7 @@ impl ApiError {
     /// Seconds after which a retry may succeed, sent as `Retry-After`.
     pub fn retry_after(&self) -> Option<u32> {
         match self {
-            ApiError::QueueFull(_) => Some(1),
+            ApiError::QueueFull(_) | ApiError::TooManyConnections { .. } => Some(1),
             _ => None,
         }
     }

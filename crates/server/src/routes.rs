@@ -20,14 +20,26 @@ use crate::error::ApiError;
 use crate::format::{Api, ResponseMeta};
 use crate::generation::{Chunk, Generation, Step};
 use crate::request::{ChatRequest, CompletionRequest, PromptInput, Settings};
-use crate::{body, chat_prompt, AppState};
+use crate::{body, chat_prompt, AppState, MetricsAccess};
 
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let api = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
-        .route("/health", get(health))
+        .route("/health", get(health));
+    let api = match state.metrics_access {
+        MetricsAccess::ApiKeys => api.route("/metrics", get(metrics_behind_keys)),
+        MetricsAccess::OwnListener => api,
+    };
+    api.fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+/// `/metrics` alone, for a listener of its own.
+pub fn metrics_router(state: Arc<AppState>) -> Router {
+    Router::new()
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -99,7 +111,7 @@ async fn start_completion(
 ) -> Result<Started, ApiError> {
     let tenant = app.auth.authenticate(headers)?;
     body::require_json(headers)?;
-    let bytes = body::read(body, app.max_body_bytes).await?;
+    let bytes = body::read(body, app.max_body_bytes, app.body_timeout).await?;
     let req: CompletionRequest = body::decode(&bytes)?;
     check_model(app, &req.model)?;
     let (settings, logprobs) = req.validate()?;
@@ -133,7 +145,7 @@ async fn start_chat(
 ) -> Result<Started, ApiError> {
     let tenant = app.auth.authenticate(headers)?;
     body::require_json(headers)?;
-    let bytes = body::read(body, app.max_body_bytes).await?;
+    let bytes = body::read(body, app.max_body_bytes, app.body_timeout).await?;
     let req: ChatRequest = body::decode(&bytes)?;
     check_model(app, &req.model)?;
     let (settings, logprobs) = req.validate()?;
@@ -366,6 +378,14 @@ async fn health(State(app): State<Arc<AppState>>) -> Response {
     } else {
         ApiError::EngineUnavailable.into_response()
     }
+}
+
+/// The totals describe every tenant's traffic: on the API listener they need an API key.
+async fn metrics_behind_keys(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = app.auth.authenticate(&headers) {
+        return e.into_response();
+    }
+    metrics(State(app)).await
 }
 
 async fn metrics(State(app): State<Arc<AppState>>) -> Response {
