@@ -25,6 +25,13 @@ for root in crates/*/src/lib.rs crates/*/src/main.rs; do
   grep -q '^#!\[forbid(unsafe_code)\]' "$root" || complain "$root lacks #![forbid(unsafe_code)]"
 done
 
+# Every crate inherits the workspace's rust-version, so that clippy (run with -D warnings by
+# test.sh) refuses any API newer than the minimum the manifest states (incompatible_msrv).
+for manifest in crates/*/Cargo.toml; do
+  grep -q '^rust-version.workspace = true' "$manifest" ||
+    complain "$manifest does not inherit rust-version from the workspace"
+done
+
 # Every declared dependency is named somewhere in the code that may use it (a dependency
 # nothing uses is build time, supply-chain surface and a false account of the design).
 for manifest in crates/*/Cargo.toml; do
