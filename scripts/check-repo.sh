@@ -25,6 +25,11 @@ for root in crates/*/src/lib.rs crates/*/src/main.rs; do
   grep -q '^#!\[forbid(unsafe_code)\]' "$root" || complain "$root lacks #![forbid(unsafe_code)]"
 done
 
+# ARCHITECTURE.md keeps its threat model: who can reach what, and what each boundary checks.
+for section in '## Threat model' '### Clients' '### Other tenants' '### Operators' '### Other nodes' '### Out of scope'; do
+  grep -q "^$section" ARCHITECTURE.md || complain "ARCHITECTURE.md lacks the threat model section '$section'"
+done
+
 # Every crate inherits the workspace's rust-version, so that clippy (run with -D warnings by
 # test.sh) refuses any API newer than the minimum the manifest states (incompatible_msrv).
 for manifest in crates/*/Cargo.toml; do
