@@ -1,8 +1,10 @@
 //! The OpenAI-compatible HTTP API over the engine.
 //!
-//! Requests go through one pipeline: authenticate (the tenant decides the isolation
-//! domain), read the body under a size limit, decode and validate, build prompt tokens,
-//! then the engine's admission. Anything refused on the way is a 4xx in OpenAI's error
+//! Connections pass the connection layer first ([`conn`]: a cap on open connections, header,
+//! body and send timeouts). Requests then go through one pipeline: authenticate (the tenant
+//! decides the isolation domain), read the JSON body under a size limit and a deadline,
+//! decode and validate, build prompt tokens on a bounded pool ([`prep`]), then the engine's
+//! admission and its bounded queue. Anything refused on the way is a 4xx in OpenAI's error
 //! shape and never reaches the engine; failures after admission are 5xx responses or one
 //! SSE error event, never a 200.
 
