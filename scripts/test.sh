@@ -13,6 +13,13 @@ python=$(./scripts/python-env.sh)
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
+# Tests that need CPU features not every machine has are ignored by default: run them
+# where they can run, and say so where they cannot, instead of passing silently.
+if grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null; then
+  cargo test -p model --lib -- --ignored avx2_and_vnni_kernels_agree_bit_for_bit
+else
+  echo "test.sh: NOT RUN: model::kernels avx2_and_vnni_kernels_agree_bit_for_bit (this CPU lacks AVX-512 VNNI)" >&2
+fi
 bash crates/kv/loom.sh
 
 # The end-to-end suite runs the binary that `cargo test` just built (optimized dev profile).

@@ -7,6 +7,7 @@ $KVWARDEN_BIN) and fails loudly when it is missing.
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import time
@@ -45,7 +46,7 @@ class Server:
     # KV pools behind this URL (a cluster has one per node).
     pools = 1
 
-    def __init__(self, args, log_path: Path, api_key="unused"):
+    def __init__(self, args, log_path: Path, api_key="unused", nofile=None):
         require_binary()
         self.log_path = log_path
         self.log = open(log_path, "wb")
@@ -62,7 +63,13 @@ class Server:
             MODEL_NAME,
             *[str(a) for a in args],
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT)
+        def limit_files():
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT, preexec_fn=limit_files
+        )
         self.url = self._wait_for_address()
         self._wait_healthy()
         self.api_key = api_key
@@ -178,7 +185,10 @@ class Node:
 
 
 # Flags that belong to the router; every other flag configures the nodes.
-ROUTER_FLAGS = {"--api-keys", "--max-body-bytes", "--max-context"}
+ROUTER_FLAGS = {
+    "--api-keys", "--max-body-bytes", "--max-context", "--max-connections", "--header-timeout",
+    "--body-timeout", "--send-timeout", "--metrics-listen",
+}
 ROUTER_AND_NODE_FLAGS = {"--max-context"}
 
 
@@ -198,7 +208,7 @@ class Cluster(Server):
 
     def __init__(
         self, args, dir: Path, api_key="unused", prefill=1, decode=1, router_args=(),
-        prefill_args=(), decode_args=(),
+        prefill_args=(), decode_args=(), nofile=None,
     ):
         require_binary()
         names = ["router"] + [f"prefill{i}" for i in range(prefill)] + [f"decode{i}" for i in range(decode)]
@@ -230,7 +240,13 @@ class Cluster(Server):
             *[a for n in self.nodes for a in (f"--{n.role}", n.addr)],
             *router, *[str(a) for a in router_args],
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT)
+        def limit_files():
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT, preexec_fn=limit_files
+        )
         self.url = wait_for_line(self.proc, self.log_path, r"listening on (http://[0-9.]+:\d+)", "kvwarden router")
         self._wait_healthy()
         self.api_key = api_key
@@ -248,13 +264,16 @@ class Cluster(Server):
 
     def metrics(self) -> dict:
         out = super().metrics()
+        nodes = {}
         for n in self.nodes:
             if n.proc.poll() is not None:
                 continue
             for k, v in n.metrics().items():
-                if k.startswith("kvwarden_requests_total") and k in out:
-                    continue  # the router counts what its clients saw
-                out[k] = out.get(k, 0) + v
+                nodes[k] = nodes.get(k, 0) + v
+        for k, v in nodes.items():
+            if k.startswith("kvwarden_requests_total") and k in out:
+                continue  # the router counts what its clients saw
+            out[k] = v  # fresh from the nodes (the router's page gauges are a poll old)
         return out
 
     def stop(self) -> int:
@@ -268,12 +287,12 @@ class Cluster(Server):
 def make_server(tmp_path_factory):
     started = []
 
-    def make(*args, api_key="unused", name="server"):
+    def make(*args, api_key="unused", name="server", nofile=None):
         if DEPLOYMENT == "cluster":
-            s = Cluster(args, tmp_path_factory.mktemp(name), api_key=api_key)
+            s = Cluster(args, tmp_path_factory.mktemp(name), api_key=api_key, nofile=nofile)
         else:
             log = tmp_path_factory.mktemp(name) / "stderr.log"
-            s = Server(args, log, api_key=api_key)
+            s = Server(args, log, api_key=api_key, nofile=nofile)
         started.append(s)
         return s
 

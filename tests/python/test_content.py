@@ -179,6 +179,13 @@ def test_seeded_sampling_is_reproducible(server):
     a = complete(server, temperature=0.9, seed=1234, max_tokens=10)
     b = complete(server, temperature=0.9, seed=1234, max_tokens=10)
     assert a.choices[0].text == b.choices[0].text
+    # And the seed is what decides: other seeds give other samples (were it ignored, every
+    # seed would give the same text). Several seeds, so one coincidence cannot pass.
+    others = {
+        complete(server, temperature=1.5, seed=seed, max_tokens=12).choices[0].text
+        for seed in (1, 2, 3, 4, 5)
+    }
+    assert len(others) >= 3, others
 
 
 def test_models_lists_the_served_model(server):

@@ -113,6 +113,28 @@ def test_stop_string_releases_the_engine_request(server):
     assert wait_for(lambda: kv_leased(server) == 0)
 
 
+def test_a_stop_string_ends_a_request_as_stop_counted_once(server):
+    """One count of requests (by how the client saw them end) and one of tokens: a stop
+    string is a stop, not a cancellation, and no second, engine-side request count exists."""
+    assert wait_for(lambda: kv_leased(server) == 0)
+    before = server.metrics()
+    r = server.client.completions.create(
+        model=MODEL_NAME, prompt="The capital of France is", max_tokens=500, temperature=0, stop=["."]
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert wait_for(lambda: kv_leased(server) == 0)
+    after = server.metrics()
+
+    def delta(key):
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta('kvwarden_requests_total{outcome="stop"}') == 1
+    assert delta('kvwarden_requests_total{outcome="cancelled"}') == 0
+    assert not [k for k in after if k.startswith("kvwarden_engine_requests_total")]
+    assert delta("kvwarden_prompt_tokens_total") == r.usage.prompt_tokens
+    assert delta("kvwarden_generation_tokens_total") >= r.usage.completion_tokens
+
+
 FRANCE = [
     {"role": "system", "content": SYSTEM},
     {"role": "user", "content": "What is the capital of France? Answer in one word."},
@@ -133,9 +155,10 @@ def test_tenants_share_no_cached_prefix(tenant_server):
     theirs = ask(bob)
     assert theirs.usage.prompt_tokens == first.usage.prompt_tokens
     assert theirs.usage.prompt_tokens_details.cached_tokens == 0
-    # Within one tenant the prefix may be reused (whole pages, never the last token).
+    # Within one tenant the prefix is reused (whole pages, never the last token): a cache
+    # that were simply off would give 0 here.
     mine = again.usage.prompt_tokens_details.cached_tokens
-    assert mine % 16 == 0 and mine < again.usage.prompt_tokens
+    assert mine > 0 and mine % 16 == 0 and mine < again.usage.prompt_tokens
     # Same request, same tokens, whichever tenant asks and whatever is cached.
     assert theirs.choices[0].message.content == first.choices[0].message.content
     assert again.choices[0].message.content == first.choices[0].message.content

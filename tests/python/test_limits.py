@@ -4,6 +4,7 @@ request never produces a 200 or tokens."""
 import json
 import signal
 import subprocess
+import time
 
 import openai
 import pytest
@@ -102,6 +103,55 @@ def test_rejections_never_reach_the_engine(small_server):
     assert after[key] == before.get(key, 0) + 2
     assert after["kvwarden_prompt_tokens_total"] == before["kvwarden_prompt_tokens_total"]
     assert after["kvwarden_engine_steps_total"] == before["kvwarden_engine_steps_total"]
+
+
+def test_a_hundred_thousand_empty_messages_are_refused_at_once(server):
+    """3 MB of empty messages used to be rendered with a quadratic substitution (about a
+    minute of CPU) before admission refused them; the count alone rules them out."""
+    body = json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": ""}] * 100_000})
+    # A liveness timeout, generous for a refusal that takes no rendering at all.
+    r = requests.post(
+        server.url + "/v1/chat/completions", data=body,
+        headers={"Content-Type": "application/json"}, timeout=30,
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "messages"), err
+
+
+def test_the_message_count_is_checked_before_any_message(server):
+    messages = [{"role": "user", "content": ""}] * 4096 + [{"role": "nobody", "content": ""}]
+    r = server.post("/v1/chat/completions", {"model": MODEL_NAME, "messages": messages})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_full_queue_is_429_with_retry_after(make_server):
+    s = make_server(
+        "--kv-pool-tokens", "1024", "--max-running", "1", "--max-waiting", "0", name="queue"
+    )
+    stream = s.client.completions.create(
+        model=MODEL_NAME, prompt="Tell me a long story.", max_tokens=900, temperature=0,
+        stream=True, extra_body={"ignore_eos": True},
+    )
+    for _ in stream:
+        break  # it runs, and holds the engine's only place
+    r = s.post("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 429, r.text
+    assert r.headers["Retry-After"] == "1"
+    err = r.json()["error"]
+    assert err["code"] == "queue_full" and err["message"], err
+    with pytest.raises(openai.RateLimitError):
+        s.client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=1)
+    stream.close()
+    # Liveness: once the first request is gone, its place is free again.
+    deadline = time.monotonic() + 60
+    while True:
+        r = s.post("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1})
+        if r.status_code != 429 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 200, r.text
 
 
 def run_serve(*args, timeout=60):

@@ -1,20 +1,19 @@
 //! The client side of the engine: configuration, the startup checks, and the handles that
 //! submit requests to the engine thread ([`crate::worker`]) and receive their events.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 
 use kv::{
     KvDtype, KvPool, PoolConfig, PoolCounts, PrefixCache, PublicPrefixes, RequestId, ScrubPolicy,
 };
-use model::Model;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::oneshot;
 
 use crate::admission::{Admission, Admitted};
-use crate::handoff::{ImportReservation, VerifiedImport};
+use crate::handoff::{ImportReservation, ReserveError, VerifiedImport};
 use crate::worker::Worker;
-use crate::{EngineError, EngineMetrics, Event, SharedMetrics};
+use crate::{EngineError, EngineMetrics, Event, SharedMetrics, StepModel};
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -27,6 +26,9 @@ pub struct EngineConfig {
     /// Tokens per forward pass (decode rows plus prefill chunks).
     pub max_batch_tokens: usize,
     pub max_running: usize,
+    /// Admitted requests that may wait for a running slot. Beyond `max_running +
+    /// max_waiting` requests in the engine, [`EngineHandle::submit`] answers [`QueueFull`].
+    pub max_waiting: usize,
     /// Reuse the K/V of earlier prompts within an isolation domain.
     pub prefix_cache: bool,
     /// Token sequences the operator declares public: their pages may be shared across
@@ -44,6 +46,7 @@ impl Default for EngineConfig {
             scrub: ScrubPolicy::Zero,
             max_batch_tokens: 512,
             max_running: 32,
+            max_waiting: 256,
             prefix_cache: true,
             public_prefixes: Vec::new(),
         }
@@ -61,11 +64,19 @@ pub enum StartupError {
     Config(String),
 }
 
+/// The engine holds as many requests as it may (running plus waiting): retry later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the engine's queue is full ({limit} requests running or waiting)")]
+pub struct QueueFull {
+    pub limit: usize,
+}
+
 pub(crate) enum Command {
     Submit {
         id: RequestId,
         admitted: Admitted,
         events: UnboundedSender<Event>,
+        slot: Slot,
         /// Prefill role: stop after the first token and hand over the prompt's K/V.
         prefill_only: bool,
     },
@@ -74,18 +85,56 @@ pub(crate) enum Command {
         id: RequestId,
         admitted: Admitted,
         request_id: String,
-        reply: oneshot::Sender<Result<ImportReservation, EngineError>>,
+        slot: Slot,
+        reply: oneshot::Sender<Result<ImportReservation, ReserveError>>,
     },
-    /// Decode role: run a received, verified sequence from its first token on.
+    /// Decode role: run a received, verified sequence (which holds its slot) from its
+    /// first token on.
     SubmitImport {
         verified: VerifiedImport,
         events: UnboundedSender<Event>,
     },
+    /// Only wakes the engine: the request to stop is the `stopping` flag, which a full
+    /// command channel cannot hold back.
     Shutdown,
+}
+
+/// One of the engine's places for a request, held from `submit` until the request ends
+/// (whichever way: finished, failed, cancelled, or the command dropped undelivered).
+/// Dropping it frees the place.
+#[derive(Debug)]
+pub(crate) struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// What the engine thread and its handles share about its state.
+pub(crate) struct Lifecycle {
+    /// Set by [`EngineHandle::shutdown`].
+    pub(crate) stopping: AtomicBool,
+    /// True while the engine thread runs; cleared when it exits, however it exits.
+    pub(crate) alive: AtomicBool,
+}
+
+/// Clears `alive` when the engine thread ends, by return or by panic.
+struct AliveGuard(Arc<Lifecycle>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.alive.store(false, Ordering::Release);
+    }
 }
 
 /// The client side of one request: its events, in order, ending with `Finished` or
 /// `Failed`. Dropping it cancels the request.
+///
+/// The event channel is unbounded on purpose: the engine thread must never wait for a slow
+/// client. It is bounded all the same, by the request: at most one event per completion
+/// token plus the terminal one, and `max_tokens` is within the advertised context.
+#[derive(Debug)]
 pub struct RequestHandle {
     pub id: RequestId,
     pub events: UnboundedReceiver<Event>,
@@ -94,11 +143,16 @@ pub struct RequestHandle {
 /// A cheap, cloneable handle to a running engine.
 #[derive(Clone)]
 pub struct EngineHandle {
-    commands: mpsc::Sender<Command>,
+    /// Bounded: it never holds more than the requests the engine has places for.
+    commands: mpsc::SyncSender<Command>,
     admission: Admission,
     pool: KvPool,
     metrics: SharedMetrics,
     next_id: Arc<std::sync::atomic::AtomicU64>,
+    /// Requests submitted and not yet ended, and the most there may be.
+    in_engine: Arc<AtomicUsize>,
+    capacity: usize,
+    lifecycle: Arc<Lifecycle>,
 }
 
 impl EngineHandle {
@@ -126,47 +180,83 @@ impl EngineHandle {
         &self.metrics
     }
 
+    /// False once the engine thread has ended (shut down, or died of a fault it could not
+    /// recover from): nothing submitted will run.
+    pub fn is_alive(&self) -> bool {
+        self.lifecycle.alive.load(Ordering::Acquire)
+    }
+
+    /// A place in the engine, or `QueueFull` when it already holds `max_running +
+    /// max_waiting` requests (reservations included).
+    fn take_slot(&self) -> Result<Slot, QueueFull> {
+        self.in_engine
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.capacity).then_some(n + 1)
+            })
+            .map_err(|_| QueueFull {
+                limit: self.capacity,
+            })?;
+        Ok(Slot(self.in_engine.clone()))
+    }
+
     fn next_id(&self) -> RequestId {
         RequestId(self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// Sends a command that carries a request's event sender; if the engine is gone, the
+    /// Sends a command that carries a request's event sender. If the engine is gone, the
     /// stream carries a single `Failed(Shutdown)`.
     fn send_with_events(
         &self,
         id: RequestId,
         command: Command,
         rx: UnboundedReceiver<Event>,
-    ) -> RequestHandle {
-        if let Err(mpsc::SendError(
-            Command::Submit { events, .. } | Command::SubmitImport { events, .. },
-        )) = self.commands.send(command)
-        {
-            let _ = events.send(Event::Failed(EngineError::Shutdown));
+    ) -> Result<RequestHandle, QueueFull> {
+        match self.commands.try_send(command) {
+            Ok(()) => {}
+            Err(mpsc::TrySendError::Disconnected(
+                Command::Submit { events, .. } | Command::SubmitImport { events, .. },
+            )) => {
+                let _ = events.send(Event::Failed(EngineError::Shutdown));
+            }
+            // The channel has a place for every slot, so this cannot happen; the command
+            // (and its slot) is dropped, and the client is told to retry.
+            Err(mpsc::TrySendError::Full(_)) => {
+                return Err(QueueFull {
+                    limit: self.capacity,
+                })
+            }
+            Err(mpsc::TrySendError::Disconnected(_)) => {}
         }
-        RequestHandle { id, events: rx }
+        Ok(RequestHandle { id, events: rx })
     }
 
-    /// Hands an admitted request to the engine. If the engine is gone, the stream carries
-    /// a single `Failed(Shutdown)`.
-    pub fn submit(&self, admitted: Admitted) -> RequestHandle {
+    /// Hands an admitted request to the engine, or refuses it when the engine already holds
+    /// `max_running + max_waiting` requests. If the engine is gone, the stream carries a
+    /// single `Failed(Shutdown)`.
+    pub fn submit(&self, admitted: Admitted) -> Result<RequestHandle, QueueFull> {
         self.submit_with(admitted, false)
     }
 
     /// Prefill role: runs the prompt, samples the first token, and ends the request with
     /// [`Event::Prefilled`] carrying the prompt's K/V. Its pages are then released (or
     /// kept by the prefix cache of the request's own domain).
-    pub fn submit_prefill(&self, admitted: Admitted) -> RequestHandle {
+    pub fn submit_prefill(&self, admitted: Admitted) -> Result<RequestHandle, QueueFull> {
         self.submit_with(admitted, true)
     }
 
-    fn submit_with(&self, admitted: Admitted, prefill_only: bool) -> RequestHandle {
+    fn submit_with(
+        &self,
+        admitted: Admitted,
+        prefill_only: bool,
+    ) -> Result<RequestHandle, QueueFull> {
+        let slot = self.take_slot()?;
         let id = self.next_id();
         let (tx, rx) = unbounded_channel();
         let command = Command::Submit {
             id,
             admitted,
             events: tx,
+            slot,
             prefill_only,
         };
         self.send_with_events(id, command, rx)
@@ -179,23 +269,35 @@ impl EngineHandle {
         &self,
         admitted: Admitted,
         request_id: String,
-    ) -> Result<ImportReservation, EngineError> {
+    ) -> Result<ImportReservation, ReserveError> {
+        let slot = self.take_slot()?;
         let (reply, answer) = oneshot::channel();
         let command = Command::Reserve {
             id: self.next_id(),
             admitted,
             request_id,
+            slot,
             reply,
         };
-        if self.commands.send(command).is_err() {
-            return Err(EngineError::Shutdown);
+        match self.commands.try_send(command) {
+            Ok(()) => {}
+            Err(mpsc::TrySendError::Full(_)) => {
+                return Err(ReserveError::Full(QueueFull {
+                    limit: self.capacity,
+                }))
+            }
+            Err(mpsc::TrySendError::Disconnected(_)) => {
+                return Err(ReserveError::Engine(EngineError::Shutdown))
+            }
         }
-        answer.await.unwrap_or(Err(EngineError::Shutdown))
+        answer
+            .await
+            .unwrap_or(Err(ReserveError::Engine(EngineError::Shutdown)))
     }
 
     /// Decode role: runs a verified sequence; its first event is the prefill node's first
     /// token.
-    pub fn submit_import(&self, verified: VerifiedImport) -> RequestHandle {
+    pub fn submit_import(&self, verified: VerifiedImport) -> Result<RequestHandle, QueueFull> {
         let id = verified.id;
         let (tx, rx) = unbounded_channel();
         let command = Command::SubmitImport {
@@ -205,13 +307,23 @@ impl EngineHandle {
         self.send_with_events(id, command, rx)
     }
 
+    /// Asks the engine to end every request with `Failed(Shutdown)` and stop.
     pub fn shutdown(&self) {
-        let _ = self.commands.send(Command::Shutdown);
+        self.lifecycle.stopping.store(true, Ordering::Release);
+        // A wake-up for an idle engine; a full channel means it is busy and will see the
+        // flag at its next step.
+        let _ = self.commands.try_send(Command::Shutdown);
     }
 }
 
 /// Checks the capacity promise, allocates the pool and starts the engine thread.
-pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, StartupError> {
+///
+/// A panic inside a forward step fails that step's requests (HTTP 500) and the engine goes
+/// on: the model keeps no state between steps, and the failed requests' pages are dropped.
+/// After several consecutive steps that panic, the engine fails every request and stops,
+/// and [`EngineHandle::is_alive`] turns false. A panic anywhere else ends the engine
+/// thread the same way.
+pub fn start(model: impl StepModel, config: EngineConfig) -> Result<EngineHandle, StartupError> {
     if !kv::CHECKS_ENABLED {
         return Err(StartupError::Config(
             "this build has the KV read checks compiled out (benchmark-only feature); it must not serve".into(),
@@ -224,7 +336,7 @@ pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, Startup
     }
     let pages = config.pool_tokens.div_ceil(config.page_tokens);
     let pool_tokens = pages * config.page_tokens;
-    let model_context = model.config.context_length;
+    let model_context = model.config().context_length;
     let max_context = match config.max_context {
         None => model_context.min(pool_tokens),
         Some(c) if c > pool_tokens => {
@@ -246,8 +358,14 @@ pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, Startup
         pages,
         scrub: config.scrub,
     });
-    let admission = Admission::new(max_context, model.config.vocab_size);
-    let (tx, rx) = mpsc::channel();
+    let admission = Admission::new(max_context, model.config().vocab_size);
+    let capacity = config.max_running.saturating_add(config.max_waiting);
+    // A place for every request the engine may hold, and one for a shutdown wake-up.
+    let (tx, rx) = mpsc::sync_channel(capacity.saturating_add(1));
+    let lifecycle = Arc::new(Lifecycle {
+        stopping: AtomicBool::new(false),
+        alive: AtomicBool::new(true),
+    });
     let metrics: SharedMetrics = Arc::default();
     let cache = config.prefix_cache.then(|| {
         PrefixCache::with_public_prefixes(
@@ -255,10 +373,21 @@ pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, Startup
             PublicPrefixes::new(config.public_prefixes.clone()),
         )
     });
-    let worker = Worker::new(model, pool.clone(), config, metrics.clone(), cache);
+    let worker = Worker::new(
+        Box::new(model),
+        pool.clone(),
+        config,
+        metrics.clone(),
+        cache,
+        lifecycle.clone(),
+    );
+    let guard = AliveGuard(lifecycle.clone());
     std::thread::Builder::new()
         .name("kvwarden-engine".into())
-        .spawn(move || worker.run(rx))
+        .spawn(move || {
+            let _guard = guard;
+            worker.run(rx)
+        })
         .map_err(|e| StartupError::Config(format!("cannot start engine thread: {e}")))?;
     Ok(EngineHandle {
         commands: tx,
@@ -266,5 +395,8 @@ pub fn start(model: Model, config: EngineConfig) -> Result<EngineHandle, Startup
         pool,
         metrics,
         next_id: Arc::new(std::sync::atomic::AtomicU64::new(1)),
+        in_engine: Arc::new(AtomicUsize::new(0)),
+        capacity,
+        lifecycle,
     })
 }

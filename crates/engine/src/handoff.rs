@@ -25,7 +25,8 @@ use kv::{IsolationDomain, KvError, RequestId, SequenceKv};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::admission::Admitted;
-use crate::TokenEvent;
+use crate::handle::Slot;
+use crate::{EngineError, QueueFull, TokenEvent};
 
 /// Names one reservation on a decode node. Random, so a stale or guessed ticket does not
 /// name a live reservation; it grants nothing by itself (the manifest must also match).
@@ -172,6 +173,15 @@ fn coverage(e: KvError) -> HandoffError {
     })
 }
 
+/// Why a decode node did not reserve pages.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ReserveError {
+    #[error(transparent)]
+    Full(#[from] QueueFull),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
 /// Pages reserved on a decode node for one admitted request, waiting for its K/V. Made
 /// only by the engine ([`crate::EngineHandle::reserve_import`]); dropping it returns the
 /// pages, scrubbed.
@@ -183,6 +193,8 @@ pub struct ImportReservation {
     pub(crate) admitted: Admitted,
     pub(crate) kv: SequenceKv,
     pub(crate) vocab_size: usize,
+    /// The request's place in the engine, held until the request ends.
+    pub(crate) slot: Slot,
 }
 
 impl ImportReservation {
@@ -285,12 +297,17 @@ impl ImportTransfer {
             .commit(self.manifest.prompt_len)
             .map_err(coverage)?;
         let ImportReservation {
-            id, admitted, kv, ..
+            id,
+            admitted,
+            kv,
+            slot,
+            ..
         } = self.reservation;
         Ok(VerifiedImport {
             id,
             admitted,
             kv,
+            slot,
             first_token: self.manifest.first_token,
             sampler_state: self.manifest.sampler_state,
             cached_tokens: self.manifest.cached_tokens,
@@ -309,4 +326,5 @@ pub struct VerifiedImport {
     pub(crate) first_token: TokenEvent,
     pub(crate) sampler_state: [u64; 4],
     pub(crate) cached_tokens: usize,
+    pub(crate) slot: Slot,
 }

@@ -25,10 +25,40 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub use admission::{Admission, Admitted, Rejection};
-pub use handle::{start, EngineConfig, EngineHandle, RequestHandle, StartupError};
+pub use handle::{start, EngineConfig, EngineHandle, QueueFull, RequestHandle, StartupError};
 
 pub use kv::{IsolationDomain, RequestId};
 pub use model::SamplingParams;
+
+/// What the engine needs from a model: its shape and one batched forward step.
+/// [`model::Model`] is the one that serves; tests wrap it to make a step fail.
+pub trait StepModel: Send + 'static {
+    fn config(&self) -> &model::LlamaConfig;
+    fn kv_layout(&self, page_tokens: usize, dtype: kv::KvDtype) -> kv::KvLayout;
+    /// One step over a batch; see [`model::Model::forward`]. A panic fails the step's
+    /// requests, not the engine (up to a limit, see [`crate::start`]).
+    fn forward(
+        &self,
+        items: &mut [model::BatchItem<'_>],
+    ) -> Vec<Result<model::Logits, model::ModelError>>;
+}
+
+impl StepModel for model::Model {
+    fn config(&self) -> &model::LlamaConfig {
+        &self.config
+    }
+
+    fn kv_layout(&self, page_tokens: usize, dtype: kv::KvDtype) -> kv::KvLayout {
+        model::Model::kv_layout(self, page_tokens, dtype)
+    }
+
+    fn forward(
+        &self,
+        items: &mut [model::BatchItem<'_>],
+    ) -> Vec<Result<model::Logits, model::ModelError>> {
+        model::Model::forward(self, items)
+    }
+}
 
 /// What a client asked the engine to do, after the server validated and tokenized it.
 #[derive(Debug, Clone)]
@@ -100,17 +130,17 @@ pub enum EngineError {
     Remote { reason: String, message: String },
 }
 
-/// Counters the server exposes on `/metrics`. Monotonic unless named otherwise.
+/// Counters of the engine's work, which the server exposes on `/metrics`. Monotonic unless
+/// named otherwise. Requests are counted once, by how their client saw them end, and that
+/// is the server's count: the engine cannot tell a client that went away from one whose
+/// stop string matched.
 #[derive(Debug, Default)]
 pub struct EngineMetrics {
-    pub finished_stop: AtomicU64,
-    pub finished_length: AtomicU64,
-    pub failed: AtomicU64,
-    /// Prefill role: prompts whose K/V was handed over.
-    pub prefilled: AtomicU64,
-    pub cancelled: AtomicU64,
     pub isolation_failures: AtomicU64,
+    /// Prompt tokens of requests the engine started (once per request, however many times
+    /// it was preempted and recomputed).
     pub prompt_tokens: AtomicU64,
+    /// Tokens sampled, including any the server then dropped after a stop string.
     pub generated_tokens: AtomicU64,
     pub cached_prompt_tokens: AtomicU64,
     pub steps: AtomicU64,

@@ -9,23 +9,29 @@
 //! and the oldest request is never preempted for a younger one, so every request finishes.
 
 use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use kv::{KvPool, Owner, PrefixCache, RequestId, SequenceKv, Visibility};
 use model::sampling::{log_softmax, top_logprobs};
-use model::{BatchItem, LogitsWanted, Model, ModelError, Sampler};
+use model::{BatchItem, LogitsWanted, ModelError, Sampler};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
 use crate::admission::Admitted;
-use crate::handle::{Command, EngineConfig};
-use crate::handoff::{ImportReservation, PrefillOutput, Ticket, VerifiedImport};
+use crate::handle::{Command, EngineConfig, Lifecycle, Slot};
+use crate::handoff::{ImportReservation, PrefillOutput, ReserveError, Ticket, VerifiedImport};
 use crate::{
-    EngineError, EngineMetrics, Event, FinishReason, GenerateRequest, SharedMetrics, TokenEvent,
-    Usage,
+    EngineError, EngineMetrics, Event, FinishReason, GenerateRequest, SharedMetrics, StepModel,
+    TokenEvent, Usage,
 };
+
+/// Consecutive forward steps that may panic before the engine gives up: one panic is a bug
+/// hit by some batch, and the engine goes on without that batch's requests; a panic at
+/// every step means nothing can be served, and the engine stops so that `/health` says so.
+const MAX_CONSECUTIVE_PANICS: u32 = 3;
 
 /// Everything about a request except its pages: survives preemption.
 struct Progress {
@@ -42,6 +48,8 @@ struct Progress {
     cached_tokens: Option<usize>,
     /// Prompt plus max_tokens: the most positions it can ever hold.
     total_tokens: usize,
+    /// The request's place in the engine, freed when the request ends.
+    slot: Slot,
     /// Prefill role: end after the first token with the prompt's K/V.
     prefill_only: bool,
 }
@@ -58,6 +66,14 @@ impl Progress {
         } else {
             self.output[i - p]
         }
+    }
+
+    /// Ends the request with its terminal event. Its place in the engine is freed first, so
+    /// a client that reads the end can submit again at once.
+    fn end(self, ev: Event) {
+        let Progress { events, slot, .. } = self;
+        drop(slot);
+        let _ = events.send(ev);
     }
 
     fn usage(&self) -> Usage {
@@ -93,13 +109,16 @@ pub(crate) struct Worker {
     arrivals: u64,
     /// Shared prompt pages, keyed by isolation domain.
     cache: Option<PrefixCache>,
-    model: Model,
+    model: Box<dyn StepModel>,
     pool: KvPool,
     config: EngineConfig,
     metrics: SharedMetrics,
     waiting: VecDeque<Progress>,
     /// In arrival order.
     running: Vec<Running>,
+    lifecycle: Arc<Lifecycle>,
+    /// Forward steps in a row that panicked.
+    panics_in_a_row: u32,
     /// Decode role: reservations for K/V that other nodes will send, first come first
     /// served, before any waiting request is placed.
     reservations: VecDeque<PendingReservation>,
@@ -109,16 +128,18 @@ struct PendingReservation {
     id: RequestId,
     admitted: Admitted,
     request_id: String,
-    reply: oneshot::Sender<Result<ImportReservation, EngineError>>,
+    slot: Slot,
+    reply: oneshot::Sender<Result<ImportReservation, ReserveError>>,
 }
 
 impl Worker {
     pub(crate) fn new(
-        model: Model,
+        model: Box<dyn StepModel>,
         pool: KvPool,
         config: EngineConfig,
         metrics: SharedMetrics,
         cache: Option<PrefixCache>,
+        lifecycle: Arc<Lifecycle>,
     ) -> Self {
         Self {
             arrivals: 0,
@@ -129,12 +150,18 @@ impl Worker {
             metrics,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            lifecycle,
+            panics_in_a_row: 0,
             reservations: VecDeque::new(),
         }
     }
 
     pub(crate) fn run(mut self, commands: mpsc::Receiver<Command>) {
         loop {
+            if self.lifecycle.stopping.load(Ordering::Acquire) {
+                self.fail_all(&EngineError::Shutdown);
+                return;
+            }
             // Idle: block for work. Busy: take whatever arrived and step.
             if self.idle() {
                 match commands.recv() {
@@ -162,7 +189,9 @@ impl Worker {
                     }
                 }
             }
-            self.step();
+            if !self.step() {
+                return;
+            }
         }
     }
 
@@ -177,6 +206,7 @@ impl Worker {
                 id,
                 admitted,
                 events,
+                slot,
                 prefill_only,
             } => {
                 self.arrivals += 1;
@@ -191,6 +221,7 @@ impl Worker {
                     events,
                     output: Vec::new(),
                     cached_tokens: None,
+                    slot,
                     prefill_only,
                 });
                 true
@@ -199,12 +230,14 @@ impl Worker {
                 id,
                 admitted,
                 request_id,
+                slot,
                 reply,
             } => {
                 self.reservations.push_back(PendingReservation {
                     id,
                     admitted,
                     request_id,
+                    slot,
                     reply,
                 });
                 self.place_reservations();
@@ -215,17 +248,25 @@ impl Worker {
                 true
             }
             Command::Shutdown => {
-                for w in self.waiting.drain(..) {
-                    let _ = w.events.send(Event::Failed(EngineError::Shutdown));
+                if self.lifecycle.stopping.load(Ordering::Acquire) {
+                    self.fail_all(&EngineError::Shutdown);
+                    return false;
                 }
-                for r in self.running.drain(..) {
-                    let _ = r.progress.events.send(Event::Failed(EngineError::Shutdown));
-                }
-                for r in self.reservations.drain(..) {
-                    let _ = r.reply.send(Err(EngineError::Shutdown));
-                }
-                false
+                true
             }
+        }
+    }
+
+    /// Ends every request with `error`.
+    fn fail_all(&mut self, error: &EngineError) {
+        for w in self.waiting.drain(..) {
+            w.end(Event::Failed(error.clone()));
+        }
+        for r in self.running.drain(..) {
+            finish(r, Event::Failed(error.clone()));
+        }
+        for r in self.reservations.drain(..) {
+            let _ = r.reply.send(Err(ReserveError::Engine(error.clone())));
         }
     }
 
@@ -253,7 +294,8 @@ impl Worker {
                 request_id: r.request_id,
                 admitted: r.admitted,
                 kv,
-                vocab_size: self.model.config.vocab_size,
+                vocab_size: self.model.config().vocab_size,
+                slot: r.slot,
             };
             // A requester that left drops the reservation, and with it the pages.
             let _ = r.reply.send(Ok(reservation));
@@ -270,12 +312,12 @@ impl Worker {
             first_token,
             sampler_state,
             cached_tokens,
+            slot,
         } = verified;
         self.arrivals += 1;
         let total_tokens = admitted.total_tokens;
         let request = admitted.request;
-        EngineMetrics::add(&self.metrics.prompt_tokens, request.prompt.len() as u64);
-        EngineMetrics::add(&self.metrics.cached_prompt_tokens, cached_tokens as u64);
+        // Prompt tokens are the prefill node's count: it computed them.
         let mut progress = Progress {
             id,
             arrival: self.arrivals,
@@ -285,50 +327,40 @@ impl Worker {
             output: Vec::new(),
             cached_tokens: Some(cached_tokens),
             total_tokens,
+            slot,
             prefill_only: false,
         };
         match accept_token(
             &mut progress,
             first_token,
-            &self.model.config,
+            self.model.config(),
             &self.metrics,
         ) {
             Outcome::Continue => self.running.push(Running { progress, kv }),
-            Outcome::Done(ev) => {
-                self.count_finish(&ev);
-                finish(Running { progress, kv }, ev);
-            }
+            Outcome::Done(ev) => finish(Running { progress, kv }, ev),
         }
     }
 
-    fn count_finish(&self, ev: &Event) {
-        match ev {
-            Event::Finished {
-                reason: FinishReason::Stop,
-                ..
-            } => EngineMetrics::add(&self.metrics.finished_stop, 1),
-            Event::Finished { .. } => EngineMetrics::add(&self.metrics.finished_length, 1),
-            Event::Prefilled(_) => EngineMetrics::add(&self.metrics.prefilled, 1),
-            Event::Failed(_) | Event::Token(_) => EngineMetrics::add(&self.metrics.failed, 1),
-        }
-    }
-
+    /// Drops the requests whose client stopped listening. Why it stopped (it went away, or
+    /// the server matched a stop string) is the server's to count, not the engine's.
     fn drop_cancelled(&mut self) {
-        let before = self.waiting.len() + self.running.len();
         self.waiting.retain(|w| !w.events.is_closed());
         self.running.retain(|r| !r.progress.events.is_closed());
-        let cancelled = before - self.waiting.len() - self.running.len();
-        EngineMetrics::add(&self.metrics.cancelled, cancelled as u64);
     }
 
-    /// Frees pages: unreferenced cached prefixes first.
+    /// Frees pages by evicting cached prefixes that no request uses, least recently used
+    /// first, if that can make enough room. Cheap when it cannot (the head of the queue may
+    /// wait many steps): the cache counts its evictable pages, so nothing is scanned and
+    /// nothing is evicted in vain.
     fn make_room(&mut self, pages: usize) -> bool {
         let free = self.pool.counts().free;
         if pages <= free {
             return true;
         }
         if let Some(cache) = &mut self.cache {
-            cache.evict(pages - free);
+            if free + cache.evictable_pages() >= pages {
+                cache.evict(pages - free);
+            }
         }
         pages <= self.pool.counts().free
     }
@@ -363,10 +395,9 @@ impl Worker {
                 Err(e) => {
                     // Unreachable unless the cache broke its contract: fail the request, loudly.
                     EngineMetrics::add(&self.metrics.isolation_failures, 1);
-                    EngineMetrics::add(&self.metrics.failed, 1);
                     tracing::error!("prefix cache offered an unreadable page: {e}");
                     if let Some(w) = self.waiting.pop_front() {
-                        let _ = w.events.send(Event::Failed(EngineError::Isolation(e)));
+                        w.end(Event::Failed(EngineError::Isolation(e)));
                     }
                     continue;
                 }
@@ -455,7 +486,8 @@ impl Worker {
         }
     }
 
-    fn step(&mut self) {
+    /// Returns false when the engine must stop.
+    fn step(&mut self) -> bool {
         self.drop_cancelled();
         self.place_reservations();
         self.promote();
@@ -466,7 +498,7 @@ impl Worker {
                 // are still being returned by another thread. Back off briefly.
                 std::thread::sleep(Duration::from_millis(1));
             }
-            return;
+            return true;
         }
         EngineMetrics::add(&self.metrics.steps, 1);
 
@@ -518,7 +550,18 @@ impl Worker {
                     },
                 });
             }
-            self.model.forward(&mut items)
+            // A panic in the model must not take the engine thread (and every other
+            // request) with it. The model keeps no state between steps, so unwinding out
+            // of one leaves nothing half-done but this step's requests, which fail below.
+            let model = &self.model;
+            catch_unwind(AssertUnwindSafe(|| model.forward(&mut items)))
+        };
+        let results = match results {
+            Ok(results) => {
+                self.panics_in_a_row = 0;
+                results
+            }
+            Err(panic) => return self.step_panicked(&plan, panic.as_ref()),
         };
 
         let mut outcomes: Vec<Outcome> =
@@ -545,9 +588,9 @@ impl Worker {
             }
             let prompt_just_done = r.progress.output.is_empty();
             outcomes[i] = if r.progress.prefill_only {
-                hand_over(r, &logits, &self.model.config)
+                hand_over(r, &logits, self.model.config())
             } else {
-                sample_next(&mut r.progress, &logits, &self.model.config, &self.metrics)
+                sample_next(&mut r.progress, &logits, self.model.config(), &self.metrics)
             };
             if prompt_just_done {
                 self.share_prompt(i);
@@ -566,12 +609,49 @@ impl Worker {
             .collect();
         for (i, ev) in finished.into_iter().rev() {
             let r = self.running.remove(i);
-            self.count_finish(&ev);
             finish(r, ev);
         }
         self.metrics
             .running
             .store(self.running.len() as u64, Ordering::Relaxed);
+        true
+    }
+
+    /// Fails the requests of a step whose forward pass panicked; their pages are dropped
+    /// with them (whatever the step wrote is never read). Returns false when too many steps
+    /// in a row panicked: then every request fails and the engine stops.
+    fn step_panicked(
+        &mut self,
+        plan: &[(usize, std::ops::Range<usize>)],
+        panic: &(dyn std::any::Any + Send),
+    ) -> bool {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".into());
+        self.panics_in_a_row += 1;
+        tracing::error!(
+            "the forward pass panicked ({} in a row): {what}",
+            self.panics_in_a_row
+        );
+        let error = EngineError::Model(format!("the forward pass panicked: {what}"));
+        let mut failed: Vec<usize> = plan.iter().map(|(i, _)| *i).collect();
+        failed.sort_unstable();
+        failed.dedup();
+        for i in failed.into_iter().rev() {
+            let r = self.running.remove(i);
+            finish(r, Event::Failed(error.clone()));
+        }
+        if self.panics_in_a_row >= MAX_CONSECUTIVE_PANICS {
+            tracing::error!("the forward pass keeps panicking; the engine stops");
+            self.fail_all(&error);
+            return false;
+        }
+        self.metrics
+            .running
+            .store(self.running.len() as u64, Ordering::Relaxed);
+        true
     }
 }
 
@@ -579,7 +659,7 @@ impl Worker {
 fn finish(r: Running, ev: Event) {
     let Running { progress, kv } = r;
     drop(kv);
-    let _ = progress.events.send(ev);
+    progress.end(ev);
 }
 
 fn sampled_token(

@@ -71,7 +71,9 @@ fn collect(mut handle: engine::RequestHandle) -> Result<(Vec<(u32, u32)>, usize)
 }
 
 fn prefill(engine: &EngineHandle, req: &GenerateRequest) -> PrefillOutput {
-    let mut handle = engine.submit_prefill(engine.admission().admit(req.clone()).unwrap());
+    let mut handle = engine
+        .submit_prefill(engine.admission().admit(req.clone()).unwrap())
+        .unwrap();
     match handle.events.blocking_recv() {
         Some(Event::Prefilled(out)) => *out,
         other => panic!("expected the prefilled K/V, got {other:?}"),
@@ -126,7 +128,11 @@ fn split_output_equals_monolithic_output() {
             .enumerate()
     {
         let req = request("alice", len, max_tokens, seed);
-        let expected = collect(mono.submit(mono.admission().admit(req.clone()).unwrap())).unwrap();
+        let expected = collect(
+            mono.submit(mono.admission().admit(req.clone()).unwrap())
+                .unwrap(),
+        )
+        .unwrap();
         let out = prefill(&pre, &req);
         let reservation = reserve(&dec, &req, &format!("r{i}"));
         let manifest = Manifest::describe(
@@ -136,7 +142,7 @@ fn split_output_equals_monolithic_output() {
             &out,
         );
         let verified = transfer(reservation, manifest, &out).unwrap();
-        let got = collect(dec.submit_import(verified)).unwrap();
+        let got = collect(dec.submit_import(verified).unwrap()).unwrap();
         assert_eq!(got, expected, "case {i}: split output differs");
     }
     wait_idle(&dec);

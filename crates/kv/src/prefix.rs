@@ -19,13 +19,17 @@
 //!   continuation". A public page is never stored after a private one in the public tree:
 //!   a page's K/V depends on every token before it.
 //!
-//! Eviction is LRU over leaves of all trees, and only frees pages that no running request
-//! holds. It is global, so one tenant's load can evict another's entries: that reveals
-//! load, not content, but per-domain quotas would be needed to hide even that.
+//! Eviction is LRU over the pages that nothing uses and whose nodes are all leaves, kept as a
+//! list by the pool (as vLLM's free-block queue): a page joins its end when its last user
+//! (a sequence, a lookup result in hand) lets go, leaves it when used again, and eviction
+//! takes the head, so each evicted page costs O(1) whatever the size of the trees. Only
+//! pages that no request uses are ever evicted. Eviction is global, so one tenant's load
+//! can evict another's entries: that reveals load, not content, but per-domain quotas
+//! would be needed to hide even that.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::HashMap;
 
+use crate::pool::PoolInner;
 use crate::sync::Arc;
 use crate::{IsolationDomain, SharedPage, Visibility};
 
@@ -95,12 +99,14 @@ pub enum PrefixError {
     WrongVisibility { page: usize },
     #[error("page {page} is tagged public, but only the first {public_pages} pages of these tokens lie inside a configured public prefix")]
     NotPublic { page: usize, public_pages: usize },
+    #[error("page {page} belongs to another KV pool than the pages this cache holds")]
+    ForeignPool { page: usize },
 }
 
 /// The result of [`PrefixCache::lookup`]: the longest cached run of whole pages readable by
 /// the looking-up domain whose tokens equal the start of the request's tokens. Holding it
-/// keeps the pages alive (eviction skips them); hand the pages to
-/// [`crate::SequenceKv::with_prefix`].
+/// keeps the pages in use (eviction skips them); hand the pages to
+/// [`crate::SequenceKv::with_prefix`], which uses them in turn.
 #[derive(Debug, Default)]
 pub struct PrefixMatch {
     pages: Vec<Arc<SharedPage>>,
@@ -113,8 +119,10 @@ impl PrefixMatch {
         &self.pages
     }
 
-    pub fn into_pages(self) -> Vec<Arc<SharedPage>> {
-        self.pages
+    pub fn into_pages(mut self) -> Vec<Arc<SharedPage>> {
+        let pages = std::mem::take(&mut self.pages);
+        release(&pages);
+        pages
     }
 
     /// Tokens covered: pages × page size.
@@ -136,6 +144,20 @@ impl PrefixMatch {
     }
 }
 
+/// A lookup result in hand uses its pages; dropping it makes them evictable again (and the
+/// most recently used).
+impl Drop for PrefixMatch {
+    fn drop(&mut self) {
+        release(&self.pages);
+    }
+}
+
+fn release(pages: &[Arc<SharedPage>]) {
+    if let Some(first) = pages.first() {
+        first.pool_inner().unpin(pages.iter().map(|p| p.index()));
+    }
+}
+
 /// Size of one tree, for metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TreeStats {
@@ -145,6 +167,8 @@ pub struct TreeStats {
 }
 
 const ROOT: usize = 0;
+/// The public tree's place in [`PrefixCache::trees`].
+const PUBLIC: usize = 0;
 
 struct Node {
     /// `None` only at the root.
@@ -153,10 +177,11 @@ struct Node {
     /// The `page_tokens` token ids this node's page covers (its key in the parent).
     edge: Box<[u32]>,
     children: HashMap<Box<[u32]>, usize>,
-    last_used: u64,
 }
 
 struct Tree {
+    /// `None` for the public tree.
+    domain: Option<IsolationDomain>,
     /// Arena; `None` marks a vacant slot, listed in `vacant`.
     nodes: Vec<Option<Node>>,
     vacant: Vec<usize>,
@@ -164,14 +189,14 @@ struct Tree {
 }
 
 impl Tree {
-    fn new() -> Self {
+    fn new(domain: Option<IsolationDomain>) -> Self {
         Self {
+            domain,
             nodes: vec![Some(Node {
                 page: None,
                 parent: ROOT,
                 edge: Box::new([]),
                 children: HashMap::new(),
-                last_used: 0,
             })],
             vacant: Vec::new(),
             live: 0,
@@ -211,13 +236,12 @@ impl Tree {
         path
     }
 
-    fn add_child(&mut self, parent: usize, edge: &[u32], page: Arc<SharedPage>, now: u64) -> usize {
+    fn add_child(&mut self, parent: usize, edge: &[u32], page: Arc<SharedPage>) -> usize {
         let node = Node {
             page: Some(page),
             parent,
             edge: edge.into(),
             children: HashMap::new(),
-            last_used: now,
         };
         let id = match self.vacant.pop() {
             Some(id) => {
@@ -234,13 +258,14 @@ impl Tree {
         id
     }
 
-    fn remove_leaf(&mut self, id: usize) -> (Arc<SharedPage>, usize) {
+    /// Removes a leaf; returns its parent.
+    fn remove_leaf(&mut self, id: usize) -> usize {
         let node = self.nodes[id].take().expect("live node id");
         debug_assert!(node.children.is_empty() && id != ROOT);
         self.node_mut(node.parent).children.remove(&node.edge);
         self.vacant.push(id);
         self.live -= 1;
-        (node.page.expect("non-root node holds a page"), node.parent)
+        node.parent
     }
 
     fn live_ids(&self) -> impl Iterator<Item = usize> + '_ {
@@ -252,31 +277,29 @@ impl Tree {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum TreeId {
-    Public,
-    Domain(IsolationDomain),
-}
-
-/// Identity of a page while the cache holds a reference to it (the address cannot be
-/// reused while that reference lives).
-fn page_key(page: &Arc<SharedPage>) -> usize {
-    Arc::as_ptr(page) as *const () as usize
+/// A page the cache holds, and the tree nodes that hold it (a public page can sit in the
+/// public tree and at the start of several domain trees).
+struct Cached {
+    page: Arc<SharedPage>,
+    nodes: Vec<(usize, usize)>,
 }
 
 /// A tenant-scoped prefix cache: one radix tree per [`IsolationDomain`] plus one for
-/// operator-declared public prefixes. Not internally synchronized: the engine owns it
-/// behind its scheduler lock, and every method is short.
+/// operator-declared public prefixes. Not internally synchronized: the engine thread owns
+/// it, and every method is short. All its pages come from one pool, which keeps the list
+/// of evictable pages (see the module documentation).
 pub struct PrefixCache {
     page_tokens: usize,
     public_prefixes: PublicPrefixes,
-    public: Tree,
-    domains: HashMap<IsolationDomain, Tree>,
-    /// Tree nodes referencing each cached page (a public page can sit in the public tree
-    /// and at the start of several domain trees). A page no request holds has
-    /// `Arc::strong_count == refs`.
-    refs: HashMap<usize, usize>,
-    clock: u64,
+    /// `trees[PUBLIC]` is the public tree; the others belong to the domains of `domains`.
+    /// `None` marks a vacant slot, listed in `vacant_trees`.
+    trees: Vec<Option<Tree>>,
+    vacant_trees: Vec<usize>,
+    domains: HashMap<IsolationDomain, usize>,
+    /// Every cached page, by its index in the pool.
+    pages: HashMap<u32, Cached>,
+    /// The pool of every cached page, known from the first insert.
+    pool: Option<Arc<PoolInner>>,
 }
 
 impl std::fmt::Debug for PrefixCache {
@@ -285,9 +308,20 @@ impl std::fmt::Debug for PrefixCache {
         f.debug_struct("PrefixCache")
             .field("page_tokens", &self.page_tokens)
             .field("domains", &self.domains.len())
-            .field("public_nodes", &self.public.live)
-            .field("cached_pages", &self.refs.len())
+            .field("public_nodes", &self.tree(PUBLIC).live)
+            .field("cached_pages", &self.pages.len())
             .finish()
+    }
+}
+
+/// The pool's eviction state must not outlive the cache: its pages stop being cached.
+impl Drop for PrefixCache {
+    fn drop(&mut self) {
+        if let Some(pool) = &self.pool {
+            for &index in self.pages.keys() {
+                pool.cache_leave(index);
+            }
+        }
     }
 }
 
@@ -303,11 +337,20 @@ impl PrefixCache {
         Self {
             page_tokens,
             public_prefixes: public,
-            public: Tree::new(),
+            trees: vec![Some(Tree::new(None))],
+            vacant_trees: Vec::new(),
             domains: HashMap::new(),
-            refs: HashMap::new(),
-            clock: 0,
+            pages: HashMap::new(),
+            pool: None,
         }
+    }
+
+    fn tree(&self, t: usize) -> &Tree {
+        self.trees[t].as_ref().expect("live tree")
+    }
+
+    fn tree_mut(&mut self, t: usize) -> &mut Tree {
+        self.trees[t].as_mut().expect("live tree")
     }
 
     pub fn page_tokens(&self) -> usize {
@@ -326,18 +369,26 @@ impl PrefixCache {
 
     /// Distinct pages the cache holds (each counted once however many trees hold it).
     pub fn cached_pages(&self) -> usize {
-        self.refs.len()
+        self.pages.len()
+    }
+
+    /// Cached pages that no sequence or lookup result uses: the most that
+    /// [`PrefixCache::evict`] could free. Kept as a counter, so a caller can see in O(1)
+    /// that evicting cannot make enough room, and not try. (It frees fewer when some such
+    /// page has a descendant in use: that node cannot go before its children.)
+    pub fn evictable_pages(&self) -> usize {
+        self.pool.as_ref().map_or(0, |p| p.idle_cached())
     }
 
     pub fn domain_stats(&self, domain: &IsolationDomain) -> TreeStats {
         TreeStats {
-            nodes: self.domains.get(domain).map_or(0, |t| t.live),
+            nodes: self.domains.get(domain).map_or(0, |&t| self.tree(t).live),
         }
     }
 
     pub fn public_stats(&self) -> TreeStats {
         TreeStats {
-            nodes: self.public.live,
+            nodes: self.tree(PUBLIC).live,
         }
     }
 
@@ -348,7 +399,7 @@ impl PrefixCache {
 
     /// The longest run of whole cached pages readable by `domain` whose tokens equal the
     /// start of `tokens`, at most `max_pages` pages, from the domain's own tree or the public
-    /// tree, whichever is longer. Marks the matched entries recently used.
+    /// tree, whichever is longer. The pages are in use while the result is held.
     ///
     /// The caller needs the logits of the last prompt token, so it should pass at most
     /// `(tokens.len() - 1) / page_tokens` to leave that token to compute.
@@ -360,30 +411,27 @@ impl PrefixCache {
     ) -> PrefixMatch {
         let p = self.page_tokens;
         let limit = max_pages.min(tokens.len() / p);
-        let own = self
-            .domains
-            .get(domain)
-            .map(|t| t.walk(tokens, limit, p, domain))
+        let own_tree = self.domains.get(domain).copied();
+        let own = own_tree
+            .map(|t| self.tree(t).walk(tokens, limit, p, domain))
             .unwrap_or_default();
-        let public = self.public.walk(tokens, limit, p, domain);
-        self.clock += 1;
-        let now = self.clock;
+        let public = self.tree(PUBLIC).walk(tokens, limit, p, domain);
         let (tree, path, is_public) = if public.len() > own.len() {
-            (&mut self.public, public, true)
+            (PUBLIC, public, true)
         } else {
-            match self.domains.get_mut(domain) {
+            match own_tree {
                 Some(t) => (t, own, false),
                 None => return PrefixMatch::default(),
             }
         };
-        let pages = path
+        let tree = self.tree(tree);
+        let pages: Vec<Arc<SharedPage>> = path
             .iter()
-            .map(|&id| {
-                let node = tree.node_mut(id);
-                node.last_used = now;
-                node.page.clone().expect("non-root node holds a page")
-            })
-            .collect::<Vec<_>>();
+            .filter_map(|&id| tree.node(id).page.clone())
+            .collect();
+        if let (Some(pool), false) = (&self.pool, pages.is_empty()) {
+            pool.pin(pages.iter().map(|pg| pg.index()));
+        }
         PrefixMatch {
             tokens: pages.len() * p,
             public: is_public && !pages.is_empty(),
@@ -417,6 +465,10 @@ impl PrefixCache {
             });
         }
         let public_pages = self.public_pages(tokens);
+        let pool = self
+            .pool
+            .clone()
+            .or_else(|| pages.first().map(|pg| pg.pool_inner().clone()));
         for (i, page) in pages.iter().enumerate() {
             let got = page.layout().page_tokens;
             if got != p {
@@ -425,6 +477,12 @@ impl PrefixCache {
                     got,
                     want: p,
                 });
+            }
+            if !pool
+                .as_ref()
+                .is_some_and(|pool| Arc::ptr_eq(pool, page.pool_inner()))
+            {
+                return Err(PrefixError::ForeignPool { page: i });
             }
             match page.visibility() {
                 Visibility::Public if i >= public_pages => {
@@ -438,162 +496,174 @@ impl PrefixCache {
                 Visibility::Domain(_) => return Err(PrefixError::WrongVisibility { page: i }),
             }
         }
+        let Some(pool) = pool else {
+            return Ok(0);
+        };
+        self.pool = Some(pool);
 
-        self.clock += 1;
-        let now = self.clock;
         let leading_public = pages
             .iter()
             .take_while(|pg| *pg.visibility() == Visibility::Public)
             .count();
-        let mut added = Self::insert_chain(
-            &mut self.public,
-            &mut self.refs,
-            tokens,
-            &pages[..leading_public],
-            p,
-            now,
-        );
+        let mut added = self.insert_chain(PUBLIC, tokens, &pages[..leading_public]);
         // No tree for a domain that offered nothing: an empty tree would only take memory.
         if let (Visibility::Domain(domain), false) = (visibility, pages.is_empty()) {
-            let tree = self.domains.entry(domain.clone()).or_insert_with(Tree::new);
-            added += Self::insert_chain(tree, &mut self.refs, tokens, pages, p, now);
+            let t = self.tree_for(domain);
+            added += self.insert_chain(t, tokens, pages);
         }
         Ok(added)
     }
 
-    fn insert_chain(
-        tree: &mut Tree,
-        refs: &mut HashMap<usize, usize>,
-        tokens: &[u32],
-        pages: &[Arc<SharedPage>],
-        p: usize,
-        now: u64,
-    ) -> usize {
+    fn tree_for(&mut self, domain: &IsolationDomain) -> usize {
+        if let Some(&t) = self.domains.get(domain) {
+            return t;
+        }
+        let tree = Tree::new(Some(domain.clone()));
+        let t = match self.vacant_trees.pop() {
+            Some(t) => {
+                self.trees[t] = Some(tree);
+                t
+            }
+            None => {
+                self.trees.push(Some(tree));
+                self.trees.len() - 1
+            }
+        };
+        self.domains.insert(domain.clone(), t);
+        t
+    }
+
+    fn insert_chain(&mut self, t: usize, tokens: &[u32], pages: &[Arc<SharedPage>]) -> usize {
+        let p = self.page_tokens;
         let mut added = 0;
         let mut at = ROOT;
         for (i, page) in pages.iter().enumerate() {
             let edge = &tokens[i * p..(i + 1) * p];
-            at = match tree.node(at).children.get(edge) {
-                Some(&child) => {
-                    tree.node_mut(child).last_used = now;
-                    child
+            if let Some(&child) = self.tree(t).node(at).children.get(edge) {
+                at = child;
+                continue;
+            }
+            let parent_page = self.tree(t).node(at).page.as_ref().map(|pg| pg.index());
+            let id = self.tree_mut(t).add_child(at, edge, page.clone());
+            let index = page.index();
+            let new = !self.pages.contains_key(&index);
+            let cached = self.pages.entry(index).or_insert_with(|| Cached {
+                page: page.clone(),
+                nodes: Vec::new(),
+            });
+            debug_assert!(Arc::ptr_eq(&cached.page, page), "one live page per index");
+            cached.nodes.push((t, id));
+            let leafy = self.leafy(index);
+            if let Some(pool) = &self.pool {
+                if new {
+                    added += 1;
+                    pool.cache_enter(index, leafy);
+                } else {
+                    pool.set_leafy(index, leafy, false);
                 }
-                None => {
-                    let count = refs.entry(page_key(page)).or_insert(0);
-                    if *count == 0 {
-                        added += 1;
-                    }
-                    *count += 1;
-                    tree.add_child(at, edge, page.clone(), now)
+                // The parent has a child now: it cannot be evicted before it.
+                if let Some(parent) = parent_page {
+                    pool.set_leafy(parent, false, false);
                 }
-            };
+            }
+            at = id;
         }
         added
     }
 
-    /// Evicts least recently used leaves whose page no running request holds, until
-    /// `pages_wanted` pages went back to the pool or nothing more can go. Returns the pages
-    /// returned to the pool.
-    pub fn evict(&mut self, pages_wanted: usize) -> usize {
-        if pages_wanted == 0 {
-            return 0;
-        }
-        let mut freed = 0;
-        let mut candidates: Vec<(TreeId, usize)> = Vec::new();
-        let mut heap = BinaryHeap::new();
-        let trees = std::iter::once((TreeId::Public, &self.public)).chain(
-            self.domains
+    /// True if every node of cached page `index` is a leaf.
+    fn leafy(&self, index: u32) -> bool {
+        self.pages.get(&index).is_some_and(|c| {
+            c.nodes
                 .iter()
-                .map(|(d, t)| (TreeId::Domain(d.clone()), t)),
-        );
-        for (tid, tree) in trees {
-            for id in tree.live_ids() {
-                if self.evictable(tree, id) {
-                    heap.push(Reverse((tree.node(id).last_used, candidates.len())));
-                    candidates.push((tid.clone(), id));
+                .all(|&(t, n)| self.tree(t).node(n).children.is_empty())
+        })
+    }
+
+    /// Evicts least recently used pages that nothing uses, leaves first, until
+    /// `pages_wanted` pages went back to the pool or nothing more can go. Each evicted page
+    /// costs O(1) (plus the few tree nodes that hold it). Returns the pages returned to the
+    /// pool.
+    pub fn evict(&mut self, pages_wanted: usize) -> usize {
+        let Some(pool) = self.pool.clone() else {
+            return 0;
+        };
+        let mut freed = 0;
+        let mut emptied = Vec::new();
+        while freed < pages_wanted {
+            let Some(index) = pool.pop_evictable() else {
+                break;
+            };
+            let Some(cached) = self.pages.remove(&index) else {
+                debug_assert!(false, "the evictable list names a page the cache lacks");
+                continue;
+            };
+            let mut parents = Vec::new();
+            for &(t, n) in &cached.nodes {
+                let tree = self.tree_mut(t);
+                let parent = tree.remove_leaf(n);
+                if let Some(pg) = tree.node(parent).page.as_ref() {
+                    parents.push(pg.index());
+                }
+                if t != PUBLIC && tree.live == 0 {
+                    emptied.push(t);
+                }
+            }
+            pool.cache_leave(index);
+            // The cache held the last reference: dropping it returns the page.
+            if Arc::strong_count(&cached.page) == 1 {
+                freed += 1;
+            }
+            drop(cached);
+            for parent in parents {
+                if self.pages.contains_key(&parent) {
+                    // Used no later than the child just evicted: it goes next.
+                    pool.set_leafy(parent, self.leafy(parent), true);
                 }
             }
         }
-        while let Some(Reverse((_, c))) = heap.pop() {
-            let (tid, id) = candidates[c].clone();
-            let tree = match &tid {
-                TreeId::Public => &self.public,
-                TreeId::Domain(d) => &self.domains[d],
-            };
-            // Removing a leaf elsewhere can change a shared page's reference count.
-            if !self.evictable(tree, id) {
-                continue;
-            }
-            let tree = match &tid {
-                TreeId::Public => &mut self.public,
-                TreeId::Domain(d) => self.domains.get_mut(d).expect("tree exists"),
-            };
-            let (page, parent) = tree.remove_leaf(id);
-            let key = page_key(&page);
-            let count = self.refs.get_mut(&key).expect("cached page is counted");
-            *count -= 1;
-            if *count == 0 {
-                self.refs.remove(&key);
-                freed += 1;
-            }
-            drop(page);
-            if freed >= pages_wanted {
-                break;
-            }
-            let tree = match &tid {
-                TreeId::Public => &self.public,
-                TreeId::Domain(d) => &self.domains[d],
-            };
-            if parent != ROOT && self.evictable(tree, parent) {
-                heap.push(Reverse((tree.node(parent).last_used, candidates.len())));
-                candidates.push((tid, parent));
+        for t in emptied {
+            if let Some(tree) = self.trees[t].take() {
+                if let Some(domain) = tree.domain {
+                    self.domains.remove(&domain);
+                }
+                self.vacant_trees.push(t);
             }
         }
-        self.domains.retain(|_, t| t.live > 0);
         freed
-    }
-
-    /// A leaf whose page only the cache holds.
-    fn evictable(&self, tree: &Tree, id: usize) -> bool {
-        let Some(node) = tree.nodes[id].as_ref() else {
-            return false;
-        };
-        let Some(page) = node.page.as_ref() else {
-            return false;
-        };
-        node.children.is_empty()
-            && self
-                .refs
-                .get(&page_key(page))
-                .is_some_and(|&r| Arc::strong_count(page) == r)
     }
 
     /// Test support: every distinct page the cache holds.
     #[doc(hidden)]
     pub fn debug_pages(&self) -> Vec<Arc<SharedPage>> {
-        let mut seen = HashMap::new();
-        let trees = std::iter::once(&self.public).chain(self.domains.values());
-        for tree in trees {
-            for node in tree.nodes.iter().flatten() {
-                if let Some(page) = &node.page {
-                    seen.entry(page_key(page)).or_insert_with(|| page.clone());
-                }
-            }
-        }
-        seen.into_values().collect()
+        self.pages.values().map(|c| c.page.clone()).collect()
     }
 
     /// Test support: checks the cache's structural and isolation invariants: every page in
     /// a domain's tree is readable by that domain, the public tree holds only public pages
-    /// inside a configured public prefix, child links match parent links, and `refs`
-    /// counts exactly the nodes holding each page.
+    /// inside a configured public prefix, child links match parent links, the page table
+    /// names exactly the nodes holding each page, and the pool's eviction state agrees
+    /// (a page is evictable exactly when nothing uses it and all its nodes are leaves).
     #[doc(hidden)]
     pub fn debug_check(&self) -> Result<(), String> {
-        let mut counted: HashMap<usize, usize> = HashMap::new();
+        let mut counted: HashMap<u32, Vec<(usize, usize)>> = HashMap::new();
         let p = self.page_tokens;
-        let trees = std::iter::once((None, &self.public))
-            .chain(self.domains.iter().map(|(d, t)| (Some(d), t)));
-        for (domain, tree) in trees {
+        for (domain, &t) in &self.domains {
+            let named = self
+                .trees
+                .get(t)
+                .and_then(|x| x.as_ref())
+                .and_then(|x| x.domain.as_ref());
+            if named != Some(domain) {
+                return Err("domain map and trees disagree".into());
+            }
+        }
+        for (t, tree) in self.trees.iter().enumerate() {
+            let Some(tree) = tree else { continue };
+            let domain = tree.domain.as_ref();
+            if (t == PUBLIC) != domain.is_none() {
+                return Err(format!("tree {t} has the wrong kind"));
+            }
             if domain.is_some() && tree.live == 0 {
                 return Err("empty domain tree kept".into());
             }
@@ -602,7 +672,7 @@ impl PrefixCache {
                 live += 1;
                 let node = tree.node(id);
                 let page = node.page.as_ref().ok_or("non-root node without page")?;
-                *counted.entry(page_key(page)).or_insert(0) += 1;
+                counted.entry(page.index()).or_default().push((t, id));
                 if tree.nodes[node.parent]
                     .as_ref()
                     .map(|n| n.children.get(&node.edge))
@@ -650,8 +720,48 @@ impl PrefixCache {
                 return Err(format!("live count {} but {live} nodes", tree.live));
             }
         }
-        if counted != self.refs {
-            return Err("reference counts do not match the trees".into());
+        if counted.len() != self.pages.len() {
+            return Err("the page table does not match the trees".into());
+        }
+        let Some(pool) = &self.pool else {
+            return if self.pages.is_empty() {
+                Ok(())
+            } else {
+                Err("pages without a pool".into())
+            };
+        };
+        let mut idle = 0;
+        for (index, cached) in &self.pages {
+            let mut want = counted.get(index).cloned().unwrap_or_default();
+            let mut have = cached.nodes.clone();
+            want.sort_unstable();
+            have.sort_unstable();
+            if want != have || cached.page.index() != *index {
+                return Err(format!("page {index}: nodes do not match the trees"));
+            }
+            let (users, in_cache, leafy, listed) = pool.use_meta(*index);
+            if !in_cache || leafy != self.leafy(*index) {
+                return Err(format!("page {index}: the pool's view of it is stale"));
+            }
+            if listed != (users == 0 && leafy) {
+                return Err(format!(
+                    "page {index}: listed {listed} with {users} users, leafy {leafy}"
+                ));
+            }
+            idle += usize::from(users == 0);
+        }
+        if idle != pool.idle_cached() {
+            return Err(format!(
+                "{} idle cached pages counted, {idle} found",
+                pool.idle_cached()
+            ));
+        }
+        if pool
+            .evictable_list()
+            .iter()
+            .any(|i| !self.pages.contains_key(i))
+        {
+            return Err("the evictable list names a page the cache lacks".into());
         }
         Ok(())
     }

@@ -38,6 +38,24 @@ impl std::fmt::Debug for SequenceKv {
     }
 }
 
+/// Owned pages go back to the pool by their own drop; shared pages are released from this
+/// sequence's use, so that the prefix cache may evict them from now on.
+impl Drop for SequenceKv {
+    fn drop(&mut self) {
+        let shared: Vec<u32> = self
+            .blocks
+            .iter()
+            .filter_map(|b| match b {
+                Block::Shared(page) => Some(page.index()),
+                Block::Owned(_) => None,
+            })
+            .collect();
+        if !shared.is_empty() {
+            self.pool.inner().unpin(shared);
+        }
+    }
+}
+
 impl SequenceKv {
     pub fn new(pool: &KvPool, owner: Owner) -> Self {
         Self {
@@ -71,6 +89,8 @@ impl SequenceKv {
             });
         }
         let len = prefix.len() * pool.layout().page_tokens;
+        // In use while this sequence lives: the prefix cache must not evict them.
+        pool.inner().pin(prefix.iter().map(|p| p.index()));
         Ok(Self {
             owner,
             pool: pool.clone(),
@@ -341,13 +361,17 @@ impl SequenceKv {
     fn freeze_leading(&mut self, visibility: impl Fn(usize) -> Visibility) {
         let full = self.full_pages();
         let mut stopped = false;
+        let mut frozen = Vec::new();
         // Rebuilt rather than edited in place: `freeze` consumes the lease.
         self.blocks = std::mem::take(&mut self.blocks)
             .into_iter()
             .enumerate()
             .map(|(i, block)| match block {
                 Block::Owned(lease) if !stopped && i < full => match lease.freeze(visibility(i)) {
-                    Ok(page) => Block::Shared(page),
+                    Ok(page) => {
+                        frozen.push(page.index());
+                        Block::Shared(page)
+                    }
                     Err((lease, _not_full)) => {
                         stopped = true;
                         Block::Owned(lease)
@@ -356,6 +380,8 @@ impl SequenceKv {
                 other => other,
             })
             .collect();
+        // This sequence uses the pages it froze, like those it started from.
+        self.pool.inner().pin(frozen);
     }
 
     /// Clones of the leading run (among the first `full` pages) of shared pages that

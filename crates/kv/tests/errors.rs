@@ -636,7 +636,7 @@ fn existing_nodes_win() {
 }
 
 #[test]
-fn eviction_frees_only_unreferenced_pages_lru_first() {
+fn eviction_frees_only_unused_pages_lru_first() {
     let pool = pool(4);
     let mut cache = PrefixCache::new(P);
     let (s1, p1) = shared_prefix(&pool, 1, &a(), 2);
@@ -647,19 +647,27 @@ fn eviction_frees_only_unreferenced_pages_lru_first() {
     cache
         .insert(&Visibility::Domain(b()), &[1, 2, 3, 4], &p2)
         .unwrap();
+    // Pages are in use while a sequence (or a lookup result) holds them; a bare clone of
+    // the `Arc` is not a use.
+    drop((p1, p2));
     counts(&pool, 0, 0, 4);
-    // Everything is referenced by running requests: nothing can go.
+    assert_eq!(cache.evictable_pages(), 0);
+    // Everything is used by running requests: nothing can go.
     assert_eq!(cache.evict(4), 0);
-    drop((s1, p1, s2));
-    // A's pages are now cache-only; B's are still held through p2.
+    drop(s1);
+    // A's pages are now cache-only; B's are still used by s2.
+    assert_eq!(cache.evictable_pages(), 2);
     counts(&pool, 0, 0, 4);
     assert_eq!(cache.evict(1), 1);
     counts(&pool, 1, 0, 3);
     assert_eq!(cache.evict(4), 1);
     counts(&pool, 2, 0, 2);
+    assert_eq!(cache.evictable_pages(), 0);
     assert_eq!(cache.domain_stats(&a()).nodes, 0);
     assert_eq!(cache.domains(), 1);
-    drop(p2);
+    cache.debug_check().unwrap();
+    drop(s2);
+    assert_eq!(cache.evictable_pages(), 2);
     // Touch B's chain, then add a fresher one for A: LRU takes B's leaf first.
     assert_eq!(cache.lookup(&b(), &[1, 2, 3, 4], usize::MAX).len(), 2);
     let (s3, p3) = shared_prefix(&pool, 3, &a(), 1);
@@ -678,8 +686,41 @@ fn eviction_frees_only_unreferenced_pages_lru_first() {
     assert_eq!(cache.evict(9), 1);
     counts(&pool, 4, 0, 0);
     assert_eq!(cache.cached_pages(), 0);
+    assert_eq!(cache.evictable_pages(), 0);
     assert_eq!(cache.domains(), 0);
     cache.debug_check().unwrap();
+}
+
+/// A long chain nothing uses goes leaf first, one page per eviction, and a page that a
+/// later request computed again (its own copy, under the cached parent) keeps that parent
+/// until it is itself unused.
+#[test]
+fn eviction_walks_up_a_chain_and_waits_for_used_descendants() {
+    let pool = pool(8);
+    let mut cache = PrefixCache::new(P);
+    let tokens: Vec<u32> = (1..=8).collect();
+    let (s1, p1) = shared_prefix(&pool, 1, &a(), 3);
+    cache
+        .insert(&Visibility::Domain(a()), &tokens, &p1)
+        .unwrap();
+    // Request 2 computed the same first page itself, then a fourth one: only the fourth
+    // is new, a child of request 1's third page.
+    let (s2, p2) = shared_prefix(&pool, 2, &a(), 4);
+    assert_eq!(cache.insert(&Visibility::Domain(a()), &tokens, &p2), Ok(1));
+    drop((p1, p2, s1));
+    cache.debug_check().unwrap();
+    // Request 1's three pages are unused but under request 2's page: nothing can go yet.
+    assert_eq!(cache.evictable_pages(), 3);
+    assert_eq!(cache.evict(8), 0);
+    drop(s2);
+    cache.debug_check().unwrap();
+    assert_eq!(cache.evictable_pages(), 4);
+    for left in (0..4).rev() {
+        assert_eq!(cache.evict(1), 1);
+        assert_eq!(cache.domain_stats(&a()).nodes, left);
+        cache.debug_check().unwrap();
+    }
+    counts(&pool, 8, 0, 0);
 }
 
 #[test]

@@ -11,13 +11,14 @@ use clap::{Parser, Subcommand};
 use engine::{EngineConfig, Event, GenerateRequest, IsolationDomain, SamplingParams};
 use gguf::GgmlType;
 
+mod edge;
 mod node;
 mod router_cmd;
 mod serve;
 
 use serve::ServeArgs;
 
-const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+pub(crate) const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 #[derive(Parser)]
 #[command(
@@ -200,7 +201,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         logprobs: None,
     };
     let admitted = engine.admission().admit(request)?;
-    let mut handle = engine.submit(admitted);
+    let mut handle = engine.submit(admitted)?;
     let mut tokens = Vec::new();
     let mut decoder = tokenizer::IncrementalDecoder::new();
     let mut text = String::new();

@@ -34,14 +34,14 @@ pub fn run(args: ServeArgs, engine: EngineHandle, identity: NodeIdentity) -> Res
     let serving = engine.clone();
     runtime.block_on(async move {
         let engine = serving;
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        let listener = tokio::net::TcpListener::bind((args.edge.host.as_str(), args.edge.port))
             .await
-            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+            .with_context(|| format!("binding {}:{}", args.edge.host, args.edge.port))?;
         let addr = listener.local_addr()?;
         if let Some(port) = args.metrics_port {
-            let http = tokio::net::TcpListener::bind((args.host.as_str(), port))
+            let http = tokio::net::TcpListener::bind((args.edge.host.as_str(), port))
                 .await
-                .with_context(|| format!("binding {}:{port}", args.host))?;
+                .with_context(|| format!("binding {}:{port}", args.edge.host))?;
             eprintln!(
                 "kvwarden: {} node metrics on http://{}",
                 role.name(),

@@ -7,17 +7,14 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use engine::EngineConfig;
 
-use crate::{open_model, shutdown_signal, DEFAULT_MODEL};
+use crate::{open_model, DEFAULT_MODEL};
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
+    #[command(flatten)]
+    pub(crate) edge: crate::edge::EdgeArgs,
     #[arg(long, default_value = DEFAULT_MODEL)]
     pub(crate) model: PathBuf,
-    #[arg(long, default_value = "127.0.0.1")]
-    pub(crate) host: String,
-    /// 0 picks a free port (the address is printed when ready).
-    #[arg(long, default_value_t = 8000)]
-    pub(crate) port: u16,
     /// The model id clients must send (default: the model file's name without .gguf).
     #[arg(long)]
     pub(crate) served_model_name: Option<String>,
@@ -44,12 +41,10 @@ pub struct ServeArgs {
     /// Requests holding KV pages at once; more wait in the queue.
     #[arg(long, default_value_t = 32)]
     pub(crate) max_running: usize,
-    /// File of `KEY TENANT` lines: requests must carry `Authorization: Bearer KEY`, and
-    /// each tenant is its own isolation domain. Without it: one tenant, no authentication.
-    #[arg(long)]
-    pub(crate) api_keys: Option<PathBuf>,
-    #[arg(long, default_value_t = 4 * 1024 * 1024)]
-    pub(crate) max_body_bytes: usize,
+    /// Admitted requests that may wait for a running slot; beyond that, requests get 429
+    /// with Retry-After.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) max_waiting: usize,
     /// Do not reuse prompt K/V between requests (by default reuse stays within a tenant).
     #[arg(long)]
     pub(crate) no_prefix_cache: bool,
@@ -71,6 +66,19 @@ pub struct ServeArgs {
     /// and a prefill node for the decode node to take it.
     #[arg(long, default_value_t = 60)]
     pub(crate) handoff_timeout_secs: u64,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum KvDtypeArg {
+    F16,
+    F32,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum ScrubArg {
+    Zero,
+    Poison,
+    None,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -107,25 +115,8 @@ impl TlsArgs {
     }
 }
 
-#[derive(Clone, Copy, clap::ValueEnum)]
-pub enum KvDtypeArg {
-    F16,
-    F32,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-pub enum ScrubArg {
-    Zero,
-    Poison,
-    None,
-}
-
 pub fn serve(args: ServeArgs) -> Result<()> {
-    // Checked before the model loads, so a bad key file fails fast.
-    let auth = match &args.api_keys {
-        Some(path) => server::Auth::Keys(server::ApiKeys::load(path)?),
-        None => server::Auth::Open,
-    };
+    let auth = args.edge.auth()?;
     let file = open_model(&args.model)?;
     let tok = tokenizer::Tokenizer::from_gguf(&file)?;
     let template = tok.compile_chat_template()?;
@@ -149,10 +140,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         KvDtypeArg::F16 => kv::KvDtype::F16,
         KvDtypeArg::F32 => kv::KvDtype::F32,
     };
+    let layout = model.kv_layout(args.kv_page_tokens.max(1), kv_dtype);
     let pool_tokens = match args.kv_pool_mib {
         None => args.kv_pool_tokens,
         Some(mib) => {
-            let layout = model.kv_layout(args.kv_page_tokens.max(1), kv_dtype);
             let pages = (mib << 20) / layout.page_bytes().max(1);
             if pages == 0 {
                 bail!(
@@ -163,7 +154,6 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             pages * layout.page_tokens
         }
     };
-    let layout = model.kv_layout(args.kv_page_tokens.max(1), kv_dtype);
     let role = args.role;
     let engine = engine::start(
         model,
@@ -179,6 +169,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             },
             max_batch_tokens: args.max_batch_tokens,
             max_running: args.max_running,
+            max_waiting: args.max_waiting,
             // A decode node only runs received sequences: nothing to share between them.
             prefix_cache: !args.no_prefix_cache && role != Some(RoleArg::Decode),
             public_prefixes,
@@ -199,54 +190,46 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         };
         return crate::node::run(args, engine, identity);
     }
-    let model_name = args.served_model_name.clone().unwrap_or_else(|| {
-        args.model
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "kvwarden".to_owned())
-    });
-    let state = std::sync::Arc::new(server::AppState::new(
+    let model_name = served_model_name(&args.served_model_name, &args.model);
+    let mut state = server::AppState::new(
         Arc::new(engine.clone()),
-        std::sync::Arc::new(tok),
+        Arc::new(tok),
         template,
         model_name,
         auth,
-        args.max_body_bytes,
-    ));
-
+        args.edge.max_body_bytes,
+    );
+    args.edge.configure(&mut state)?;
+    let state = Arc::new(state);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let serving = engine.clone();
-    runtime.block_on(async move {
-        let engine = serving;
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
-            .await
-            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
-        let addr = listener.local_addr()?;
-        eprintln!(
-            "kvwarden: listening on http://{addr} (model {:?}, max context {})",
-            state.model_name,
-            engine.max_context()
-        );
-        let on_signal = {
-            let engine = engine.clone();
-            async move {
-                shutdown_signal().await;
-                eprintln!("kvwarden: shutting down");
-                // Ends every open stream with an error event so graceful shutdown does
-                // not wait on generations.
-                engine.shutdown();
-            }
-        };
-        server::serve(listener, state, on_signal)
-            .await
-            .context("serving")
-    })?;
+    let stopper = engine.clone();
+    let max_context = engine.max_context();
+    runtime.block_on(args.edge.serve(
+        state.clone(),
+        |addr| {
+            format!(
+                "listening on http://{addr} (model {:?}, max context {max_context})",
+                state.model_name
+            )
+        },
+        move || stopper.shutdown(),
+    ))?;
     engine.shutdown();
     Ok(())
+}
+
+/// The model id clients must send: the flag, else the file's name without `.gguf`.
+pub fn served_model_name(flag: &Option<String>, model: &std::path::Path) -> String {
+    flag.clone().unwrap_or_else(|| {
+        model
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "kvwarden".to_owned())
+    })
 }
 
 /// xxh3-64 of the whole model file: the identity nodes of one cluster must share.

@@ -926,12 +926,19 @@ mod tests {
     }
 
     /// Both instruction-set builds of the quantized kernels give identical bits.
+    ///
+    /// It needs a CPU with AVX-512 VNNI, which not every machine has, and a test cannot
+    /// report "skipped" at run time: so it is ignored by default, `scripts/test.sh` runs it
+    /// (`--ignored`) where the CPU has VNNI and says that it did not run where not, and run
+    /// by hand on a CPU without VNNI it fails rather than pass without checking anything.
     #[cfg(target_arch = "x86_64")]
     #[test]
+    #[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
     fn avx2_and_vnni_kernels_agree_bit_for_bit() {
-        if !has_vnni() {
-            return;
-        }
+        assert!(
+            has_vnni(),
+            "this CPU lacks AVX-512 VNNI: the VNNI kernels cannot run here, so this test checks nothing"
+        );
         let cols = 128;
         let nb = cols / QK;
         let mut s = 3u64;

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use engine::{Admission, Admitted, IsolationDomain};
-use server::{Backend, Submission};
+use server::{ApiError, Backend, Submission};
 use tonic::transport::Channel;
 use transfer::pb::{self, node_client::NodeClient};
 use transfer::{TlsIdentity, TransferMetrics};
@@ -92,6 +92,8 @@ pub(crate) struct Node {
     max_context: usize,
     /// Requests sent to this node (for /metrics).
     pub(crate) sent: AtomicU64,
+    /// Its KV pool as last polled: total, free, leased, cached pages.
+    pages: [AtomicU64; 4],
 }
 
 impl Node {
@@ -107,6 +109,17 @@ impl Node {
     pub(crate) fn mark_down(&self) {
         if self.healthy.swap(false, Ordering::Relaxed) {
             tracing::warn!("{} node {} is down", self.role.name(), self.addr);
+        }
+    }
+
+    fn record_pages(&self, info: &pb::NodeInfo) {
+        for (slot, n) in self.pages.iter().zip([
+            info.pages_total,
+            info.pages_free,
+            info.pages_leased,
+            info.pages_cached,
+        ]) {
+            slot.store(n, Ordering::Relaxed);
         }
     }
 
@@ -244,7 +257,9 @@ impl Cluster {
                     in_flight: AtomicU64::new(0),
                     max_context,
                     sent: AtomicU64::new(0),
+                    pages: Default::default(),
                 }));
+                nodes.last().map(|n: &Arc<Node>| n.record_pages(&info));
             }
         }
         let contexts: Vec<usize> = nodes.iter().map(|n| n.max_context).collect();
@@ -337,6 +352,7 @@ async fn poll(cluster: std::sync::Weak<Cluster>) {
             match info(&mut client).await {
                 Ok(info) => {
                     node.reported_load.store(info.load, Ordering::Relaxed);
+                    node.record_pages(&info);
                     if !node.healthy.swap(true, Ordering::Relaxed) {
                         tracing::info!("{} node {} is back", node.role.name(), node.addr);
                     }
@@ -382,6 +398,19 @@ impl Backend for Cluster {
         );
         let _ = writeln!(
             out,
+            "# HELP kvwarden_kv_pages KV pool pages by state, over every node (as of the last poll).\n# TYPE kvwarden_kv_pages gauge"
+        );
+        for (i, state) in ["total", "free", "leased", "cached"].iter().enumerate() {
+            let sum: u64 = self
+                .prefill
+                .iter()
+                .chain(&self.decode)
+                .map(|n| n.pages[i].load(Ordering::Relaxed))
+                .sum();
+            let _ = writeln!(out, "kvwarden_kv_pages{{state=\"{state}\"}} {sum}");
+        }
+        let _ = writeln!(
+            out,
             "# HELP kvwarden_router_node_up Whether the node answered its last poll.\n# TYPE kvwarden_router_node_up gauge"
         );
         for n in self.prefill.iter().chain(&self.decode) {
@@ -408,10 +437,13 @@ impl Backend for Cluster {
         }
     }
 
-    fn health(&self) -> Result<(), String> {
+    fn health(&self) -> Result<(), ApiError> {
         for (role, nodes) in [("prefill", &self.prefill), ("decode", &self.decode)] {
             if !nodes.iter().any(|n| n.is_healthy()) {
-                return Err(format!("no {role} node is reachable"));
+                return Err(ApiError::Engine(engine::EngineError::Remote {
+                    reason: "peer_gone".into(),
+                    message: format!("no {role} node is reachable"),
+                }));
             }
         }
         Ok(())

@@ -34,8 +34,8 @@ pub trait Backend: Send + Sync + 'static {
     /// The backend's part of `/metrics`, in Prometheus text.
     fn render_metrics(&self, out: &mut String);
 
-    /// `Err(why)` when the backend cannot serve now; `/health` answers 503 with it.
-    fn health(&self) -> Result<(), String>;
+    /// The error `/health` answers with when the backend cannot serve now.
+    fn health(&self) -> Result<(), ApiError>;
 }
 
 impl Backend for EngineHandle {
@@ -44,15 +44,20 @@ impl Backend for EngineHandle {
     }
 
     fn submit(self: Arc<Self>, admitted: Admitted) -> Submission {
-        let handle = EngineHandle::submit(&self, admitted);
-        Box::pin(std::future::ready(Ok(handle)))
+        let submitted = EngineHandle::submit(&self, admitted)
+            .map_err(|full| SubmitError::Failed(ApiError::QueueFull(full)));
+        Box::pin(std::future::ready(submitted))
     }
 
     fn render_metrics(&self, out: &mut String) {
         crate::metrics::render_engine(self, out);
     }
 
-    fn health(&self) -> Result<(), String> {
-        Ok(())
+    fn health(&self) -> Result<(), ApiError> {
+        if self.is_alive() {
+            Ok(())
+        } else {
+            Err(ApiError::EngineUnavailable)
+        }
     }
 }

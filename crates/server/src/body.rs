@@ -2,15 +2,25 @@
 //! 422 and plain text; here every failure becomes a 400 (or 413) in OpenAI's shape, naming
 //! the offending field.
 
+use std::time::Duration;
+
 use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderMap};
 use serde::de::DeserializeOwned;
 
 use crate::error::ApiError;
 
-/// Reads the whole body, refusing it once it grows past `limit` bytes.
-pub async fn read(body: Body, limit: usize) -> Result<Bytes, ApiError> {
-    axum::body::to_bytes(body, limit).await.map_err(|e| {
+/// Reads the whole body, refusing it once it grows past `limit` bytes or takes longer than
+/// `timeout` to arrive (a Content-Length larger than what is sent, or a body trickled a
+/// byte at a time, would otherwise hold the connection for ever).
+pub async fn read(body: Body, limit: usize, timeout: Duration) -> Result<Bytes, ApiError> {
+    let read = axum::body::to_bytes(body, limit);
+    let Ok(read) = tokio::time::timeout(timeout, read).await else {
+        return Err(ApiError::BodyTimeout {
+            secs: timeout.as_secs(),
+        });
+    };
+    read.map_err(|e| {
         let inner = e.into_inner();
         if inner
             .downcast_ref::<http_body_util::LengthLimitError>()

@@ -10,6 +10,7 @@
 use tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
 use crate::error::ApiError;
+use crate::prep::Cancel;
 
 /// Private-use characters: they never occur in template text, and message content never
 /// reaches the placeholder rendering, so a marker cannot be forged.
@@ -31,10 +32,30 @@ pub fn normalize_role(role: &str) -> Option<&'static str> {
     }
 }
 
+/// Refuses a conversation longer than the context could hold before any work is spent on
+/// it: every message a chat template renders costs at least one token (its turn marker),
+/// so more messages than the context has tokens can never fit. Without this, a body of
+/// 100,000 empty messages was rendered and tokenized in full before admission refused it.
+pub fn check_message_count(messages: usize, max_context: usize) -> Result<(), ApiError> {
+    if messages > max_context {
+        return Err(ApiError::invalid(
+            "context_length_exceeded",
+            Some("messages".to_owned()),
+            format!(
+                "This model's maximum context length is {max_context} tokens, and every message takes at least one; a conversation of {messages} messages cannot fit."
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The prompt tokens of a conversation. Linear in its size: two renderings and one pass
+/// over each. Stops (with [`ApiError::Abandoned`]) once `cancel` is raised.
 pub fn prompt_tokens(
     tok: &Tokenizer,
     template: &ChatTemplate,
     messages: &[ChatMessage],
+    cancel: &Cancel,
 ) -> Result<Vec<u32>, ApiError> {
     let placeholders: Vec<ChatMessage> = messages
         .iter()
@@ -42,22 +63,22 @@ pub fn prompt_tokens(
         .map(|(i, m)| ChatMessage::new(m.role.clone(), marker(i)))
         .collect();
     let skeleton = template.render(&placeholders, true)?;
+    cancel.check()?;
     let real = template.render(messages, true)?;
+    cancel.check()?;
 
     // The split is faithful only if the template copies each content verbatim; one that
     // transforms content (trims it, say) renders differently from the substituted
     // skeleton, and falls back to the check below.
-    let mut substituted = skeleton.clone();
-    for (i, m) in messages.iter().enumerate() {
-        substituted = substituted.replace(&marker(i), &m.content);
-    }
-    if substituted == real {
-        return Ok(split_encode(tok, &skeleton, messages));
+    if substitute(&skeleton, messages) == real {
+        return split_encode(tok, &skeleton, messages, cancel);
     }
 
     // Fallback: tokenize the real rendering, and accept it only if it holds exactly the
     // control tokens the template itself produced.
+    cancel.check()?;
     let tokens = tok.encode(&real);
+    cancel.check()?;
     let controls = |ids: &[u32]| -> Vec<u32> {
         ids.iter()
             .copied()
@@ -75,20 +96,58 @@ pub fn prompt_tokens(
     }
 }
 
-fn split_encode(tok: &Tokenizer, skeleton: &str, messages: &[ChatMessage]) -> Vec<u32> {
+/// The message a marker names, and the marker's length after its `OPEN`, if `after_open`
+/// (the text just after an `OPEN`) starts with one of our markers.
+fn marker_at<'m>(
+    after_open: &str,
+    messages: &'m [ChatMessage],
+) -> Option<(&'m ChatMessage, usize)> {
+    let close = after_open.find(CLOSE)?;
+    let i: usize = after_open[..close].parse().ok()?;
+    Some((messages.get(i)?, close + CLOSE.len_utf8()))
+}
+
+/// The skeleton with every marker replaced by its message's content, in one pass over it
+/// (replacing marker by marker over the whole text was quadratic in the message count).
+fn substitute(skeleton: &str, messages: &[ChatMessage]) -> String {
+    let contents: usize = messages.iter().map(|m| m.content.len()).sum();
+    let mut out = String::with_capacity(skeleton.len() + contents);
+    let mut rest = skeleton;
+    while let Some(open) = rest.find(OPEN) {
+        out.push_str(&rest[..open]);
+        let after_open = &rest[open + OPEN.len_utf8()..];
+        match marker_at(after_open, messages) {
+            Some((m, len)) => {
+                out.push_str(&m.content);
+                rest = &after_open[len..];
+            }
+            None => {
+                out.push(OPEN);
+                rest = after_open;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+fn split_encode(
+    tok: &Tokenizer,
+    skeleton: &str,
+    messages: &[ChatMessage],
+    cancel: &Cancel,
+) -> Result<Vec<u32>, ApiError> {
     let mut out = Vec::new();
     let mut rest = skeleton;
     while let Some(open) = rest.find(OPEN) {
+        cancel.check()?;
         let (literal, tail) = rest.split_at(open);
         out.extend(tok.encode(literal));
         let after_open = &tail[OPEN.len_utf8()..];
-        let parsed = after_open
-            .find(CLOSE)
-            .and_then(|close| Some((after_open[..close].parse::<usize>().ok()?, close)));
-        match parsed.and_then(|(i, close)| Some((messages.get(i)?, close))) {
-            Some((m, close)) => {
+        match marker_at(after_open, messages) {
+            Some((m, len)) => {
                 out.extend(tok.encode_ordinary(&m.content));
-                rest = &after_open[close + CLOSE.len_utf8()..];
+                rest = &after_open[len..];
             }
             None => {
                 // Not one of our markers (cannot happen: the skeleton holds no user text);
@@ -99,5 +158,5 @@ fn split_encode(tok: &Tokenizer, skeleton: &str, messages: &[ChatMessage]) -> Ve
         }
     }
     out.extend(tok.encode(rest));
-    out
+    Ok(out)
 }

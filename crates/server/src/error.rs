@@ -3,7 +3,7 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use engine::{EngineError, Rejection};
+use engine::{EngineError, QueueFull, Rejection};
 use serde_json::{json, Value};
 
 /// A failed request. Client mistakes are 4xx and never reach the engine; engine failures
@@ -38,10 +38,38 @@ pub enum ApiError {
     UnsupportedMediaType { got: Option<String> },
     #[error("{}", engine_message(.0))]
     Engine(#[from] EngineError),
+    /// The engine holds as many requests as it may; the client should retry shortly.
+    #[error("The server is at capacity ({} requests running or queued); retry shortly.", .0.limit)]
+    QueueFull(#[from] QueueFull),
+    /// The connection cap is reached; this connection is answered and closed.
+    #[error("The server has {limit} connections open, its limit; retry shortly.")]
+    TooManyConnections { limit: usize },
+    /// The request body did not arrive in time.
+    #[error("The request body did not arrive within {secs} seconds.")]
+    BodyTimeout { secs: u64 },
+    /// What the HTTP layer answers by itself when it cannot parse a request.
+    #[error("{}", http_message(*.status))]
+    Http { status: StatusCode },
+    /// The client went away while its prompt was being prepared; nobody reads this.
+    #[error("The client closed the connection before its prompt was ready.")]
+    Abandoned,
+    /// The engine thread is not running (it stopped, or died of a fault).
+    #[error("The inference engine is not running; this server cannot answer generation requests.")]
+    EngineUnavailable,
     /// A server-side fault unrelated to the request's content (a broken chat template, a
     /// token the tokenizer cannot decode).
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+fn http_message(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        408 => "The request did not arrive in time.",
+        413 => "The request is too large.",
+        414 => "The request URL is too long.",
+        431 => "The request's headers are too large.",
+        _ => "The request is not valid HTTP/1.1 (its request line, a header or its Content-Length could not be parsed).",
+    }
 }
 
 /// What a client is told about an engine failure. Never the engine error's own text: a
@@ -57,6 +85,7 @@ fn engine_message(e: &EngineError) -> &'static str {
             RemoteKind::Verification => "The prompt's KV cache failed verification between the prefill and decode nodes; the request was stopped before any token was decoded from it.",
             RemoteKind::Timeout => "A prefill or decode node did not answer in time.",
             RemoteKind::Unavailable => "A prefill or decode node is unavailable; retry later.",
+            RemoteKind::Capacity => "The nodes hold as many requests as they may; retry later.",
             RemoteKind::Isolation => "A KV-cache isolation check stopped this request before it could read memory it does not own. Nothing was read; the server logged the details.",
             RemoteKind::Model => "The model failed while processing this request; the server logged the details.",
         },
@@ -68,8 +97,10 @@ enum RemoteKind {
     /// The handoff was refused: checksum, coverage, manifest, protocol, authentication.
     Verification,
     Timeout,
-    /// Node gone, out of pages, shutting down.
+    /// Node gone or shutting down.
     Unavailable,
+    /// A node's queue is full (its `QueueFull`).
+    Capacity,
     Isolation,
     Model,
 }
@@ -77,7 +108,8 @@ enum RemoteKind {
 fn remote_kind(reason: &str) -> RemoteKind {
     match reason {
         "timeout" => RemoteKind::Timeout,
-        "peer_gone" | "capacity" | "shutdown" => RemoteKind::Unavailable,
+        "peer_gone" | "shutdown" => RemoteKind::Unavailable,
+        "capacity" => RemoteKind::Capacity,
         "isolation" => RemoteKind::Isolation,
         "model" => RemoteKind::Model,
         _ => RemoteKind::Verification,
@@ -113,19 +145,28 @@ impl ApiError {
 
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::InvalidRequest { .. } | ApiError::Rejected { .. } => StatusCode::BAD_REQUEST,
+            ApiError::InvalidRequest { .. } | ApiError::Rejected { .. } | ApiError::Abandoned => {
+                StatusCode::BAD_REQUEST
+            }
             ApiError::ModelNotFound(_) | ApiError::RouteNotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ApiError::Engine(EngineError::Shutdown) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::Remote { reason, .. }) => match remote_kind(reason) {
                 RemoteKind::Verification => StatusCode::BAD_GATEWAY,
                 RemoteKind::Timeout => StatusCode::GATEWAY_TIMEOUT,
                 RemoteKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+                RemoteKind::Capacity => StatusCode::TOO_MANY_REQUESTS,
                 RemoteKind::Isolation | RemoteKind::Model => StatusCode::INTERNAL_SERVER_ERROR,
             },
+            ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::TooManyConnections { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            ApiError::Http { status } => *status,
+            ApiError::Engine(EngineError::Shutdown) | ApiError::EngineUnavailable => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Engine(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -148,9 +189,22 @@ impl ApiError {
                 RemoteKind::Verification => "kv_handoff_failed",
                 RemoteKind::Timeout => "upstream_timeout",
                 RemoteKind::Unavailable => "service_unavailable",
+                RemoteKind::Capacity => "queue_full",
                 RemoteKind::Isolation => "isolation_check_failed",
                 RemoteKind::Model => "model_error",
             },
+            ApiError::QueueFull(_) => "queue_full",
+            ApiError::TooManyConnections { .. } => "too_many_connections",
+            ApiError::BodyTimeout { .. } => "request_timeout",
+            ApiError::Http { status } => match status.as_u16() {
+                408 => "request_timeout",
+                413 => "payload_too_large",
+                414 => "uri_too_long",
+                431 => "request_header_fields_too_large",
+                _ => "invalid_http_request",
+            },
+            ApiError::Abandoned => "client_closed_request",
+            ApiError::EngineUnavailable => "engine_unavailable",
             ApiError::Internal(_) => "internal_error",
         }
     }
@@ -176,8 +230,24 @@ impl ApiError {
         }
     }
 
+    /// Seconds after which a retry may succeed, sent as `Retry-After`.
+    pub fn retry_after(&self) -> Option<u32> {
+        match self {
+            ApiError::QueueFull(_) | ApiError::TooManyConnections { .. } => Some(1),
+            ApiError::Engine(EngineError::Remote { reason, .. })
+                if matches!(remote_kind(reason), RemoteKind::Capacity) =>
+            {
+                Some(1)
+            }
+            _ => None,
+        }
+    }
+
     pub fn error_type(&self) -> &'static str {
-        if self.status().is_client_error() {
+        if self.status() == StatusCode::TOO_MANY_REQUESTS {
+            // Not the request's fault: the same request may succeed on retry.
+            "rate_limit_error"
+        } else if self.status().is_client_error() {
             "invalid_request_error"
         } else {
             "server_error"
@@ -215,7 +285,13 @@ impl IntoResponse for ApiError {
         if status.is_server_error() {
             tracing::error!(code = self.code(), "request failed: {}", self.detail());
         }
-        (status, axum::Json(self.body())).into_response()
+        let mut response = (status, axum::Json(self.body())).into_response();
+        if let Some(secs) = self.retry_after() {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        response
     }
 }
 
@@ -388,6 +464,21 @@ mod tests {
             "roles must alternate".into(),
         ));
         assert_eq!(shape(&e).0, 400);
+    }
+
+    #[test]
+    fn a_full_queue_is_429_with_retry_after() {
+        let e = ApiError::from(QueueFull { limit: 3 });
+        assert_eq!(
+            shape(&e),
+            (429, "queue_full".into(), None, "rate_limit_error".into())
+        );
+        let r = e.into_response();
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            r.headers().get(axum::http::header::RETRY_AFTER),
+            Some(&axum::http::HeaderValue::from_static("1"))
+        );
     }
 
     #[test]

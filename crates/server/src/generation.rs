@@ -165,7 +165,6 @@ impl Generation {
         self.last_token_at = Some(now);
         self.completion_tokens += 1;
         self.cached_tokens = t.cached_prompt_tokens;
-        ServerMetrics::add(&self.metrics.generated_tokens, 1);
 
         let piece = match self.decoder.push(&self.tok, t.id) {
             Ok(p) => p,

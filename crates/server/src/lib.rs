@@ -1,8 +1,10 @@
 //! The OpenAI-compatible HTTP API over the engine.
 //!
-//! Requests go through one pipeline: authenticate (the tenant decides the isolation
-//! domain), read the body under a size limit, decode and validate, build prompt tokens,
-//! then the engine's admission. Anything refused on the way is a 4xx in OpenAI's error
+//! Connections pass the connection layer first ([`conn`]: a cap on open connections, header,
+//! body and send timeouts). Requests then go through one pipeline: authenticate (the tenant
+//! decides the isolation domain), read the JSON body under a size limit and a deadline,
+//! decode and validate, build prompt tokens on a bounded pool ([`prep`]), then the engine's
+//! admission and its bounded queue. Anything refused on the way is a 4xx in OpenAI's error
 //! shape and never reaches the engine; failures after admission are 5xx responses or one
 //! SSE error event, never a 200.
 
@@ -14,23 +16,40 @@ pub mod auth;
 pub mod backend;
 pub mod body;
 pub mod chat_prompt;
+pub mod conn;
 pub mod error;
 pub mod format;
 pub mod generation;
 pub mod metrics;
+pub mod prep;
 pub mod request;
 mod routes;
 pub mod stop;
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokenizer::{ChatTemplate, Tokenizer};
 
 pub use auth::{ApiKeys, Auth, KeysError};
 pub use backend::{Backend, Submission, SubmitError};
+pub use conn::ConnectionLimits;
 pub use error::ApiError;
-pub use routes::router;
+pub use routes::{metrics_router, router};
+
+/// Where `/metrics` is served. Its totals describe every tenant's traffic, so the operator
+/// decides who may read them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MetricsAccess {
+    /// On the API listener, behind the API keys like every other endpoint: any tenant's
+    /// key reads the totals (open when no key file is configured: one tenant).
+    #[default]
+    ApiKeys,
+    /// Only on a listener of its own ([`serve_metrics`]), e.g. an address that only the
+    /// operator's scraper can reach; the API listener answers 404.
+    OwnListener,
+}
 
 /// Everything the handlers share.
 pub struct AppState {
@@ -44,9 +63,16 @@ pub struct AppState {
     pub metrics: Arc<metrics::ServerMetrics>,
     /// When the server started (the `created` of `/v1/models`).
     pub created: u64,
+    /// The longest a request body may take to arrive (408 beyond).
+    pub body_timeout: Duration,
+    /// Connection cap and timeouts of the HTTP layer ([`conn`]).
+    pub connection_limits: ConnectionLimits,
+    pub metrics_access: MetricsAccess,
     /// Keys the hash that turns engine request numbers into response ids, so an id tells a
     /// tenant nothing about how many requests others sent.
     id_keys: std::collections::hash_map::RandomState,
+    /// The bounded pool that prepares prompts (templates, tokenization).
+    pub prompt_workers: prep::PromptWorkers,
 }
 
 impl AppState {
@@ -67,6 +93,10 @@ impl AppState {
             max_body_bytes,
             metrics: Arc::default(),
             id_keys: std::collections::hash_map::RandomState::new(),
+            prompt_workers: prep::PromptWorkers::per_core(),
+            body_timeout: Duration::from_secs(30),
+            connection_limits: ConnectionLimits::default(),
+            metrics_access: MetricsAccess::default(),
             created: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())
@@ -84,14 +114,23 @@ impl AppState {
     }
 }
 
-/// Serves until `shutdown` resolves, then stops accepting connections and waits for the
-/// open ones to finish.
+/// Serves the API until `shutdown` resolves, then stops accepting connections and waits for
+/// the open ones to finish, under the connection limits of `state` ([`conn`]).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+    let limits = state.connection_limits.clone();
+    conn::serve_router(listener, router(state), limits, shutdown).await
+}
+
+/// Serves `/metrics` alone (for [`MetricsAccess::OwnListener`]), under the same limits.
+pub async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let limits = state.connection_limits.clone();
+    conn::serve_router(listener, metrics_router(state), limits, shutdown).await
 }

@@ -111,8 +111,6 @@ impl Histogram {
 pub struct ServerMetrics {
     outcomes: [AtomicU64; 5],
     rejections: Mutex<BTreeMap<&'static str, u64>>,
-    pub prompt_tokens: AtomicU64,
-    pub generated_tokens: AtomicU64,
     pub ttft: Histogram,
     pub itl: Histogram,
 }
@@ -122,8 +120,6 @@ impl Default for ServerMetrics {
         Self {
             outcomes: Default::default(),
             rejections: Mutex::default(),
-            prompt_tokens: AtomicU64::new(0),
-            generated_tokens: AtomicU64::new(0),
             ttft: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
         }
@@ -145,10 +141,6 @@ impl ServerMetrics {
         *map.entry(code).or_insert(0) += 1;
     }
 
-    pub fn add(counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Ordering::Relaxed);
-    }
-
     pub fn render(&self, backend: &dyn crate::Backend) -> String {
         let mut out = String::with_capacity(4096);
         let counter = |out: &mut String, name: &str, help: &str, ty: &str| {
@@ -158,7 +150,7 @@ impl ServerMetrics {
         counter(
             &mut out,
             "kvwarden_requests_total",
-            "Generation requests by how they ended.",
+            "Generation requests by how their client saw them end (the only count of requests).",
             "counter",
         );
         for (o, c) in Outcome::ALL.iter().zip(&self.outcomes) {
@@ -181,28 +173,6 @@ impl ServerMetrics {
                 let _ = writeln!(out, "kvwarden_rejections_total{{reason=\"{code}\"}} {n}");
             }
         }
-        counter(
-            &mut out,
-            "kvwarden_prompt_tokens_total",
-            "Prompt tokens of admitted requests.",
-            "counter",
-        );
-        let _ = writeln!(
-            out,
-            "kvwarden_prompt_tokens_total {}",
-            self.prompt_tokens.load(Ordering::Relaxed)
-        );
-        counter(
-            &mut out,
-            "kvwarden_generation_tokens_total",
-            "Tokens generated.",
-            "counter",
-        );
-        let _ = writeln!(
-            out,
-            "kvwarden_generation_tokens_total {}",
-            self.generated_tokens.load(Ordering::Relaxed)
-        );
         self.ttft.render(
             &mut out,
             "kvwarden_time_to_first_token_seconds",
@@ -251,22 +221,26 @@ pub fn render_engine(engine: &EngineHandle, out: &mut String) {
         );
         counter(
             out,
-            "kvwarden_engine_requests_total",
-            "Requests as the engine ended them.",
+            "kvwarden_prompt_tokens_total",
+            "Prompt tokens of requests the engine started (once per request).",
             "counter",
         );
-        for (label, c) in [
-            ("stop", &m.finished_stop),
-            ("length", &m.finished_length),
-            ("failed", &m.failed),
-            ("cancelled", &m.cancelled),
-        ] {
-            let _ = writeln!(
-                out,
-                "kvwarden_engine_requests_total{{outcome=\"{label}\"}} {}",
-                get(c)
-            );
-        }
+        let _ = writeln!(
+            out,
+            "kvwarden_prompt_tokens_total {}",
+            get(&m.prompt_tokens)
+        );
+        counter(
+            out,
+            "kvwarden_generation_tokens_total",
+            "Tokens the engine generated, including any dropped after a stop string.",
+            "counter",
+        );
+        let _ = writeln!(
+            out,
+            "kvwarden_generation_tokens_total {}",
+            get(&m.generated_tokens)
+        );
         counter(
             out,
             "kvwarden_cached_prompt_tokens_total",

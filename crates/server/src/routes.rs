@@ -20,14 +20,26 @@ use crate::error::ApiError;
 use crate::format::{Api, ResponseMeta};
 use crate::generation::{Chunk, Generation, Step};
 use crate::request::{ChatRequest, CompletionRequest, PromptInput, Settings};
-use crate::{body, chat_prompt, AppState};
+use crate::{body, chat_prompt, AppState, MetricsAccess};
 
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let api = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
-        .route("/health", get(health))
+        .route("/health", get(health));
+    let api = match state.metrics_access {
+        MetricsAccess::ApiKeys => api.route("/metrics", get(metrics_behind_keys)),
+        MetricsAccess::OwnListener => api,
+    };
+    api.fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+/// `/metrics` alone, for a listener of its own.
+pub fn metrics_router(state: Arc<AppState>) -> Router {
+    Router::new()
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -92,16 +104,6 @@ fn domain_for(tenant: IsolationDomain, settings: &Settings) -> IsolationDomain {
     }
 }
 
-/// Runs CPU-heavy prompt work (templating, BPE over up to the body limit) off the async
-/// workers.
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
-) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ApiError::Internal(format!("prompt worker failed: {e}")))?
-}
-
 async fn start_completion(
     app: &Arc<AppState>,
     headers: &HeaderMap,
@@ -109,7 +111,7 @@ async fn start_completion(
 ) -> Result<Started, ApiError> {
     let tenant = app.auth.authenticate(headers)?;
     body::require_json(headers)?;
-    let bytes = body::read(body, app.max_body_bytes).await?;
+    let bytes = body::read(body, app.max_body_bytes, app.body_timeout).await?;
     let req: CompletionRequest = body::decode(&bytes)?;
     check_model(app, &req.model)?;
     let (settings, logprobs) = req.validate()?;
@@ -120,7 +122,9 @@ async fn start_completion(
             let text = s.to_owned();
             // The whole prompt is the client's own: control-token text is parsed, so
             // clients can format their own turns.
-            blocking(move || Ok(tok.encode(&text))).await?
+            app.prompt_workers
+                .run(move |_| Ok(tok.encode(&text)))
+                .await?
         }
     };
     start(
@@ -142,7 +146,7 @@ async fn start_chat(
 ) -> Result<Started, ApiError> {
     let tenant = app.auth.authenticate(headers)?;
     body::require_json(headers)?;
-    let bytes = body::read(body, app.max_body_bytes).await?;
+    let bytes = body::read(body, app.max_body_bytes, app.body_timeout).await?;
     let req: ChatRequest = body::decode(&bytes)?;
     check_model(app, &req.model)?;
     let (settings, logprobs) = req.validate()?;
@@ -153,6 +157,7 @@ async fn start_chat(
             "'messages' must contain at least one message.",
         ));
     }
+    chat_prompt::check_message_count(req.messages.len(), app.backend.admission().max_context())?;
     let mut messages = Vec::with_capacity(req.messages.len());
     for (i, m) in req.messages.iter().enumerate() {
         let role = chat_prompt::normalize_role(&m.role).ok_or_else(|| {
@@ -175,7 +180,10 @@ async fn start_chat(
         ));
     };
     let tok = app.tokenizer.clone();
-    let prompt = blocking(move || chat_prompt::prompt_tokens(&tok, &template, &messages)).await?;
+    let prompt = app
+        .prompt_workers
+        .run(move |cancel| chat_prompt::prompt_tokens(&tok, &template, &messages, cancel))
+        .await?;
     start(
         app,
         tenant,
@@ -234,7 +242,6 @@ async fn start(
             rejection,
             input_param,
         })?;
-    crate::metrics::ServerMetrics::add(&app.metrics.prompt_tokens, prompt_tokens as u64);
     let admitted_at = Instant::now();
     // A client that leaves while a cluster places its request was still cancelled: once
     // the future resolves, the generation (or the refusal) records the outcome instead.
@@ -393,15 +400,21 @@ async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Respons
     .into_response()
 }
 
+/// 200 while the backend can serve (the engine thread runs; a cluster has a reachable node
+/// of each role); 503 otherwise, since no generation request could then succeed.
 async fn health(State(app): State<Arc<AppState>>) -> Response {
     match app.backend.health() {
         Ok(()) => Json(json!({ "status": "ok" })).into_response(),
-        Err(why) => (
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({ "status": "unavailable", "reason": why })),
-        )
-            .into_response(),
+        Err(e) => e.into_response(),
     }
+}
+
+/// The totals describe every tenant's traffic: on the API listener they need an API key.
+async fn metrics_behind_keys(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = app.auth.authenticate(&headers) {
+        return e.into_response();
+    }
+    metrics(State(app)).await
 }
 
 async fn metrics(State(app): State<Arc<AppState>>) -> Response {

@@ -10,7 +10,9 @@ pub mod node;
 pub mod tls;
 pub mod wire;
 
-/// The generated protobuf messages and gRPC stubs (`proto/node.proto`).
+/// The generated protobuf messages and gRPC stubs (`proto/node.proto`, compiled by
+/// `build.rs` with tonic_prost_build and protoc_bin_vendored); the generated code derives
+/// `prost::Message` and encodes with `tonic_prost::ProstCodec`.
 #[allow(clippy::all, clippy::pedantic, missing_docs)]
 pub mod pb {
     tonic::include_proto!("kvwarden.node.v1");

@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use engine::handoff::{HandoffError, ImportReservation, Manifest, Ticket, VerifiedImport};
+use engine::handoff::{
+    HandoffError, ImportReservation, Manifest, ReserveError, Ticket, VerifiedImport,
+};
 use engine::{EngineHandle, Event};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
@@ -237,6 +239,7 @@ impl Node for Arc<NodeService> {
         let id = &self.identity;
         let m = self.engine.metrics();
         let load = engine::EngineMetrics::get(&m.running) + engine::EngineMetrics::get(&m.waiting);
+        let pages = self.engine.pool_counts();
         Ok(Response::new(pb::NodeInfo {
             role: match id.role {
                 Role::Prefill => pb::Role::Prefill,
@@ -252,6 +255,10 @@ impl Node for Arc<NodeService> {
             kv_dim: id.kv_dim as u32,
             kv_dtype_bytes: id.kv_dtype_bytes as u32,
             load,
+            pages_total: pages.total as u64,
+            pages_free: pages.free as u64,
+            pages_leased: pages.leased as u64,
+            pages_cached: pages.cached as u64,
         }))
     }
 
@@ -309,7 +316,15 @@ impl Node for Arc<NodeService> {
         };
         // Dropping this call (the router gave up) drops the handle, which cancels the
         // request in the engine.
-        let mut handle = self.engine.submit_prefill(admitted);
+        let mut handle = match self.engine.submit_prefill(admitted) {
+            Ok(h) => h,
+            Err(full) => {
+                self.metrics.failure("capacity");
+                return Ok(Response::new(pb::PrefillReply {
+                    outcome: Some(Outcome::Failed(wire::failure("capacity", full.to_string()))),
+                }));
+            }
+        };
         let output = match handle.events.recv().await {
             Some(Event::Prefilled(out)) => out,
             Some(Event::Failed(e)) => {
@@ -510,7 +525,12 @@ impl NodeService {
         };
         let reservation = match reservation {
             Ok(r) => r,
-            Err(e) => {
+            Err(ReserveError::Full(full)) => {
+                self.metrics.failure("capacity");
+                let _ = tx.send(fail("capacity", full.to_string())).await;
+                return;
+            }
+            Err(ReserveError::Engine(e)) => {
                 let f = wire::failure_from_engine(&e);
                 self.metrics.failure(&f.reason);
                 let _ = tx.send(event(E::Failed(f))).await;
@@ -561,7 +581,14 @@ impl NodeService {
                 return;
             }
         };
-        let mut handle = self.engine.submit_import(import);
+        let mut handle = match self.engine.submit_import(import) {
+            Ok(h) => h,
+            Err(full) => {
+                self.metrics.failure("capacity");
+                let _ = tx.send(fail("capacity", full.to_string())).await;
+                return;
+            }
+        };
         loop {
             let ev = tokio::select! {
                 ev = handle.events.recv() => ev,

@@ -115,7 +115,9 @@ fn request(tenant: &str, len: usize, max_tokens: usize) -> GenerateRequest {
 }
 
 async fn collect_local(engine: &EngineHandle, req: GenerateRequest) -> Vec<u32> {
-    let mut h = engine.submit(engine.admission().admit(req).unwrap());
+    let mut h = engine
+        .submit(engine.admission().admit(req).unwrap())
+        .unwrap();
     let mut out = Vec::new();
     loop {
         match h.events.recv().await {
@@ -253,7 +255,9 @@ async fn every_injected_corruption_is_refused_with_its_own_reason() {
     let dec = start_node(Role::Decode, &ca, Deadlines::default()).await;
     let local_prefill = engine(false);
     let req = request("alice", 40, 4);
-    let mut h = local_prefill.submit_prefill(local_prefill.admission().admit(req.clone()).unwrap());
+    let mut h = local_prefill
+        .submit_prefill(local_prefill.admission().admit(req.clone()).unwrap())
+        .unwrap();
     let output = match h.events.recv().await {
         Some(Event::Prefilled(out)) => *out,
         other => panic!("{other:?}"),
@@ -325,7 +329,9 @@ async fn a_push_to_an_unknown_ticket_is_refused() {
     let dec = start_node(Role::Decode, &ca, Deadlines::default()).await;
     let local_prefill = engine(false);
     let req = request("alice", 20, 2);
-    let mut h = local_prefill.submit_prefill(local_prefill.admission().admit(req.clone()).unwrap());
+    let mut h = local_prefill
+        .submit_prefill(local_prefill.admission().admit(req.clone()).unwrap())
+        .unwrap();
     let Some(Event::Prefilled(output)) = h.events.recv().await else {
         panic!("no prefill");
     };

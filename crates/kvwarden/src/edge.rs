@@ -1,0 +1,135 @@
+//! The public OpenAI API's listener, shared by `serve` and `router`: authentication, body
+//! and connection limits, and where `/metrics` is served.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+
+use crate::shutdown_signal;
+
+#[derive(clap::Args)]
+pub struct EdgeArgs {
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// 0 picks a free port (the address is printed when ready).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// File of `KEY TENANT` lines: requests must carry `Authorization: Bearer KEY`, and
+    /// each tenant is its own isolation domain. Without it: one tenant, no authentication.
+    #[arg(long)]
+    pub api_keys: Option<PathBuf>,
+    #[arg(long, default_value_t = 4 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Open connections at most; one more is answered 503 (with Retry-After) and closed.
+    /// Must fit under the open-file limit (`ulimit -n`) with room to spare.
+    #[arg(long, default_value_t = 256)]
+    pub max_connections: usize,
+    /// Seconds a connection may take to send a request's headers, counted from when it
+    /// opens or its previous response ends (so also the idle limit of keep-alive).
+    #[arg(long, default_value_t = 10)]
+    pub header_timeout: u64,
+    /// Seconds a request body may take to arrive (408 beyond).
+    #[arg(long, default_value_t = 30)]
+    pub body_timeout: u64,
+    /// Seconds a response may wait on a client that does not read it before the
+    /// connection (and its generation) is dropped.
+    #[arg(long, default_value_t = 30)]
+    pub send_timeout: u64,
+    /// Serve /metrics only here (HOST:PORT, e.g. an address only the operator's scraper
+    /// reaches) instead of on the API address, where it needs an API key when
+    /// --api-keys is given: its totals describe every tenant's traffic.
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
+}
+
+impl EdgeArgs {
+    /// Checked before the model loads, so a bad key file fails fast.
+    pub fn auth(&self) -> Result<server::Auth> {
+        Ok(match &self.api_keys {
+            Some(path) => server::Auth::Keys(server::ApiKeys::load(path)?),
+            None => server::Auth::Open,
+        })
+    }
+
+    /// Applies the connection limits to the state; refuses limits the process cannot keep.
+    pub fn configure(&self, state: &mut server::AppState) -> Result<()> {
+        if self.max_connections == 0 || self.header_timeout == 0 || self.body_timeout == 0 {
+            bail!("--max-connections, --header-timeout and --body-timeout must be positive");
+        }
+        // Past the descriptor limit, accept fails and even /health hangs: the cap must keep
+        // clear of it (listeners, the runtime and the model file need a few too).
+        if let Some(limit) = server::conn::open_files_limit() {
+            let needed = self.max_connections as u64 + server::conn::RESERVED_DESCRIPTORS;
+            if needed > limit {
+                bail!(
+                    "--max-connections {} needs about {needed} open files, but the limit is {limit}: lower --max-connections or raise `ulimit -n`",
+                    self.max_connections
+                );
+            }
+        }
+        state.body_timeout = std::time::Duration::from_secs(self.body_timeout);
+        state.connection_limits = server::ConnectionLimits {
+            max_connections: self.max_connections,
+            header_timeout: std::time::Duration::from_secs(self.header_timeout),
+            send_timeout: std::time::Duration::from_secs(self.send_timeout.max(1)),
+            ..server::ConnectionLimits::default()
+        };
+        if self.metrics_listen.is_some() {
+            state.metrics_access = server::MetricsAccess::OwnListener;
+        }
+        Ok(())
+    }
+
+    /// Serves the API until SIGINT/SIGTERM; `on_shutdown` runs first (it ends open streams
+    /// with an error event, so the graceful shutdown does not wait on generations).
+    pub async fn serve(
+        &self,
+        state: Arc<server::AppState>,
+        banner: impl FnOnce(std::net::SocketAddr) -> String,
+        on_shutdown: impl FnOnce() + Send + 'static,
+    ) -> Result<()> {
+        let listener = tokio::net::TcpListener::bind((self.host.as_str(), self.port))
+            .await
+            .with_context(|| format!("binding {}:{}", self.host, self.port))?;
+        eprintln!("kvwarden: {}", banner(listener.local_addr()?));
+        let (stopping, stopped) = tokio::sync::watch::channel(false);
+        let metrics = match &self.metrics_listen {
+            None => None,
+            Some(at) => {
+                let listener = tokio::net::TcpListener::bind(at.as_str())
+                    .await
+                    .with_context(|| format!("binding --metrics-listen {at}"))?;
+                eprintln!(
+                    "kvwarden: metrics on http://{}/metrics",
+                    listener.local_addr()?
+                );
+                let mut stopped = stopped.clone();
+                let shutdown = async move {
+                    let _ = stopped.changed().await;
+                };
+                Some(tokio::spawn(server::serve_metrics(
+                    listener,
+                    state.clone(),
+                    shutdown,
+                )))
+            }
+        };
+        let on_signal = async move {
+            shutdown_signal().await;
+            eprintln!("kvwarden: shutting down");
+            on_shutdown();
+            let _ = stopping.send(true);
+        };
+        server::serve(listener, state, on_signal)
+            .await
+            .context("serving")?;
+        if let Some(metrics) = metrics {
+            metrics
+                .await
+                .context("metrics listener")?
+                .context("serving metrics")?;
+        }
+        Ok(())
+    }
+}
