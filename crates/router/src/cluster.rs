@@ -248,7 +248,7 @@ impl Cluster {
                         });
                     }
                 }
-                nodes.push(Arc::new(Node {
+                let node = Arc::new(Node {
                     addr: addr.clone(),
                     role,
                     client,
@@ -258,8 +258,9 @@ impl Cluster {
                     max_context,
                     sent: AtomicU64::new(0),
                     pages: Default::default(),
-                }));
-                nodes.last().map(|n: &Arc<Node>| n.record_pages(&info));
+                });
+                node.record_pages(&info);
+                nodes.push(node);
             }
         }
         let contexts: Vec<usize> = nodes.iter().map(|n| n.max_context).collect();
