@@ -218,6 +218,13 @@ impl MetaValue {
         }
     }
 
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            Self::Bool(v) => Some(v),
+            _ => None,
+        }
+    }
+
     pub fn as_str(&self) -> Option<&str> {
         match self {
             Self::String(s) => Some(s),
