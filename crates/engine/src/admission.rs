@@ -71,6 +71,23 @@ impl Admission {
         }
     }
 
+    /// A router's limits: at most the smallest context its nodes advertise (each of which
+    /// its own pool holds), so no admitted request is sent where it cannot be held. Every
+    /// node admits the request again against its own pool; this refuses early, it does
+    /// not grant anything on a node.
+    pub fn narrowest_of_nodes(
+        node_contexts: &[usize],
+        max_context: Option<usize>,
+        vocab_size: usize,
+    ) -> Option<Self> {
+        let smallest = node_contexts.iter().copied().min()?;
+        let max_context = max_context.unwrap_or(smallest);
+        (max_context <= smallest).then_some(Self {
+            max_context,
+            vocab_size,
+        })
+    }
+
     /// The advertised context: prompt plus completion never exceed it.
     pub fn max_context(&self) -> usize {
         self.max_context

@@ -94,6 +94,10 @@ pub enum EngineError {
     Model(String),
     #[error("the engine is shutting down")]
     Shutdown,
+    /// Disaggregated mode: a node, the link to it, or the K/V handoff failed. `reason` is
+    /// the failure's label (checksum, coverage, manifest, timeout, peer_gone, ...).
+    #[error("{reason}: {message}")]
+    Remote { reason: String, message: String },
 }
 
 /// Counters the server exposes on `/metrics`. Monotonic unless named otherwise.

@@ -11,6 +11,12 @@ use clap::{Parser, Subcommand};
 use engine::{EngineConfig, Event, GenerateRequest, IsolationDomain, SamplingParams};
 use gguf::GgmlType;
 
+mod node;
+mod router_cmd;
+mod serve;
+
+use serve::ServeArgs;
+
 const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 #[derive(Parser)]
@@ -40,72 +46,19 @@ enum Command {
     Generate(GenerateArgs),
     /// Write a synthetic llama GGUF model with deterministic random weights.
     SynthModel(SynthArgs),
-    /// Serve the OpenAI-compatible HTTP API.
+    /// Serve the OpenAI-compatible HTTP API, or one role of the disaggregated mode.
     Serve(ServeArgs),
-}
-
-#[derive(clap::Args)]
-struct ServeArgs {
-    #[arg(long, default_value = DEFAULT_MODEL)]
-    model: PathBuf,
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
-    /// 0 picks a free port (the address is printed when ready).
-    #[arg(long, default_value_t = 8000)]
-    port: u16,
-    /// The model id clients must send (default: the model file's name without .gguf).
-    #[arg(long)]
-    served_model_name: Option<String>,
-    /// Advertised context window (default: the smaller of the model's and the pool's).
-    /// Refused at startup when the KV pool cannot hold one request of this length.
-    #[arg(long)]
-    max_context: Option<usize>,
-    /// KV pool size in tokens, allocated at start.
-    #[arg(long, default_value_t = 16_384, conflicts_with = "kv_pool_mib")]
-    kv_pool_tokens: usize,
-    /// KV pool size as a memory budget in MiB instead of tokens (whole pages that fit).
-    #[arg(long)]
-    kv_pool_mib: Option<usize>,
-    #[arg(long, default_value_t = 16)]
-    kv_page_tokens: usize,
-    #[arg(long, value_enum, default_value_t = KvDtypeArg::F16)]
-    kv_dtype: KvDtypeArg,
-    /// What a KV page holds after its lease ends.
-    #[arg(long, value_enum, default_value_t = ScrubArg::Zero)]
-    kv_scrub: ScrubArg,
-    /// Tokens per forward pass (decode rows plus prefill chunks).
-    #[arg(long, default_value_t = 512)]
-    max_batch_tokens: usize,
-    /// Requests holding KV pages at once; more wait in the queue.
-    #[arg(long, default_value_t = 32)]
-    max_running: usize,
-    /// File of `KEY TENANT` lines: requests must carry `Authorization: Bearer KEY`, and
-    /// each tenant is its own isolation domain. Without it: one tenant, no authentication.
-    #[arg(long)]
-    api_keys: Option<PathBuf>,
-    #[arg(long, default_value_t = 4 * 1024 * 1024)]
-    max_body_bytes: usize,
-    /// Do not reuse prompt K/V between requests (by default reuse stays within a tenant).
-    #[arg(long)]
-    no_prefix_cache: bool,
-    /// JSON file with a list of prompt texts (e.g. a common system prompt, rendered as the
-    /// model sees it) that the operator declares public: their cached pages may be shared
-    /// across tenants. Everything else is shared only within one tenant.
-    #[arg(long)]
-    public_prefixes: Option<PathBuf>,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum KvDtypeArg {
-    F16,
-    F32,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum ScrubArg {
-    Zero,
-    Poison,
-    None,
+    /// Serve the OpenAI-compatible HTTP API in front of prefill and decode nodes.
+    Router(router_cmd::RouterArgs),
+    /// Write a throwaway cluster CA and one certificate per name (router and nodes).
+    Certs {
+        /// Directory for ca.pem and NAME.pem / NAME.key.
+        #[arg(long)]
+        out: PathBuf,
+        /// One identity per name.
+        #[arg(long = "name", required = true, num_args = 1..)]
+        names: Vec<String>,
+    },
 }
 
 #[derive(clap::Args)]
@@ -192,7 +145,14 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Generate(args) => generate(args),
         Command::SynthModel(args) => synth(args),
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve::serve(args),
+        Command::Router(args) => router_cmd::run(args),
+        Command::Certs { out, names } => {
+            for path in transfer::certs::write_cluster(&out, &names)? {
+                eprintln!("wrote {}", path.display());
+            }
+            Ok(())
+        }
     }
 }
 
@@ -268,116 +228,6 @@ fn generate(args: GenerateArgs) -> Result<()> {
     } else {
         println!();
     }
-    engine.shutdown();
-    Ok(())
-}
-
-fn serve(args: ServeArgs) -> Result<()> {
-    // Checked before the model loads, so a bad key file fails fast.
-    let auth = match &args.api_keys {
-        Some(path) => server::Auth::Keys(server::ApiKeys::load(path)?),
-        None => server::Auth::Open,
-    };
-    let file = open_model(&args.model)?;
-    let tok = tokenizer::Tokenizer::from_gguf(&file)?;
-    let template = tok.compile_chat_template()?;
-    let public_prefixes = match &args.public_prefixes {
-        None => Vec::new(),
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            let texts: Vec<String> = serde_json::from_str(&text)
-                .with_context(|| format!("{}: expected a JSON list of strings", path.display()))?;
-            texts
-                .iter()
-                .map(|t| tok.encode(t))
-                .filter(|t| !t.is_empty())
-                .collect()
-        }
-    };
-    let model = model::Model::load(&file)?;
-    drop(file);
-    let kv_dtype = match args.kv_dtype {
-        KvDtypeArg::F16 => kv::KvDtype::F16,
-        KvDtypeArg::F32 => kv::KvDtype::F32,
-    };
-    let pool_tokens = match args.kv_pool_mib {
-        None => args.kv_pool_tokens,
-        Some(mib) => {
-            let layout = model.kv_layout(args.kv_page_tokens.max(1), kv_dtype);
-            let pages = (mib << 20) / layout.page_bytes().max(1);
-            if pages == 0 {
-                bail!(
-                    "--kv-pool-mib {mib} holds no page of {} bytes",
-                    layout.page_bytes()
-                );
-            }
-            pages * layout.page_tokens
-        }
-    };
-    let engine = engine::start(
-        model,
-        EngineConfig {
-            max_context: args.max_context,
-            pool_tokens,
-            page_tokens: args.kv_page_tokens,
-            kv_dtype,
-            scrub: match args.kv_scrub {
-                ScrubArg::Zero => kv::ScrubPolicy::Zero,
-                ScrubArg::Poison => kv::ScrubPolicy::Poison,
-                ScrubArg::None => kv::ScrubPolicy::None,
-            },
-            max_batch_tokens: args.max_batch_tokens,
-            max_running: args.max_running,
-            prefix_cache: !args.no_prefix_cache,
-            public_prefixes,
-        },
-    )?;
-    let model_name = args.served_model_name.clone().unwrap_or_else(|| {
-        args.model
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "kvwarden".to_owned())
-    });
-    let state = std::sync::Arc::new(server::AppState::new(
-        engine,
-        std::sync::Arc::new(tok),
-        template,
-        model_name,
-        auth,
-        args.max_body_bytes,
-    ));
-
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    let engine = state.engine.clone();
-    runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
-            .await
-            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
-        let addr = listener.local_addr()?;
-        eprintln!(
-            "kvwarden: listening on http://{addr} (model {:?}, max context {})",
-            state.model_name,
-            state.engine.max_context()
-        );
-        let on_signal = {
-            let engine = state.engine.clone();
-            async move {
-                shutdown_signal().await;
-                eprintln!("kvwarden: shutting down");
-                // Ends every open stream with an error event so graceful shutdown does
-                // not wait on generations.
-                engine.shutdown();
-            }
-        };
-        server::serve(listener, state, on_signal)
-            .await
-            .context("serving")
-    })?;
     engine.shutdown();
     Ok(())
 }

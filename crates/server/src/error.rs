@@ -53,6 +53,34 @@ fn engine_message(e: &EngineError) -> &'static str {
         EngineError::Isolation(_) => "A KV-cache isolation check stopped this request before it could read memory it does not own. Nothing was read; the server logged the details.",
         EngineError::Model(_) => "The model failed while processing this request; the server logged the details.",
         EngineError::Shutdown => "The engine is shutting down; retry later.",
+        EngineError::Remote { reason, .. } => match remote_kind(reason) {
+            RemoteKind::Verification => "The prompt's KV cache failed verification between the prefill and decode nodes; the request was stopped before any token was decoded from it.",
+            RemoteKind::Timeout => "A prefill or decode node did not answer in time.",
+            RemoteKind::Unavailable => "A prefill or decode node is unavailable; retry later.",
+            RemoteKind::Isolation => "A KV-cache isolation check stopped this request before it could read memory it does not own. Nothing was read; the server logged the details.",
+            RemoteKind::Model => "The model failed while processing this request; the server logged the details.",
+        },
+    }
+}
+
+/// How a failure on another node reaches the client.
+enum RemoteKind {
+    /// The handoff was refused: checksum, coverage, manifest, protocol, authentication.
+    Verification,
+    Timeout,
+    /// Node gone, out of pages, shutting down.
+    Unavailable,
+    Isolation,
+    Model,
+}
+
+fn remote_kind(reason: &str) -> RemoteKind {
+    match reason {
+        "timeout" => RemoteKind::Timeout,
+        "peer_gone" | "capacity" | "shutdown" => RemoteKind::Unavailable,
+        "isolation" => RemoteKind::Isolation,
+        "model" => RemoteKind::Model,
+        _ => RemoteKind::Verification,
     }
 }
 
@@ -92,6 +120,12 @@ impl ApiError {
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Engine(EngineError::Shutdown) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Engine(EngineError::Remote { reason, .. }) => match remote_kind(reason) {
+                RemoteKind::Verification => StatusCode::BAD_GATEWAY,
+                RemoteKind::Timeout => StatusCode::GATEWAY_TIMEOUT,
+                RemoteKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+                RemoteKind::Isolation | RemoteKind::Model => StatusCode::INTERNAL_SERVER_ERROR,
+            },
             ApiError::Engine(_) | ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -110,6 +144,13 @@ impl ApiError {
             ApiError::Engine(EngineError::Isolation(_)) => "isolation_check_failed",
             ApiError::Engine(EngineError::Model(_)) => "model_error",
             ApiError::Engine(EngineError::Shutdown) => "service_unavailable",
+            ApiError::Engine(EngineError::Remote { reason, .. }) => match remote_kind(reason) {
+                RemoteKind::Verification => "kv_handoff_failed",
+                RemoteKind::Timeout => "upstream_timeout",
+                RemoteKind::Unavailable => "service_unavailable",
+                RemoteKind::Isolation => "isolation_check_failed",
+                RemoteKind::Model => "model_error",
+            },
             ApiError::Internal(_) => "internal_error",
         }
     }

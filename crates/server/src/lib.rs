@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 
 pub mod auth;
+pub mod backend;
 pub mod body;
 pub mod chat_prompt;
 pub mod error;
@@ -24,16 +25,16 @@ pub mod stop;
 use std::future::Future;
 use std::sync::Arc;
 
-use engine::EngineHandle;
 use tokenizer::{ChatTemplate, Tokenizer};
 
 pub use auth::{ApiKeys, Auth, KeysError};
+pub use backend::{Backend, Submission, SubmitError};
 pub use error::ApiError;
 pub use routes::router;
 
 /// Everything the handlers share.
 pub struct AppState {
-    pub engine: EngineHandle,
+    pub backend: Arc<dyn Backend>,
     pub tokenizer: Arc<Tokenizer>,
     /// `None` when the model has no chat template: chat requests are then refused.
     pub template: Option<Arc<ChatTemplate>>,
@@ -50,7 +51,7 @@ pub struct AppState {
 
 impl AppState {
     pub fn new(
-        engine: EngineHandle,
+        backend: Arc<dyn Backend>,
         tokenizer: Arc<Tokenizer>,
         template: Option<ChatTemplate>,
         model_name: String,
@@ -58,7 +59,7 @@ impl AppState {
         max_body_bytes: usize,
     ) -> Self {
         Self {
-            engine,
+            backend,
             tokenizer,
             template: template.map(Arc::new),
             model_name,

@@ -149,7 +149,7 @@ impl ServerMetrics {
         counter.fetch_add(n, Ordering::Relaxed);
     }
 
-    pub fn render(&self, engine: &EngineHandle) -> String {
+    pub fn render(&self, backend: &dyn crate::Backend) -> String {
         let mut out = String::with_capacity(4096);
         let counter = |out: &mut String, name: &str, help: &str, ty: &str| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {ty}");
@@ -214,13 +214,19 @@ impl ServerMetrics {
             "Between consecutive tokens of a request.",
         );
 
+        backend.render_metrics(&mut out);
+        out
+    }
+}
+
+/// The local engine's part of `/metrics`: its pool and its own counters.
+pub fn render_engine(engine: &EngineHandle, out: &mut String) {
+    let counter = |out: &mut String, name: &str, help: &str, ty: &str| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {ty}");
+    };
+    {
         let pool = engine.pool_counts();
-        counter(
-            &mut out,
-            "kvwarden_kv_pages",
-            "KV pool pages by state.",
-            "gauge",
-        );
+        counter(out, "kvwarden_kv_pages", "KV pool pages by state.", "gauge");
         for (state, n) in [
             ("total", pool.total),
             ("free", pool.free),
@@ -233,7 +239,7 @@ impl ServerMetrics {
         let m = engine.metrics();
         let get = EngineMetrics::get;
         counter(
-            &mut out,
+            out,
             "kvwarden_isolation_check_failures_total",
             "KV ownership or extent checks that refused an access (each failed its request).",
             "counter",
@@ -244,7 +250,7 @@ impl ServerMetrics {
             get(&m.isolation_failures)
         );
         counter(
-            &mut out,
+            out,
             "kvwarden_engine_requests_total",
             "Requests as the engine ended them.",
             "counter",
@@ -262,7 +268,7 @@ impl ServerMetrics {
             );
         }
         counter(
-            &mut out,
+            out,
             "kvwarden_cached_prompt_tokens_total",
             "Prompt tokens served from the requesting domain's prefix cache.",
             "counter",
@@ -273,34 +279,33 @@ impl ServerMetrics {
             get(&m.cached_prompt_tokens)
         );
         counter(
-            &mut out,
+            out,
             "kvwarden_engine_steps_total",
             "Engine forward steps.",
             "counter",
         );
         let _ = writeln!(out, "kvwarden_engine_steps_total {}", get(&m.steps));
         counter(
-            &mut out,
+            out,
             "kvwarden_preemptions_total",
             "Requests that gave their KV pages back to let older ones grow, to recompute later.",
             "counter",
         );
         let _ = writeln!(out, "kvwarden_preemptions_total {}", get(&m.preemptions));
         counter(
-            &mut out,
+            out,
             "kvwarden_requests_running",
             "Requests holding KV pages.",
             "gauge",
         );
         let _ = writeln!(out, "kvwarden_requests_running {}", get(&m.running));
         counter(
-            &mut out,
+            out,
             "kvwarden_requests_waiting",
             "Admitted requests waiting for KV pages.",
             "gauge",
         );
         let _ = writeln!(out, "kvwarden_requests_waiting {}", get(&m.waiting));
-        out
     }
 }
 

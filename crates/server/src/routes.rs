@@ -132,6 +132,7 @@ async fn start_completion(
         Api::Completion,
         "prompt",
     )
+    .await
 }
 
 async fn start_chat(
@@ -184,10 +185,11 @@ async fn start_chat(
         Api::Chat,
         "messages",
     )
+    .await
 }
 
 /// Admission, then submission: a rejected request never reaches the engine.
-fn start(
+async fn start(
     app: &Arc<AppState>,
     tenant: IsolationDomain,
     prompt: Vec<u32>,
@@ -196,7 +198,7 @@ fn start(
     api: Api,
     input_param: &'static str,
 ) -> Result<Started, ApiError> {
-    let admission = app.engine.admission();
+    let admission = app.backend.admission();
     let prompt_tokens = prompt.len();
     let max_tokens = settings
         .max_tokens
@@ -217,7 +219,18 @@ fn start(
         })?;
     crate::metrics::ServerMetrics::add(&app.metrics.prompt_tokens, prompt_tokens as u64);
     let admitted_at = Instant::now();
-    let handle = app.engine.submit(admitted);
+    let handle = app
+        .backend
+        .clone()
+        .submit(admitted)
+        .await
+        .map_err(|e| match e {
+            crate::SubmitError::Rejected(rejection) => ApiError::Rejected {
+                rejection,
+                input_param,
+            },
+            crate::SubmitError::Failed(e) => e,
+        })?;
     let id = match api {
         Api::Chat => app.response_id("chatcmpl", handle.id),
         Api::Completion => app.response_id("cmpl", handle.id),
@@ -357,14 +370,21 @@ async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Respons
             "object": "model",
             "created": app.created,
             "owned_by": "kvwarden",
-            "max_model_len": app.engine.max_context(),
+            "max_model_len": app.backend.admission().max_context(),
         }]
     }))
     .into_response()
 }
 
-async fn health() -> Response {
-    Json(json!({ "status": "ok" })).into_response()
+async fn health(State(app): State<Arc<AppState>>) -> Response {
+    match app.backend.health() {
+        Ok(()) => Json(json!({ "status": "ok" })).into_response(),
+        Err(why) => (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "status": "unavailable", "reason": why })),
+        )
+            .into_response(),
+    }
 }
 
 async fn metrics(State(app): State<Arc<AppState>>) -> Response {
@@ -373,7 +393,7 @@ async fn metrics(State(app): State<Arc<AppState>>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        app.metrics.render(&app.engine),
+        app.metrics.render(app.backend.as_ref()),
     )
         .into_response()
 }

@@ -22,7 +22,9 @@ pub const FAILURE_REASONS: [&str; 11] = [
     "protocol",
 ];
 
-const DURATION_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+const DURATION_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
 
 #[derive(Debug)]
 pub struct TransferMetrics {

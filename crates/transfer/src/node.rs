@@ -163,7 +163,9 @@ impl NodeService {
             .max_encoding_message_size(self.max_message_bytes());
         let mut frames = Vec::with_capacity(output.pages.len() + 1);
         frames.push(pb::KvFrame {
-            frame: Some(pb::kv_frame::Frame::Manifest(wire::manifest_to_pb(&manifest))),
+            frame: Some(pb::kv_frame::Frame::Manifest(wire::manifest_to_pb(
+                &manifest,
+            ))),
         });
         for (i, page) in output.pages.iter().enumerate() {
             let tokens = (output.prompt.len() - i * output.page_tokens).min(output.page_tokens);
@@ -262,11 +264,15 @@ impl Node for Arc<NodeService> {
         let (_, request) = wire::request_from_pb(request.into_inner())?;
         let outcome = match self.engine.admission().admit(request) {
             Ok(_) => {
-                self.metrics.admitted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.metrics
+                    .admitted
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 Outcome::Admitted(true)
             }
             Err(r) => {
-                self.metrics.rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.metrics
+                    .rejected
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 Outcome::Rejected(wire::rejection_to_pb(&r))
             }
         };
@@ -361,12 +367,16 @@ impl Node for Arc<NodeService> {
         let admitted = match self.engine.admission().admit(request) {
             Ok(a) => a,
             Err(r) => {
-                self.metrics.rejected.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.metrics
+                    .rejected
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let _ = tx.try_send(event(E::Rejected(wire::rejection_to_pb(&r))));
                 return Ok(Response::new(ReceiverStream::new(rx)));
             }
         };
-        self.metrics.admitted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics
+            .admitted
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let node = self.clone();
         tokio::spawn(async move { node.run_decode(admitted, request_id, tx).await });
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -384,7 +394,10 @@ impl Node for Arc<NodeService> {
             Ok(Some(pb::kv_frame::Frame::Manifest(m))) => wire::manifest_from_pb(m)?,
             Ok(_) => {
                 self.metrics.failure("manifest");
-                return reply(Some(wire::failure("manifest", "a push must begin with its manifest")));
+                return reply(Some(wire::failure(
+                    "manifest",
+                    "a push must begin with its manifest",
+                )));
             }
             Err(f) => {
                 self.metrics.failure(&f.reason);
@@ -412,7 +425,10 @@ impl Node for Arc<NodeService> {
                     // The decode call gave up (timeout, router gone) while the pages came
                     // in: the verified sequence is dropped with the send error.
                     self.metrics.failure("timeout");
-                    Some(wire::failure("timeout", "the reservation expired during the push"))
+                    Some(wire::failure(
+                        "timeout",
+                        "the reservation expired during the push",
+                    ))
                 }
             }
             Err(HandoffFailure(f)) => {
@@ -432,7 +448,10 @@ impl NodeService {
         frames: &mut Streaming<pb::KvFrame>,
     ) -> Result<Option<pb::kv_frame::Frame>, pb::Failure> {
         match tokio::time::timeout(self.deadlines.frame, frames.message()).await {
-            Err(_) => Err(wire::failure("timeout", "no frame within the frame deadline")),
+            Err(_) => Err(wire::failure(
+                "timeout",
+                "no frame within the frame deadline",
+            )),
             Ok(Err(status)) => Err(status_failure(&status)),
             Ok(Ok(None)) => Ok(None),
             Ok(Ok(Some(pb::KvFrame { frame: None }))) => {
@@ -536,7 +555,9 @@ impl NodeService {
                 return;
             }
             Err(_) => {
-                let _ = tx.send(fail("peer_gone", "the push ended without a verdict".into())).await;
+                let _ = tx
+                    .send(fail("peer_gone", "the push ended without a verdict".into()))
+                    .await;
                 return;
             }
         };

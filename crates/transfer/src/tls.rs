@@ -103,9 +103,10 @@ impl TlsIdentity {
                 .add(ca)
                 .map_err(|e| TlsError::Config(format!("CA certificate: {e}")))?;
         }
-        let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-            .build()
-            .map_err(|e| TlsError::Config(e.to_string()))?;
+        let verifier =
+            WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+                .build()
+                .map_err(|e| TlsError::Config(e.to_string()))?;
         let key = PrivateKeyDer::from_pem_slice(&self.key_pem).map_err(|e| TlsError::Pem {
             path: "private key".into(),
             what: e.to_string(),

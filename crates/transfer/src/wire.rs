@@ -53,9 +53,9 @@ pub fn request_from_pb(r: pb::GenerateRequest) -> Result<(String, GenerateReques
         return Err(invalid("tenant is required"));
     }
     let s = r.sampling.ok_or_else(|| invalid("sampling is required"))?;
-    if !(s.temperature.is_finite() && s.temperature >= 0.0)
-        || !(s.top_p.is_finite() && s.top_p > 0.0 && s.top_p <= 1.0)
-    {
+    let temperature_ok = s.temperature.is_finite() && s.temperature >= 0.0;
+    let top_p_ok = s.top_p.is_finite() && s.top_p > 0.0 && s.top_p <= 1.0;
+    if !(temperature_ok && top_p_ok) {
         return Err(invalid("sampling parameters out of range"));
     }
     if r.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
@@ -185,6 +185,7 @@ pub fn failure_from_engine(e: &EngineError) -> pb::Failure {
         EngineError::Isolation(_) => "isolation",
         EngineError::Model(_) => "model",
         EngineError::Shutdown => "shutdown",
+        EngineError::Remote { reason, .. } => reason.as_str(),
     };
     tracing::warn!("request failed on this node: {e}");
     pb::Failure {
@@ -193,6 +194,7 @@ pub fn failure_from_engine(e: &EngineError) -> pb::Failure {
             EngineError::Isolation(_) => "a KV isolation check failed on the decode node".into(),
             EngineError::Model(_) => "the model failed on the node".into(),
             EngineError::Shutdown => "the node is shutting down".into(),
+            EngineError::Remote { message, .. } => message.clone(),
         },
     }
 }

@@ -1,0 +1,256 @@
+//! `kvwarden serve`: the monolithic OpenAI API, or one side (`--role prefill|decode`) of
+//! the disaggregated mode.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use engine::EngineConfig;
+
+use crate::{open_model, shutdown_signal, DEFAULT_MODEL};
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    #[arg(long, default_value = DEFAULT_MODEL)]
+    pub(crate) model: PathBuf,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub(crate) host: String,
+    /// 0 picks a free port (the address is printed when ready).
+    #[arg(long, default_value_t = 8000)]
+    pub(crate) port: u16,
+    /// The model id clients must send (default: the model file's name without .gguf).
+    #[arg(long)]
+    pub(crate) served_model_name: Option<String>,
+    /// Advertised context window (default: the smaller of the model's and the pool's).
+    /// Refused at startup when the KV pool cannot hold one request of this length.
+    #[arg(long)]
+    pub(crate) max_context: Option<usize>,
+    /// KV pool size in tokens, allocated at start.
+    #[arg(long, default_value_t = 16_384, conflicts_with = "kv_pool_mib")]
+    pub(crate) kv_pool_tokens: usize,
+    /// KV pool size as a memory budget in MiB instead of tokens (whole pages that fit).
+    #[arg(long)]
+    pub(crate) kv_pool_mib: Option<usize>,
+    #[arg(long, default_value_t = 16)]
+    pub(crate) kv_page_tokens: usize,
+    #[arg(long, value_enum, default_value_t = KvDtypeArg::F16)]
+    pub(crate) kv_dtype: KvDtypeArg,
+    /// What a KV page holds after its lease ends.
+    #[arg(long, value_enum, default_value_t = ScrubArg::Zero)]
+    pub(crate) kv_scrub: ScrubArg,
+    /// Tokens per forward pass (decode rows plus prefill chunks).
+    #[arg(long, default_value_t = 512)]
+    pub(crate) max_batch_tokens: usize,
+    /// Requests holding KV pages at once; more wait in the queue.
+    #[arg(long, default_value_t = 32)]
+    pub(crate) max_running: usize,
+    /// File of `KEY TENANT` lines: requests must carry `Authorization: Bearer KEY`, and
+    /// each tenant is its own isolation domain. Without it: one tenant, no authentication.
+    #[arg(long)]
+    pub(crate) api_keys: Option<PathBuf>,
+    #[arg(long, default_value_t = 4 * 1024 * 1024)]
+    pub(crate) max_body_bytes: usize,
+    /// Do not reuse prompt K/V between requests (by default reuse stays within a tenant).
+    #[arg(long)]
+    pub(crate) no_prefix_cache: bool,
+    /// JSON file with a list of prompt texts (e.g. a common system prompt, rendered as the
+    /// model sees it) that the operator declares public: their cached pages may be shared
+    /// across tenants. Everything else is shared only within one tenant.
+    #[arg(long)]
+    pub(crate) public_prefixes: Option<PathBuf>,
+    /// Run one side of the disaggregated mode instead of the OpenAI API: `--port` is then
+    /// the internal API (gRPC over mutual TLS, for `kvwarden router` and other nodes).
+    #[arg(long, value_enum, requires_all = ["tls_ca", "tls_cert", "tls_key"])]
+    pub(crate) role: Option<RoleArg>,
+    #[command(flatten)]
+    pub(crate) tls: TlsArgs,
+    /// Node roles: plain HTTP `/health` and `/metrics` on this port (0 picks one).
+    #[arg(long, requires = "role")]
+    pub(crate) metrics_port: Option<u16>,
+    /// Node roles: how long a decode node waits for a prompt's K/V after reserving pages,
+    /// and a prefill node for the decode node to take it.
+    #[arg(long, default_value_t = 60)]
+    pub(crate) handoff_timeout_secs: u64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RoleArg {
+    Prefill,
+    Decode,
+}
+
+/// The cluster identity of a router or node (see `kvwarden certs`).
+#[derive(clap::Args, Clone)]
+pub struct TlsArgs {
+    /// The cluster CA certificate (PEM): peers must present a certificate it signed.
+    #[arg(long)]
+    pub tls_ca: Option<PathBuf>,
+    /// This process's certificate (PEM), signed by the cluster CA.
+    #[arg(long)]
+    pub tls_cert: Option<PathBuf>,
+    /// This process's private key (PEM).
+    #[arg(long)]
+    pub tls_key: Option<PathBuf>,
+}
+
+impl TlsArgs {
+    pub fn load(&self) -> Result<transfer::TlsIdentity> {
+        let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key)
+        else {
+            bail!("--tls-ca, --tls-cert and --tls-key are required: internal traffic is mutually authenticated (make them with `kvwarden certs`)");
+        };
+        Ok(transfer::TlsIdentity::load(&transfer::TlsFiles {
+            ca: ca.clone(),
+            cert: cert.clone(),
+            key: key.clone(),
+        })?)
+    }
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum KvDtypeArg {
+    F16,
+    F32,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum ScrubArg {
+    Zero,
+    Poison,
+    None,
+}
+
+pub fn serve(args: ServeArgs) -> Result<()> {
+    // Checked before the model loads, so a bad key file fails fast.
+    let auth = match &args.api_keys {
+        Some(path) => server::Auth::Keys(server::ApiKeys::load(path)?),
+        None => server::Auth::Open,
+    };
+    let file = open_model(&args.model)?;
+    let tok = tokenizer::Tokenizer::from_gguf(&file)?;
+    let template = tok.compile_chat_template()?;
+    let public_prefixes = match &args.public_prefixes {
+        None => Vec::new(),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let texts: Vec<String> = serde_json::from_str(&text)
+                .with_context(|| format!("{}: expected a JSON list of strings", path.display()))?;
+            texts
+                .iter()
+                .map(|t| tok.encode(t))
+                .filter(|t| !t.is_empty())
+                .collect()
+        }
+    };
+    let model = model::Model::load(&file)?;
+    drop(file);
+    let kv_dtype = match args.kv_dtype {
+        KvDtypeArg::F16 => kv::KvDtype::F16,
+        KvDtypeArg::F32 => kv::KvDtype::F32,
+    };
+    let pool_tokens = match args.kv_pool_mib {
+        None => args.kv_pool_tokens,
+        Some(mib) => {
+            let layout = model.kv_layout(args.kv_page_tokens.max(1), kv_dtype);
+            let pages = (mib << 20) / layout.page_bytes().max(1);
+            if pages == 0 {
+                bail!(
+                    "--kv-pool-mib {mib} holds no page of {} bytes",
+                    layout.page_bytes()
+                );
+            }
+            pages * layout.page_tokens
+        }
+    };
+    let layout = model.kv_layout(args.kv_page_tokens.max(1), kv_dtype);
+    let role = args.role;
+    let engine = engine::start(
+        model,
+        EngineConfig {
+            max_context: args.max_context,
+            pool_tokens,
+            page_tokens: args.kv_page_tokens,
+            kv_dtype,
+            scrub: match args.kv_scrub {
+                ScrubArg::Zero => kv::ScrubPolicy::Zero,
+                ScrubArg::Poison => kv::ScrubPolicy::Poison,
+                ScrubArg::None => kv::ScrubPolicy::None,
+            },
+            max_batch_tokens: args.max_batch_tokens,
+            max_running: args.max_running,
+            // A decode node only runs received sequences: nothing to share between them.
+            prefix_cache: !args.no_prefix_cache && role != Some(RoleArg::Decode),
+            public_prefixes,
+        },
+    )?;
+    if let Some(role) = role {
+        let identity = transfer::NodeIdentity {
+            role: match role {
+                RoleArg::Prefill => transfer::Role::Prefill,
+                RoleArg::Decode => transfer::Role::Decode,
+            },
+            model_checksum: model_checksum(&args.model)?,
+            pool_tokens: engine.pool_counts().total * layout.page_tokens,
+            page_tokens: layout.page_tokens,
+            n_layers: layout.n_layers,
+            kv_dim: layout.kv_dim,
+            kv_dtype_bytes: layout.dtype.bytes(),
+        };
+        return crate::node::run(args, engine, identity);
+    }
+    let model_name = args.served_model_name.clone().unwrap_or_else(|| {
+        args.model
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "kvwarden".to_owned())
+    });
+    let state = std::sync::Arc::new(server::AppState::new(
+        Arc::new(engine.clone()),
+        std::sync::Arc::new(tok),
+        template,
+        model_name,
+        auth,
+        args.max_body_bytes,
+    ));
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let serving = engine.clone();
+    runtime.block_on(async move {
+        let engine = serving;
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        let addr = listener.local_addr()?;
+        eprintln!(
+            "kvwarden: listening on http://{addr} (model {:?}, max context {})",
+            state.model_name,
+            engine.max_context()
+        );
+        let on_signal = {
+            let engine = engine.clone();
+            async move {
+                shutdown_signal().await;
+                eprintln!("kvwarden: shutting down");
+                // Ends every open stream with an error event so graceful shutdown does
+                // not wait on generations.
+                engine.shutdown();
+            }
+        };
+        server::serve(listener, state, on_signal)
+            .await
+            .context("serving")
+    })?;
+    engine.shutdown();
+    Ok(())
+}
+
+/// xxh3-64 of the whole model file: the identity nodes of one cluster must share.
+pub fn model_checksum(path: &std::path::Path) -> Result<u64> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    Ok(xxhash_rust::xxh3::xxh3_64(&bytes))
+}

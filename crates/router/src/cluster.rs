@@ -1,0 +1,412 @@
+//! The nodes behind a router: their identity and limits checked at start, their health and
+//! load polled, and the choice of a node for each request.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use engine::{Admission, Admitted, IsolationDomain};
+use server::{Backend, Submission};
+use tonic::transport::Channel;
+use transfer::pb::{self, node_client::NodeClient};
+use transfer::{TlsIdentity, TransferMetrics};
+
+use crate::handoff;
+
+/// How often the router asks every node for its load and health.
+const POLL_INTERVAL: Duration = Duration::from_secs(1);
+/// A node that has not answered `Info` within this is treated as down.
+const INFO_TIMEOUT: Duration = Duration::from_secs(3);
+/// Prefix affinity: tokens of the prompt (whole pages) that name a prefix.
+const AFFINITY_TOKENS: usize = 64;
+/// Prefix affinity is kept unless the node it points to has this many more requests in
+/// flight than the least loaded one.
+const AFFINITY_SLACK: u64 = 4;
+const AFFINITY_ENTRIES: usize = 4096;
+
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    pub prefill: Vec<String>,
+    pub decode: Vec<String>,
+    /// xxh3-64 of the router's own GGUF file, which it tokenizes with.
+    pub model_checksum: u64,
+    pub vocab_size: usize,
+    /// `None`: advertise the smallest context any node holds.
+    pub max_context: Option<usize>,
+    pub deadlines: transfer::Deadlines,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    #[error("no {role} node given")]
+    NoNodes { role: &'static str },
+    #[error("{role} node {addr} is not reachable: {why}")]
+    Unreachable {
+        role: &'static str,
+        addr: String,
+        why: String,
+    },
+    #[error("{addr} was given as a {expected} node but serves the {actual} role")]
+    WrongRole {
+        addr: String,
+        expected: &'static str,
+        actual: String,
+    },
+    #[error("{addr} serves another model (checksum {theirs:016x}, the router's --model file has {ours:016x}): every node must load the same GGUF file")]
+    OtherModel {
+        addr: String,
+        ours: u64,
+        theirs: u64,
+    },
+    #[error("{addr}'s KV layout ({theirs}) differs from {first}'s ({ours}): pages could not move between them")]
+    OtherLayout {
+        addr: String,
+        first: String,
+        ours: String,
+        theirs: String,
+    },
+    #[error("--max-context {context} exceeds what {addr} can hold: its KV pool holds {pool} tokens and it advertises {advertised}. Lower --max-context to at most {advertised} or enlarge that node's pool.")]
+    ContextExceedsNode {
+        context: usize,
+        addr: String,
+        pool: usize,
+        advertised: usize,
+    },
+    #[error("internal API client: {0}")]
+    Tls(String),
+}
+
+/// One node as the router sees it.
+pub(crate) struct Node {
+    pub(crate) addr: String,
+    pub(crate) role: transfer::Role,
+    pub(crate) client: NodeClient<Channel>,
+    healthy: AtomicBool,
+    /// Requests running or waiting on the node, as it last reported.
+    reported_load: AtomicU64,
+    /// Requests this router has in flight there now.
+    pub(crate) in_flight: AtomicU64,
+    max_context: usize,
+    /// Requests sent to this node (for /metrics).
+    pub(crate) sent: AtomicU64,
+}
+
+impl Node {
+    fn load(&self) -> u64 {
+        self.in_flight.load(Ordering::Relaxed) + self.reported_load.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// A request that cannot fit this node never goes to it.
+    fn can_hold(&self, total_tokens: usize) -> bool {
+        total_tokens <= self.max_context
+    }
+}
+
+/// Counters the router adds to `/metrics`.
+#[derive(Debug, Default)]
+pub(crate) struct RouterMetrics {
+    pub(crate) transfer: TransferMetrics,
+    /// Requests a prefill node's admission refused (they never reached a decode node).
+    pub(crate) prefill_rejections: AtomicU64,
+    /// Requests a decode node's admission refused.
+    pub(crate) decode_rejections: AtomicU64,
+    pub(crate) handoffs: AtomicU64,
+    pub(crate) affinity_hits: AtomicU64,
+}
+
+pub struct Cluster {
+    pub(crate) prefill: Vec<Arc<Node>>,
+    pub(crate) decode: Vec<Arc<Node>>,
+    admission: Admission,
+    pub(crate) deadlines: transfer::Deadlines,
+    pub(crate) metrics: RouterMetrics,
+    /// (tenant-scoped prefix key) → index of the prefill node that last ran it.
+    affinity: Mutex<HashMap<u64, usize>>,
+    affinity_keys: std::collections::hash_map::RandomState,
+    next_request: AtomicU64,
+    pub(crate) request_id_keys: std::collections::hash_map::RandomState,
+}
+
+fn layout_of(info: &pb::NodeInfo) -> String {
+    format!(
+        "{} layers x {} values, {}-byte elements, {}-token pages",
+        info.n_layers, info.kv_dim, info.kv_dtype_bytes, info.page_tokens
+    )
+}
+
+async fn info(client: &mut NodeClient<Channel>) -> Result<pb::NodeInfo, String> {
+    let mut request = tonic::Request::new(pb::InfoRequest {});
+    request.set_timeout(INFO_TIMEOUT);
+    match tokio::time::timeout(INFO_TIMEOUT, client.info(request)).await {
+        Ok(Ok(r)) => Ok(r.into_inner()),
+        Ok(Err(status)) => Err(status.message().to_owned()),
+        Err(_) => Err("no answer within the deadline".into()),
+    }
+}
+
+impl Cluster {
+    /// Connects to every node and checks the cluster can keep the promise it would make.
+    pub async fn connect(
+        config: ClusterConfig,
+        tls: &TlsIdentity,
+    ) -> Result<Arc<Self>, StartupError> {
+        let mut nodes = Vec::new();
+        let mut first_layout: Option<(String, String)> = None;
+        for (role, addrs) in [
+            (transfer::Role::Prefill, &config.prefill),
+            (transfer::Role::Decode, &config.decode),
+        ] {
+            if addrs.is_empty() {
+                return Err(StartupError::NoNodes { role: role.name() });
+            }
+            for addr in addrs {
+                let channel = transfer::connect_lazy(addr, tls, config.deadlines.frame)
+                    .map_err(|e| StartupError::Tls(e.to_string()))?;
+                let mut client = NodeClient::new(channel);
+                let info = info(&mut client)
+                    .await
+                    .map_err(|why| StartupError::Unreachable {
+                        role: role.name(),
+                        addr: addr.clone(),
+                        why,
+                    })?;
+                let actual = match pb::Role::try_from(info.role) {
+                    Ok(pb::Role::Prefill) => transfer::Role::Prefill,
+                    Ok(pb::Role::Decode) => transfer::Role::Decode,
+                    _ => {
+                        return Err(StartupError::WrongRole {
+                            addr: addr.clone(),
+                            expected: role.name(),
+                            actual: format!("unknown ({})", info.role),
+                        })
+                    }
+                };
+                if actual != role {
+                    return Err(StartupError::WrongRole {
+                        addr: addr.clone(),
+                        expected: role.name(),
+                        actual: actual.name().to_owned(),
+                    });
+                }
+                if info.model_checksum != config.model_checksum
+                    || info.vocab_size as usize != config.vocab_size
+                {
+                    return Err(StartupError::OtherModel {
+                        addr: addr.clone(),
+                        ours: config.model_checksum,
+                        theirs: info.model_checksum,
+                    });
+                }
+                let layout = layout_of(&info);
+                match &first_layout {
+                    None => first_layout = Some((addr.clone(), layout)),
+                    Some((first, ours)) if *ours != layout => {
+                        return Err(StartupError::OtherLayout {
+                            addr: addr.clone(),
+                            first: first.clone(),
+                            ours: ours.clone(),
+                            theirs: layout,
+                        })
+                    }
+                    Some(_) => {}
+                }
+                let max_context = info.max_context as usize;
+                if let Some(context) = config.max_context {
+                    if context > max_context {
+                        return Err(StartupError::ContextExceedsNode {
+                            context,
+                            addr: addr.clone(),
+                            pool: info.pool_tokens as usize,
+                            advertised: max_context,
+                        });
+                    }
+                }
+                nodes.push(Arc::new(Node {
+                    addr: addr.clone(),
+                    role,
+                    client,
+                    healthy: AtomicBool::new(true),
+                    reported_load: AtomicU64::new(info.load),
+                    in_flight: AtomicU64::new(0),
+                    max_context,
+                    sent: AtomicU64::new(0),
+                }));
+            }
+        }
+        let contexts: Vec<usize> = nodes.iter().map(|n| n.max_context).collect();
+        // Every node was checked above; this only fails for an empty cluster.
+        let admission =
+            Admission::narrowest_of_nodes(&contexts, config.max_context, config.vocab_size)
+                .ok_or(StartupError::NoNodes { role: "prefill" })?;
+        let (prefill, decode) = nodes
+            .into_iter()
+            .partition(|n| n.role == transfer::Role::Prefill);
+        let cluster = Arc::new(Self {
+            prefill,
+            decode,
+            admission,
+            deadlines: config.deadlines,
+            metrics: RouterMetrics::default(),
+            affinity: Mutex::new(HashMap::new()),
+            affinity_keys: Default::default(),
+            next_request: AtomicU64::new(1),
+            request_id_keys: Default::default(),
+        });
+        tokio::spawn(poll(Arc::downgrade(&cluster)));
+        Ok(cluster)
+    }
+
+    pub(crate) fn next_request(&self) -> u64 {
+        self.next_request.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The least loaded healthy node of `nodes` that can hold the request.
+    fn least_loaded(nodes: &[Arc<Node>], total_tokens: usize) -> Option<usize> {
+        nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.is_healthy() && n.can_hold(total_tokens))
+            .min_by_key(|(_, n)| n.load())
+            .map(|(i, _)| i)
+    }
+
+    /// The prefill node for a request: the one that last ran the same prompt prefix for
+    /// the same domain (its prefix cache likely holds it) unless it is down or much busier
+    /// than the least loaded one. The key mixes in the domain, so affinity never crosses
+    /// tenants, and nothing is learned from another tenant's traffic.
+    pub(crate) fn pick_prefill(
+        &self,
+        domain: &IsolationDomain,
+        prompt: &[u32],
+        total_tokens: usize,
+    ) -> Option<Arc<Node>> {
+        let least = Self::least_loaded(&self.prefill, total_tokens)?;
+        let key = (prompt.len() > AFFINITY_TOKENS).then(|| {
+            self.affinity_keys
+                .hash_one((domain, &prompt[..AFFINITY_TOKENS]))
+        });
+        let mut affinity = self.affinity.lock().unwrap_or_else(|p| p.into_inner());
+        let chosen = match key.and_then(|k| affinity.get(&k).copied()) {
+            Some(i)
+                if self.prefill[i].is_healthy()
+                    && self.prefill[i].can_hold(total_tokens)
+                    && self.prefill[i].load() <= self.prefill[least].load() + AFFINITY_SLACK =>
+            {
+                self.metrics.affinity_hits.fetch_add(1, Ordering::Relaxed);
+                i
+            }
+            _ => least,
+        };
+        if let Some(k) = key {
+            if affinity.len() >= AFFINITY_ENTRIES {
+                affinity.clear();
+            }
+            affinity.insert(k, chosen);
+        }
+        Some(self.prefill[chosen].clone())
+    }
+
+    pub(crate) fn pick_decode(&self, total_tokens: usize) -> Option<Arc<Node>> {
+        Self::least_loaded(&self.decode, total_tokens).map(|i| self.decode[i].clone())
+    }
+}
+
+/// Polls every node's `Info`: health and load. A node that comes back is used again.
+async fn poll(cluster: std::sync::Weak<Cluster>) {
+    loop {
+        tokio::time::sleep(POLL_INTERVAL).await;
+        let Some(c) = cluster.upgrade() else {
+            return;
+        };
+        for node in c.prefill.iter().chain(&c.decode) {
+            let mut client = node.client.clone();
+            match info(&mut client).await {
+                Ok(info) => {
+                    node.reported_load.store(info.load, Ordering::Relaxed);
+                    if !node.healthy.swap(true, Ordering::Relaxed) {
+                        tracing::info!("{} node {} is back", node.role.name(), node.addr);
+                    }
+                }
+                Err(why) => {
+                    if node.healthy.swap(false, Ordering::Relaxed) {
+                        tracing::warn!("{} node {} is down: {why}", node.role.name(), node.addr);
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Backend for Cluster {
+    fn admission(&self) -> &Admission {
+        &self.admission
+    }
+
+    fn submit(self: Arc<Self>, admitted: Admitted) -> Submission {
+        Box::pin(handoff::start(self, admitted))
+    }
+
+    fn render_metrics(&self, out: &mut String) {
+        self.metrics.transfer.render(out);
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let m = &self.metrics;
+        let _ = writeln!(
+            out,
+            "# HELP kvwarden_router_rejections_total Requests a node's admission refused, by role (prefill rejections never reach a decode node).\n# TYPE kvwarden_router_rejections_total counter\nkvwarden_router_rejections_total{{role=\"prefill\"}} {}\nkvwarden_router_rejections_total{{role=\"decode\"}} {}",
+            get(&m.prefill_rejections),
+            get(&m.decode_rejections)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kvwarden_router_handoffs_total Requests whose K/V reached a decode node verified.\n# TYPE kvwarden_router_handoffs_total counter\nkvwarden_router_handoffs_total {}",
+            get(&m.handoffs)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kvwarden_router_prefix_affinity_hits_total Requests sent to the prefill node that last ran their prefix.\n# TYPE kvwarden_router_prefix_affinity_hits_total counter\nkvwarden_router_prefix_affinity_hits_total {}",
+            get(&m.affinity_hits)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kvwarden_router_node_up Whether the node answered its last poll.\n# TYPE kvwarden_router_node_up gauge"
+        );
+        for n in self.prefill.iter().chain(&self.decode) {
+            let _ = writeln!(
+                out,
+                "kvwarden_router_node_up{{role=\"{}\",node=\"{}\"}} {}",
+                n.role.name(),
+                n.addr,
+                u8::from(n.is_healthy())
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP kvwarden_router_node_requests_total Requests sent to each node.\n# TYPE kvwarden_router_node_requests_total counter"
+        );
+        for n in self.prefill.iter().chain(&self.decode) {
+            let _ = writeln!(
+                out,
+                "kvwarden_router_node_requests_total{{role=\"{}\",node=\"{}\"}} {}",
+                n.role.name(),
+                n.addr,
+                get(&n.sent)
+            );
+        }
+    }
+
+    fn health(&self) -> Result<(), String> {
+        for (role, nodes) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+            if !nodes.iter().any(|n| n.is_healthy()) {
+                return Err(format!("no {role} node is reachable"));
+            }
+        }
+        Ok(())
+    }
+}

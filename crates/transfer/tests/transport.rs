@@ -1,0 +1,398 @@
+//! The internal API over real mutual TLS on loopback, with a synthetic model: an honest
+//! handoff gives the monolithic tokens; every corruption injected through the transport is
+//! refused with its own reason and metric, and returns the decode node's pages; a client
+//! without a cluster certificate is refused at the handshake.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine::handoff::{Manifest, PrefillOutput, Ticket};
+use engine::{EngineConfig, EngineHandle, Event, GenerateRequest, IsolationDomain, SamplingParams};
+use gguf::GgmlType;
+use kv::ScrubPolicy;
+use model::synth::SynthSpec;
+use tonic::transport::Channel;
+use transfer::certs::ClusterCa;
+use transfer::pb::{self, node_client::NodeClient};
+use transfer::{wire, Deadlines, NodeIdentity, NodeService, Role, TlsIdentity, TransferMetrics};
+
+fn synth_model() -> model::Model {
+    let spec = SynthSpec {
+        layers: 2,
+        dim: 64,
+        heads: 4,
+        kv_heads: 2,
+        ffn_dim: 128,
+        vocab: 300,
+        context: 4096,
+        seed: 5,
+        weight_type: GgmlType::Q8_0,
+    };
+    let file = gguf::GgufFile::parse(spec.build().unwrap().to_bytes()).unwrap();
+    model::Model::load(&file).unwrap()
+}
+
+const POOL: usize = 512;
+
+fn engine(prefix_cache: bool) -> EngineHandle {
+    engine::start(
+        synth_model(),
+        EngineConfig {
+            pool_tokens: POOL,
+            max_context: Some(POOL),
+            scrub: ScrubPolicy::Poison,
+            prefix_cache,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap()
+}
+
+fn identity(ca: &ClusterCa, name: &str) -> TlsIdentity {
+    let id = ca.identity(name).unwrap();
+    TlsIdentity::from_pem(
+        ca.pem().as_bytes().to_vec(),
+        id.cert.into_bytes(),
+        id.key.into_bytes(),
+    )
+}
+
+struct TestNode {
+    addr: String,
+    engine: EngineHandle,
+    metrics: Arc<TransferMetrics>,
+}
+
+async fn start_node(role: Role, ca: &ClusterCa, deadlines: Deadlines) -> TestNode {
+    let engine = engine(role == Role::Prefill);
+    let tls = identity(ca, role.name());
+    let metrics = Arc::new(TransferMetrics::default());
+    let service = Arc::new(NodeService::new(
+        NodeIdentity {
+            role,
+            model_checksum: 1,
+            pool_tokens: POOL,
+            page_tokens: 16,
+            n_layers: 2,
+            kv_dim: 32,
+            kv_dtype_bytes: 2,
+        },
+        engine.clone(),
+        metrics.clone(),
+        deadlines,
+        tls.clone(),
+    ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let m = metrics.clone();
+    tokio::spawn(async move {
+        transfer::serve_node(listener, service, &tls, m, std::future::pending())
+            .await
+            .unwrap()
+    });
+    TestNode {
+        addr,
+        engine,
+        metrics,
+    }
+}
+
+fn client(addr: &str, tls: &TlsIdentity) -> NodeClient<Channel> {
+    NodeClient::new(transfer::connect_lazy(addr, tls, Duration::from_secs(5)).unwrap())
+        .max_decoding_message_size(8 << 20)
+        .max_encoding_message_size(8 << 20)
+}
+
+fn request(tenant: &str, len: usize, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        domain: IsolationDomain::tenant(tenant),
+        prompt: (0..len as u32).map(|i| 3 + (i * 53 + 1) % 290).collect(),
+        max_tokens,
+        sampling: SamplingParams::default(),
+        ignore_eos: true,
+        logprobs: None,
+    }
+}
+
+async fn collect_local(engine: &EngineHandle, req: GenerateRequest) -> Vec<u32> {
+    let mut h = engine.submit(engine.admission().admit(req).unwrap());
+    let mut out = Vec::new();
+    loop {
+        match h.events.recv().await {
+            Some(Event::Token(t)) => out.push(t.id),
+            Some(Event::Finished { .. }) => return out,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+/// Opens a decode stream and returns it with its reservation's ticket.
+async fn reserve(
+    decode: &mut NodeClient<Channel>,
+    id: &str,
+    req: &GenerateRequest,
+) -> (tonic::Streaming<pb::DecodeEvent>, Vec<u8>) {
+    let mut stream = decode
+        .decode(wire::request_to_pb(id, req))
+        .await
+        .unwrap()
+        .into_inner();
+    match stream.message().await.unwrap().unwrap().event {
+        Some(pb::decode_event::Event::Reserved(r)) => (stream, r.ticket),
+        other => panic!("expected a reservation, got {other:?}"),
+    }
+}
+
+/// Tokens until the end, or the failure's reason.
+async fn drain(stream: &mut tonic::Streaming<pb::DecodeEvent>) -> Result<Vec<u32>, String> {
+    let mut out = Vec::new();
+    loop {
+        match stream.message().await {
+            Ok(Some(pb::DecodeEvent { event: Some(e) })) => match e {
+                pb::decode_event::Event::Token(t) => out.push(t.id),
+                pb::decode_event::Event::Finished(_) => return Ok(out),
+                pb::decode_event::Event::Failed(f) => return Err(f.reason),
+                other => return Err(format!("unexpected {other:?}")),
+            },
+            other => return Err(format!("stream ended: {other:?}")),
+        }
+    }
+}
+
+async fn wait_idle(engine: &EngineHandle) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while engine.pool_counts().leased != 0 {
+        assert!(Instant::now() < deadline, "decode pages still leased");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_honest_handoff_gives_the_monolithic_tokens() {
+    let ca = ClusterCa::generate("test CA").unwrap();
+    let router = identity(&ca, "router");
+    let (pre, dec) = (
+        start_node(Role::Prefill, &ca, Deadlines::default()).await,
+        start_node(Role::Decode, &ca, Deadlines::default()).await,
+    );
+    let mono = engine(false);
+    for (i, (len, max_tokens)) in [(7, 9), (40, 12), (16, 1)].into_iter().enumerate() {
+        let req = request("alice", len, max_tokens);
+        let id = format!("req-{i}");
+        let expected = collect_local(&mono, req.clone()).await;
+        let mut d = client(&dec.addr, &router);
+        let (mut stream, ticket) = reserve(&mut d, &id, &req).await;
+        let reply = client(&pre.addr, &router)
+            .prefill(pb::PrefillRequest {
+                request: Some(wire::request_to_pb(&id, &req)),
+                decode_addr: dec.addr.clone(),
+                ticket,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            matches!(reply.outcome, Some(pb::prefill_reply::Outcome::Done(_))),
+            "{reply:?}"
+        );
+        assert_eq!(drain(&mut stream).await.unwrap(), expected, "case {i}");
+    }
+    wait_idle(&dec.engine).await;
+    assert_eq!(
+        dec.metrics
+            .transfers
+            .load(std::sync::atomic::Ordering::Relaxed),
+        3
+    );
+    assert!(
+        dec.metrics
+            .bytes_received
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_admission_refuses_over_length_before_any_work() {
+    let ca = ClusterCa::generate("test CA").unwrap();
+    let router = identity(&ca, "router");
+    let pre = start_node(Role::Prefill, &ca, Deadlines::default()).await;
+    let mut p = client(&pre.addr, &router);
+    for (len, max_tokens, ok) in [(POOL - 1, 1, true), (POOL, 1, false), (POOL + 1, 1, false)] {
+        let reply = p
+            .admit(wire::request_to_pb("r", &request("alice", len, max_tokens)))
+            .await
+            .unwrap()
+            .into_inner();
+        match reply.outcome {
+            Some(pb::admit_reply::Outcome::Admitted(_)) => assert!(ok, "{len} admitted"),
+            Some(pb::admit_reply::Outcome::Rejected(r)) => {
+                assert!(!ok, "{len} rejected");
+                let r = wire::rejection_from_pb(r).unwrap();
+                assert_eq!(r.code(), "context_length_exceeded");
+                assert!(r.to_string().contains(&POOL.to_string()), "{r}");
+            }
+            None => panic!("no verdict"),
+        }
+    }
+    // Admission is a check only: nothing was computed or held.
+    assert_eq!(pre.engine.pool_counts().leased, 0);
+    let steps = engine::EngineMetrics::get(&pre.engine.metrics().steps);
+    assert_eq!(steps, 0, "admission ran the model");
+}
+
+type Corrupt = fn(&mut Manifest, &mut PrefillOutput);
+
+/// Each corruption, injected by a peer that holds a valid cluster certificate, is refused
+/// with its own reason, counted under it, reported on the decode stream, and leaves no
+/// page leased.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_injected_corruption_is_refused_with_its_own_reason() {
+    let ca = ClusterCa::generate("test CA").unwrap();
+    let peer = identity(&ca, "rogue-prefill");
+    let dec = start_node(Role::Decode, &ca, Deadlines::default()).await;
+    let local_prefill = engine(false);
+    let req = request("alice", 40, 4);
+    let mut h = local_prefill.submit_prefill(local_prefill.admission().admit(req.clone()).unwrap());
+    let output = match h.events.recv().await {
+        Some(Event::Prefilled(out)) => *out,
+        other => panic!("{other:?}"),
+    };
+    let cases: Vec<(&str, &str, Corrupt)> = vec![
+        ("corrupted page checksum", "checksum", |_, o| {
+            o.pages[0][3] ^= 1
+        }),
+        ("missing page", "coverage", |_, o| {
+            o.pages.pop();
+        }),
+        ("wrong token count", "manifest", |m, _| m.prompt_len = 41),
+        ("manifest for another tenant", "manifest", |m, _| {
+            m.domain = IsolationDomain::tenant("bob")
+        }),
+        ("placeholder prompt", "checksum", |m, o| {
+            o.prompt.truncate(1);
+            m.token_checksum = engine::handoff::token_checksum(&o.prompt);
+        }),
+    ];
+    for (i, (name, reason, corrupt)) in cases.into_iter().enumerate() {
+        let id = format!("inj-{i}");
+        let mut d = client(&dec.addr, &peer);
+        let (mut stream, ticket) = reserve(&mut d, &id, &req).await;
+        let ticket = Ticket::from_bytes(&ticket).unwrap();
+        let mut manifest = Manifest::describe(ticket, id.clone(), req.domain.clone(), &output);
+        let mut sent = output.clone();
+        corrupt(&mut manifest, &mut sent);
+        let mut frames = vec![pb::KvFrame {
+            frame: Some(pb::kv_frame::Frame::Manifest(wire::manifest_to_pb(
+                &manifest,
+            ))),
+        }];
+        for (index, page) in sent.pages.iter().enumerate() {
+            frames.push(pb::KvFrame {
+                frame: Some(pb::kv_frame::Frame::Page(pb::Page {
+                    index: index as u32,
+                    tokens: (40 - index * 16).min(16) as u32,
+                    data: page.clone(),
+                })),
+            });
+        }
+        let before = dec.metrics.failures(reason);
+        let reply = d
+            .push_kv(tokio_stream::iter(frames))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            reply.failed.as_ref().map(|f| f.reason.as_str()),
+            Some(reason),
+            "{name}: {reply:?}"
+        );
+        assert_eq!(drain(&mut stream).await, Err(reason.to_owned()), "{name}");
+        assert_eq!(dec.metrics.failures(reason), before + 1, "{name}: metric");
+        wait_idle(&dec.engine).await;
+    }
+    assert_eq!(
+        dec.metrics
+            .transfers
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_to_an_unknown_ticket_is_refused() {
+    let ca = ClusterCa::generate("test CA").unwrap();
+    let dec = start_node(Role::Decode, &ca, Deadlines::default()).await;
+    let local_prefill = engine(false);
+    let req = request("alice", 20, 2);
+    let mut h = local_prefill.submit_prefill(local_prefill.admission().admit(req.clone()).unwrap());
+    let Some(Event::Prefilled(output)) = h.events.recv().await else {
+        panic!("no prefill");
+    };
+    let manifest = Manifest::describe(Ticket::random(), "x".into(), req.domain.clone(), &output);
+    let frames = vec![pb::KvFrame {
+        frame: Some(pb::kv_frame::Frame::Manifest(wire::manifest_to_pb(
+            &manifest,
+        ))),
+    }];
+    let reply = client(&dec.addr, &identity(&ca, "p"))
+        .push_kv(tokio_stream::iter(frames))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reply.failed.unwrap().reason, "manifest");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_without_its_kv_times_out_and_returns_its_pages() {
+    let ca = ClusterCa::generate("test CA").unwrap();
+    let deadlines = Deadlines {
+        handoff: Duration::from_millis(300),
+        frame: Duration::from_secs(5),
+    };
+    let dec = start_node(Role::Decode, &ca, deadlines).await;
+    let mut d = client(&dec.addr, &identity(&ca, "router"));
+    let (mut stream, _ticket) = reserve(&mut d, "late", &request("alice", 40, 4)).await;
+    assert!(dec.engine.pool_counts().leased > 0);
+    assert_eq!(drain(&mut stream).await, Err("timeout".to_owned()));
+    wait_idle(&dec.engine).await;
+    assert_eq!(dec.metrics.failures("timeout"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_without_a_cluster_certificate_is_refused() {
+    let ca = ClusterCa::generate("test CA").unwrap();
+    let dec = start_node(Role::Decode, &ca, Deadlines::default()).await;
+    let outsider_ca = ClusterCa::generate("another CA").unwrap();
+    // Trusts the node's CA (so the client side would accept the server) but presents a
+    // certificate the node's CA never signed.
+    let foreign = outsider_ca.identity("intruder").unwrap();
+    let intruder = TlsIdentity::from_pem(
+        ca.pem().as_bytes().to_vec(),
+        foreign.cert.into_bytes(),
+        foreign.key.into_bytes(),
+    );
+    let refused = client(&dec.addr, &intruder)
+        .decode(wire::request_to_pb("x", &request("alice", 10, 2)))
+        .await;
+    assert!(refused.is_err(), "an uncertified client was served");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while dec.metrics.failures("auth") == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the refused handshake was not counted"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        dec.metrics
+            .decode_requests
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    // The same node serves a certified client.
+    let ok = client(&dec.addr, &identity(&ca, "router"))
+        .info(pb::InfoRequest {})
+        .await;
+    assert!(ok.is_ok(), "{ok:?}");
+}
