@@ -9,12 +9,14 @@
 // the SIMD kernels of the `model` crate, each with its own safety argument and test.
 #![forbid(unsafe_code)]
 
+mod quants;
 mod reader;
 mod types;
 mod writer;
 
+pub use quants::{k4_scale_min, q6_at, QK_K};
 pub use reader::{GgufFile, TensorInfo};
-pub use types::{GgmlType, MetaValue};
+pub use types::{ggml_type_name, GgmlType, MetaValue};
 pub use writer::GgufWriter;
 
 /// Everything that can be wrong with a GGUF file.
@@ -40,7 +42,11 @@ pub enum GgufError {
     },
     #[error("unknown metadata value type {0}")]
     UnknownValueType(u32),
-    #[error("tensor {name}: unsupported or unknown ggml type {ty}")]
+    #[error(
+        "tensor {name}: ggml type {} ({ty}) is not supported (kvwarden loads F32, F16, BF16, \
+         Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)",
+        types::ggml_type_name(*ty)
+    )]
     UnknownTensorType { name: String, ty: u32 },
     #[error("tensor {name}: {reason}")]
     BadTensor { name: String, reason: String },

@@ -1,14 +1,73 @@
 use half::{bf16, f16};
 
-/// Tensor element types that kvwarden can load. Values are ggml's type ids.
+use crate::quants;
+
+/// Tensor element types that kvwarden can load. Values are ggml's type ids; the k-quants
+/// keep ggml's names (`Q4_K`), which rustc's naming lint would turn into `Q4K`.
+#[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum GgmlType {
     F32,
     F16,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
+    Q4_K,
+    Q5_K,
+    Q6_K,
     BF16,
+}
+
+/// ggml's name for a type id, for error messages about types kvwarden cannot load.
+pub fn ggml_type_name(id: u32) -> &'static str {
+    const NAMES: [&str; 43] = [
+        "F32",
+        "F16",
+        "Q4_0",
+        "Q4_1",
+        "Q4_2",
+        "Q4_3",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q8_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "Q8_K",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ3_XXS",
+        "IQ1_S",
+        "IQ4_NL",
+        "IQ3_S",
+        "IQ2_S",
+        "IQ4_XS",
+        "I8",
+        "I16",
+        "I32",
+        "I64",
+        "F64",
+        "IQ1_M",
+        "BF16",
+        "Q4_0_4_4",
+        "Q4_0_4_8",
+        "Q4_0_8_8",
+        "TQ1_0",
+        "TQ2_0",
+        "IQ4_NL_4_4",
+        "IQ4_NL_4_8",
+        "IQ4_NL_8_8",
+        "MXFP4",
+        "NVFP4",
+        "Q1_0",
+        "Q2_0",
+    ];
+    NAMES.get(id as usize).copied().unwrap_or("unknown")
 }
 
 impl GgmlType {
@@ -18,7 +77,12 @@ impl GgmlType {
             1 => Self::F16,
             2 => Self::Q4_0,
             3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            7 => Self::Q5_1,
             8 => Self::Q8_0,
+            12 => Self::Q4_K,
+            13 => Self::Q5_K,
+            14 => Self::Q6_K,
             30 => Self::BF16,
             _ => return None,
         })
@@ -30,7 +94,12 @@ impl GgmlType {
             Self::F16 => 1,
             Self::Q4_0 => 2,
             Self::Q4_1 => 3,
+            Self::Q5_0 => 6,
+            Self::Q5_1 => 7,
             Self::Q8_0 => 8,
+            Self::Q4_K => 12,
+            Self::Q5_K => 13,
+            Self::Q6_K => 14,
             Self::BF16 => 30,
         }
     }
@@ -39,7 +108,8 @@ impl GgmlType {
     pub fn block_elems(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q8_0 => 32,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
+            Self::Q4_K | Self::Q5_K | Self::Q6_K => quants::QK_K,
         }
     }
 
@@ -50,7 +120,12 @@ impl GgmlType {
             Self::F16 | Self::BF16 => 2,
             Self::Q4_0 => 2 + 16,
             Self::Q4_1 => 2 + 2 + 16,
+            Self::Q5_0 => 2 + 4 + 16,
+            Self::Q5_1 => 2 + 2 + 4 + 16,
             Self::Q8_0 => 2 + 32,
+            Self::Q4_K => 2 + 2 + 12 + 128,
+            Self::Q5_K => 2 + 2 + 12 + 32 + 128,
+            Self::Q6_K => 128 + 64 + 16 + 2,
         }
     }
 
@@ -67,7 +142,8 @@ impl GgmlType {
     ///
     /// Follows ggml's definitions: Q4_0 `x = (q - 8) * d`; Q4_1 `x = q * d + m`; Q8_0
     /// `x = q * d`; in 4-bit blocks byte `j` holds element `j` in its low nibble and element
-    /// `j + 16` in its high nibble.
+    /// `j + 16` in its high nibble. The 5-bit and k-quant layouts are described in
+    /// `quants.rs`.
     pub fn dequantize(self, src: &[u8], dst: &mut [f32]) {
         let be = self.block_elems();
         let bb = self.block_bytes();
@@ -101,6 +177,11 @@ impl GgmlType {
                         out[j] = block[2 + j] as i8 as f32 * d;
                     }
                 }
+                Self::Q5_0 => quants::dequantize_q5_0(block, out),
+                Self::Q5_1 => quants::dequantize_q5_1(block, out),
+                Self::Q4_K => quants::dequantize_q4_k(block, out),
+                Self::Q5_K => quants::dequantize_q5_k(block, out),
+                Self::Q6_K => quants::dequantize_q6_k(block, out),
             }
         }
     }
@@ -155,6 +236,11 @@ impl GgmlType {
                         out.push((v * id).round() as i8 as u8);
                     }
                 }
+                Self::Q5_0 => quants::quantize_q5_0(x, &mut out),
+                Self::Q5_1 => quants::quantize_q5_1(x, &mut out),
+                Self::Q4_K => quants::quantize_q4_k(x, &mut out),
+                Self::Q5_K => quants::quantize_q5_k(x, &mut out),
+                Self::Q6_K => quants::quantize_q6_k(x, &mut out),
             }
         }
         out
@@ -215,6 +301,13 @@ impl MetaValue {
             Self::F32(v) => Some(v as f64),
             Self::F64(v) => Some(v),
             _ => self.as_i64().map(|v| v as f64),
+        }
+    }
+
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            Self::Bool(v) => Some(v),
+            _ => None,
         }
     }
 

@@ -5,6 +5,7 @@
 
 use rayon::prelude::*;
 
+use crate::quant::{quantize_row_q8_k, Acts, BlockQ8K};
 use crate::weights::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, Matrix, QK};
 
 /// Tokens processed together against one weight row (weights unpacked once per tile).
@@ -35,7 +36,8 @@ pub fn matmul_group(
                 n * w.cols() / QK,
                 "matmul: quantized input shape"
             );
-        } else {
+        }
+        if !w.wants_q8() || w.wants_q8_k() {
             assert_eq!(x_f32.len(), n * w.cols(), "matmul: input shape");
         }
     }
@@ -67,9 +69,28 @@ pub fn matmul_group(
     } else {
         Vec::new()
     };
+    // The k-quants take the input as Q8_K super-blocks, quantized once for the group.
+    let q8_k = match ws.iter().find(|w| w.wants_q8_k()) {
+        Some(w) => {
+            let cols = w.cols();
+            let mut q = vec![BlockQ8K::default(); n * cols / gguf::QK_K];
+            for (row, o) in x_f32
+                .chunks_exact(cols)
+                .zip(q.chunks_exact_mut(cols / gguf::QK_K))
+            {
+                quantize_row_q8_k(row, o);
+            }
+            q
+        }
+        None => Vec::new(),
+    };
+    let acts = Acts {
+        q8_1: x_q8,
+        q8_k: &q8_k,
+    };
     tasks.into_par_iter().for_each(|(m, r0, chunk)| {
         let nr = chunk.len() / n;
-        rows_kernel(ws[m], r0, nr, x_f32, x_q8, &scales, n, chunk);
+        rows_kernel(ws[m], r0, nr, x_f32, &acts, &scales, n, chunk);
     });
     if n != 1 {
         for ((w, buf), out) in ws.iter().zip(&by_row).zip(outs.iter_mut()) {
@@ -108,11 +129,12 @@ fn rows_kernel(
     r0: usize,
     nr: usize,
     x_f32: &[f32],
-    x_q8: &[BlockQ8_1],
+    acts: &Acts<'_>,
     scales: &[[f32; 2 * TILE]],
     n: usize,
     out: &mut [f32],
 ) {
+    let x_q8 = acts.q8_1;
     let cols = w.cols();
     let nb = cols / QK;
     match w {
@@ -134,6 +156,7 @@ fn rows_kernel(
         Matrix::Q8_0 { data, .. } => tiled(nr, n, nb, x_q8, out, |r, acts, _, res| {
             dot_q8_0(&data[(r0 + r) * nb..(r0 + r + 1) * nb], acts, res)
         }),
+        Matrix::Blocks(m) => m.rows_kernel(r0, nr, acts, n, out),
     }
 }
 
@@ -861,7 +884,7 @@ mod tests {
                         Matrix::Q4_0 { data, .. } => scalar::q4_0(&data[r * nb..(r + 1) * nb], a),
                         Matrix::Q4_1 { data, .. } => scalar::q4_1(&data[r * nb..(r + 1) * nb], a),
                         Matrix::Q8_0 { data, .. } => scalar::q8_0(&data[r * nb..(r + 1) * nb], a),
-                        Matrix::F32 { .. } => got,
+                        Matrix::F32 { .. } | Matrix::Blocks(_) => got,
                     };
                     assert!(
                         (scalar - got).abs() <= 1e-5 * (1.0 + got.abs()),
@@ -967,7 +990,7 @@ mod tests {
                             x86::avx2::q8_0(&data[r * nb..(r + 1) * nb], &acts, &mut a);
                             x86::vnni::q8_0(&data[r * nb..(r + 1) * nb], &acts, &mut b);
                         }
-                        Matrix::F32 { .. } => unreachable!(),
+                        Matrix::F32 { .. } | Matrix::Blocks(_) => unreachable!(),
                     }
                 }
                 assert_eq!(a.map(f32::to_bits), b.map(f32::to_bits), "{ty:?} row {r}");

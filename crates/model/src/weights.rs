@@ -5,6 +5,7 @@
 use gguf::{GgmlType, GgufFile, TensorInfo};
 use half::f16;
 
+use crate::quant::BlockMatrix;
 use crate::ModelError;
 
 pub const QK: usize = 32;
@@ -118,6 +119,8 @@ pub enum Matrix {
         cols: usize,
         data: Vec<BlockQ8_0>,
     },
+    /// Q5_0, Q5_1 and the k-quants, one `QuantFormat` each (`crate::quant`).
+    Blocks(Box<dyn BlockMatrix>),
 }
 
 fn f16_at(b: &[u8], i: usize) -> f32 {
@@ -131,6 +134,7 @@ impl Matrix {
             | Matrix::Q4_0 { rows, .. }
             | Matrix::Q4_1 { rows, .. }
             | Matrix::Q8_0 { rows, .. } => *rows,
+            Matrix::Blocks(m) => m.rows(),
         }
     }
 
@@ -140,12 +144,18 @@ impl Matrix {
             | Matrix::Q4_0 { cols, .. }
             | Matrix::Q4_1 { cols, .. }
             | Matrix::Q8_0 { cols, .. } => *cols,
+            Matrix::Blocks(m) => m.cols(),
         }
     }
 
     /// Whether the kernels take this matrix's input as quantized Q8_1 blocks.
     pub fn wants_q8(&self) -> bool {
         !matches!(self, Matrix::F32 { .. })
+    }
+
+    /// Whether the kernels also need the input as Q8_K super-blocks (the k-quants).
+    pub fn wants_q8_k(&self) -> bool {
+        matches!(self, Matrix::Blocks(m) if m.wants_q8_k())
     }
 
     /// Loads a 2-D tensor whose ggml dims are `[cols, rows]`.
@@ -159,6 +169,12 @@ impl Matrix {
             return Err(ModelError::Tensor {
                 name: info.name.clone(),
                 reason: format!("shape {:?}, expected [{cols}, {rows}]", info.dims),
+            });
+        }
+        if !cols.is_multiple_of(info.ty.block_elems()) {
+            return Err(ModelError::Tensor {
+                name: info.name.clone(),
+                reason: format!("rows of {cols} are not whole {:?} blocks", info.ty),
             });
         }
         let bytes = file.tensor_bytes(info);
@@ -217,6 +233,14 @@ impl Matrix {
                     })
                     .collect(),
             },
+            ty => Matrix::Blocks(
+                crate::quant::block_matrix(ty, rows, cols, bytes.to_vec()).ok_or_else(|| {
+                    ModelError::Tensor {
+                        name: info.name.clone(),
+                        reason: format!("ggml type {ty:?} has no kernel"),
+                    }
+                })?,
+            ),
         })
     }
 
@@ -258,6 +282,7 @@ impl Matrix {
                     }
                 }
             }
+            Matrix::Blocks(m) => m.row_f32(r, out),
         }
     }
 }

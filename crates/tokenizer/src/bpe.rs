@@ -19,6 +19,8 @@ pub(crate) struct Bpe {
     merges: HashMap<(u32, u32), (u32, u32)>,
     /// Symbol id of each byte's stand-in character.
     byte_symbol: [u32; 256],
+    /// Each byte's stand-in character.
+    stand_in: [char; 256],
     n_vocab: u32,
 }
 
@@ -100,9 +102,14 @@ impl Bpe {
             }
         }
 
+        let mut stand_in = ['\0'; 256];
+        for (b, slot) in (0u8..=255).zip(stand_in.iter_mut()) {
+            *slot = bytes.char_of(b);
+        }
         Ok(Bpe {
             merges,
             byte_symbol,
+            stand_in,
             n_vocab,
         })
     }
@@ -111,6 +118,20 @@ impl Bpe {
     pub(crate) fn byte_token(&self, b: u8) -> Option<u32> {
         let id = self.byte_symbol[usize::from(b)];
         (id < self.n_vocab).then_some(id)
+    }
+
+    /// The vocabulary entry that spells the whole piece, if there is one (llama.cpp's
+    /// `ignore_merges`: such a piece is that token whatever the merges would make of it).
+    pub(crate) fn whole_piece(
+        &self,
+        piece: &[u8],
+        vocab: &HashMap<String, u32>,
+        scratch: &mut Scratch,
+    ) -> Option<u32> {
+        let text = &mut scratch.text;
+        text.clear();
+        text.extend(piece.iter().map(|&b| self.stand_in[usize::from(b)]));
+        vocab.get(text.as_str()).copied()
     }
 
     /// Encodes one pre-tokenized piece (raw bytes) and appends its tokens to `out`.
@@ -242,6 +263,7 @@ struct Candidate {
 /// Buffers reused across the pieces of one `encode` call.
 #[derive(Default)]
 pub(crate) struct Scratch {
+    text: String,
     symbols: Vec<Symbol>,
     heap: BinaryHeap<Reverse<Candidate>>,
 }

@@ -1,9 +1,11 @@
 //! Tokenizer for GGUF models that reproduces llama.cpp token for token, plus streaming
 //! detokenization and chat-template rendering.
 //!
-//! Only byte-level BPE (`tokenizer.ggml.model = gpt2`) is implemented, with the
-//! pre-tokenizers listed in [`PreTokenizer`]; anything else is refused at load time rather
-//! than tokenized subtly wrong.
+//! Two vocabulary types are implemented: byte-level BPE (`tokenizer.ggml.model = gpt2`) with
+//! the pre-tokenizers listed in [`PreTokenizer`], and SentencePiece (`llama`: Llama 2,
+//! Mistral, Phi-3, ...). Anything else is refused at load time rather than tokenized subtly
+//! wrong; `crates/tokenizer/tests/llama_vocabs.rs` runs llama.cpp's own conformance cases on
+//! every vocabulary llama.cpp ships.
 
 // Memory safety here rests on the compiler alone: the only unsafe code in the workspace is
 // the SIMD kernels of the `model` crate, each with its own safety argument and test.
@@ -13,6 +15,7 @@ mod bpe;
 mod bytes;
 mod decoder;
 mod pretokenize;
+mod spm;
 mod template;
 
 use std::collections::HashMap;
@@ -27,10 +30,18 @@ pub use template::{ChatMessage, ChatTemplate, TemplateError};
 pub enum TokenizerError {
     #[error("reading tokenizer metadata: {0}")]
     Gguf(#[from] gguf::GgufError),
-    #[error("unsupported tokenizer model {0:?}: only byte-level BPE (\"gpt2\") is implemented")]
+    #[error(
+        "unsupported tokenizer model {0:?}: only byte-level BPE (\"gpt2\") and SentencePiece \
+         (\"llama\") are implemented"
+    )]
     UnsupportedModel(String),
     #[error("unsupported pre-tokenizer {0:?}")]
     UnsupportedPreTokenizer(String),
+    #[error(
+        "byte-level BPE vocabulary with no tokenizer.ggml.pre: llama.cpp would guess one and warn \
+         that output quality degrades; refusing instead"
+    )]
+    MissingPreTokenizer,
     #[error("invalid tokenizer metadata: {0}")]
     InvalidMetadata(String),
     #[error("token id {id} is out of range (vocabulary has {vocab_size} tokens)")]
@@ -70,8 +81,28 @@ impl TokenType {
     }
 }
 
-/// A byte-level BPE tokenizer loaded from GGUF metadata. Immutable after loading, so it can
-/// be shared between threads freely.
+/// How text between special tokens becomes tokens.
+enum Model {
+    /// Byte-level BPE after a pre-tokenizer; with `ignore_merges`, a piece that is a
+    /// vocabulary entry as a whole is that entry.
+    Bpe {
+        bpe: bpe::Bpe,
+        pre: PreTokenizer,
+        ignore_merges: bool,
+    },
+    Spm(spm::Spm),
+}
+
+/// Whitespace a special token swallows on either side when it splits the text (llama.cpp's
+/// `LLAMA_TOKEN_ATTR_LSTRIP` / `RSTRIP`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Strip {
+    left: bool,
+    right: bool,
+}
+
+/// A tokenizer loaded from GGUF metadata. Immutable after loading, so it can be shared
+/// between threads freely.
 pub struct Tokenizer {
     texts: Vec<String>,
     types: Vec<TokenType>,
@@ -80,10 +111,11 @@ pub struct Tokenizer {
     piece_bytes: Vec<u8>,
     piece_offsets: Vec<usize>,
     text_to_id: HashMap<String, u32>,
-    bpe: bpe::Bpe,
-    pre: PreTokenizer,
+    model: Model,
     /// Tokens matched literally by `encode`, longest text first.
     specials: Vec<u32>,
+    /// The special tokens that strip whitespace next to them (few or none).
+    strip: HashMap<u32, Strip>,
     /// The user-defined subset, which llama.cpp still matches when special parsing is off.
     user_defined: Vec<u32>,
     bos: Option<u32>,
@@ -95,7 +127,7 @@ impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tokenizer")
             .field("vocab_size", &self.texts.len())
-            .field("pre", &self.pre)
+            .field("pre", &self.pre_tokenizer())
             .field("specials", &self.specials.len())
             .field("bos", &self.bos)
             .field("eos", &self.eos)
@@ -123,13 +155,22 @@ fn optional_id(file: &gguf::GgufFile, key: &str, n: usize) -> Result<Option<u32>
 impl Tokenizer {
     /// Loads the vocabulary, merges and special tokens from a GGUF file's metadata.
     pub fn from_gguf(file: &gguf::GgufFile) -> Result<Self, TokenizerError> {
-        let model = file.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(TokenizerError::UnsupportedModel(model.to_owned()));
-        }
-        let pre_name = file.get_str("tokenizer.ggml.pre")?;
-        let pre = PreTokenizer::from_gguf_name(pre_name)
-            .ok_or_else(|| TokenizerError::UnsupportedPreTokenizer(pre_name.to_owned()))?;
+        let model_name = file.get_str("tokenizer.ggml.model")?;
+        // The pre-tokenizer is checked before the (large) vocabulary is read.
+        let pre = match model_name {
+            "gpt2" => {
+                let name = match file.get("tokenizer.ggml.pre") {
+                    None => return Err(TokenizerError::MissingPreTokenizer),
+                    Some(_) => file.get_str("tokenizer.ggml.pre")?,
+                };
+                Some(
+                    pretokenize::PreSpec::from_gguf_name(name)
+                        .ok_or_else(|| TokenizerError::UnsupportedPreTokenizer(name.to_owned()))?,
+                )
+            }
+            "llama" => None,
+            other => return Err(TokenizerError::UnsupportedModel(other.to_owned())),
+        };
 
         let raw_tokens = file.get_array("tokenizer.ggml.tokens")?;
         let n = raw_tokens.len();
@@ -177,15 +218,29 @@ impl Tokenizer {
         }
 
         let byte_map = bytes::ByteMap::new();
-        let rules = file.get_array("tokenizer.ggml.merges")?;
-        let bpe = bpe::Bpe::new(&text_to_id, n as u32, rules, &byte_map)?;
+        let model = match pre {
+            Some(spec) => {
+                let rules = file.get_array("tokenizer.ggml.merges")?;
+                Model::Bpe {
+                    bpe: bpe::Bpe::new(&text_to_id, n as u32, rules, &byte_map)?,
+                    pre: spec.pre,
+                    ignore_merges: spec.ignore_merges,
+                }
+            }
+            None => {
+                let unk = optional_id(file, "tokenizer.ggml.unknown_token_id", n)?;
+                Model::Spm(spm::Spm::from_gguf(file, &text_to_id, n, unk)?)
+            }
+        };
 
         let mut piece_bytes = Vec::new();
         let mut piece_offsets = Vec::with_capacity(n + 1);
         piece_offsets.push(0);
-        for (text, ty) in texts.iter().zip(&types) {
+        for (text, &ty) in texts.iter().zip(&types) {
             if ty.is_special() {
                 piece_bytes.extend_from_slice(text.as_bytes());
+            } else if matches!(model, Model::Spm(_)) {
+                spm_piece(text, ty, &mut piece_bytes);
             } else {
                 for c in text.chars() {
                     match byte_map.byte_of(c) {
@@ -213,6 +268,8 @@ impl Tokenizer {
             .filter(|&i| types[i as usize] == TokenType::UserDefined)
             .collect();
 
+        let strip = special_strips(file, &specials, &text_to_id);
+
         let bos = optional_id(file, "tokenizer.ggml.bos_token_id", n)?;
         let eos = optional_id(file, "tokenizer.ggml.eos_token_id", n)?;
         let chat_template = file
@@ -226,9 +283,9 @@ impl Tokenizer {
             piece_bytes,
             piece_offsets,
             text_to_id,
-            bpe,
-            pre,
+            model,
             specials,
+            strip,
             user_defined,
             bos,
             eos,
@@ -253,22 +310,47 @@ impl Tokenizer {
         let fragments = self.partition(text, specials);
         let mut out = Vec::with_capacity(text.len() / 3 + 1);
         let mut pieces: Vec<Range<usize>> = Vec::new();
-        let mut scratch = bpe::Scratch::default();
+        let mut bpe_scratch = bpe::Scratch::default();
+        let mut spm_scratch = spm::Scratch::default();
+        // SentencePiece prefixes a space to text at the start or after a special token.
+        let mut after_special = true;
         for frag in fragments {
-            match frag {
-                Fragment::Token(id) => out.push(id),
-                Fragment::Text(range) => {
-                    let Some(chunk) = text.get(range) else {
-                        continue;
-                    };
+            let range = match frag {
+                Fragment::Token(id) => {
+                    out.push(id);
+                    after_special = true;
+                    continue;
+                }
+                Fragment::Text(range) => range,
+            };
+            let Some(chunk) = text.get(range) else {
+                continue;
+            };
+            match &self.model {
+                Model::Bpe {
+                    bpe,
+                    pre,
+                    ignore_merges,
+                } => {
                     pieces.clear();
-                    pretokenize::split(chunk, self.pre, &mut pieces);
+                    pretokenize::split(chunk, *pre, &mut pieces);
                     for piece in &pieces {
                         let bytes = chunk.as_bytes().get(piece.clone()).unwrap_or_default();
-                        self.bpe.encode_piece(bytes, &mut scratch, &mut out);
+                        let whole = ignore_merges
+                            .then(|| bpe.whole_piece(bytes, &self.text_to_id, &mut bpe_scratch))
+                            .flatten();
+                        match whole {
+                            Some(id) => out.push(id),
+                            None => bpe.encode_piece(bytes, &mut bpe_scratch, &mut out),
+                        }
                     }
                 }
+                Model::Spm(spm) => {
+                    let prefix = spm.add_space_prefix && after_special;
+                    spm.encode(chunk, prefix, &self.text_to_id, &mut spm_scratch, &mut out);
+                }
             }
+            after_special = false;
         }
         out
     }
@@ -276,31 +358,43 @@ impl Tokenizer {
     /// Splits `text` on special-token text the way llama.cpp's `tokenizer_st_partition`
     /// does: one token at a time, longest first, each splitting every remaining text
     /// fragment at all its leftmost non-overlapping occurrences. (This differs from a
-    /// leftmost-longest scan when two special texts overlap.)
+    /// leftmost-longest scan when two special texts overlap.) A token with a [`Strip`]
+    /// attribute also swallows the ASCII whitespace next to it.
     fn partition(&self, text: &str, specials: &[u32]) -> Vec<Fragment> {
-        let mut frags = vec![Fragment::Text(0..text.len())];
+        let mut frags = Vec::new();
+        if !text.is_empty() {
+            frags.push(Fragment::Text(0..text.len()));
+        }
+        let bytes = text.as_bytes();
+        // C's isspace in the "C" locale, which llama.cpp uses for stripping.
+        let is_space = |b: u8| matches!(b, b' ' | b'\t' | b'\n' | b'\x0B' | b'\x0C' | b'\r');
         for &id in specials {
             let needle = self.texts[id as usize].as_str();
             if !text.contains(needle) {
                 continue;
             }
+            let strip = self.strip.get(&id).copied().unwrap_or_default();
             let mut next = Vec::with_capacity(frags.len() + 2);
             for frag in frags {
                 let Fragment::Text(range) = frag else {
                     next.push(frag);
                     continue;
                 };
-                let Some(hay) = text.get(range.clone()) else {
-                    continue;
-                };
                 let mut start = range.start;
-                for (at, _) in hay.match_indices(needle) {
-                    let at = range.start + at;
-                    if at > start {
-                        next.push(Fragment::Text(start..at));
+                while let Some(at) = text.get(start..range.end).and_then(|h| h.find(needle)) {
+                    let at = start + at;
+                    let mut left_end = at;
+                    while strip.left && left_end > start && is_space(bytes[left_end - 1]) {
+                        left_end -= 1;
+                    }
+                    if left_end > start {
+                        next.push(Fragment::Text(start..left_end));
                     }
                     next.push(Fragment::Token(id));
                     start = at + needle.len();
+                    while strip.right && start < range.end && is_space(bytes[start]) {
+                        start += 1;
+                    }
                 }
                 if start < range.end {
                     next.push(Fragment::Text(start..range.end));
@@ -393,10 +487,76 @@ impl Tokenizer {
         ))
     }
 
-    /// The pre-tokenizer this vocabulary uses.
-    pub fn pre_tokenizer(&self) -> PreTokenizer {
-        self.pre
+    /// The pre-tokenizer of a byte-level BPE vocabulary; `None` for SentencePiece.
+    pub fn pre_tokenizer(&self) -> Option<PreTokenizer> {
+        match &self.model {
+            Model::Bpe { pre, .. } => Some(*pre),
+            Model::Spm(_) => None,
+        }
     }
+}
+
+/// The bytes a SentencePiece token stands for (llama.cpp's `token_to_piece`): `▁` is a
+/// space, `<0xXX>` byte tokens are that byte, and unused or undefined entries are nothing.
+fn spm_piece(text: &str, ty: TokenType, out: &mut Vec<u8>) {
+    match ty {
+        TokenType::Normal => {
+            for c in text.chars() {
+                let c = if c == spm::SPACE { ' ' } else { c };
+                out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes());
+            }
+        }
+        TokenType::Byte => {
+            let hex = text
+                .strip_prefix("<0x")
+                .and_then(|t| t.strip_suffix('>'))
+                .and_then(|h| u8::from_str_radix(h, 16).ok());
+            match hex {
+                Some(b) => out.push(b),
+                // Not the <0xXX> form: keep the text rather than invent a byte.
+                None => out.extend_from_slice(text.as_bytes()),
+            }
+        }
+        TokenType::Control | TokenType::UserDefined | TokenType::Unknown => {
+            out.extend_from_slice(text.as_bytes())
+        }
+        TokenType::Unused | TokenType::Undefined => {}
+    }
+}
+
+/// The whitespace-stripping attributes llama.cpp gives special tokens. GGUF does not store
+/// them, so llama.cpp sets them by model name; of its rules, kvwarden needs Phi-3's (every
+/// special token but `<unk>`, `<s>` and `<|endoftext|>` swallows the whitespace after it,
+/// and so does `</s>`). The other rules concern vocabulary types kvwarden refuses.
+fn special_strips(
+    file: &gguf::GgufFile,
+    specials: &[u32],
+    text_to_id: &HashMap<String, u32>,
+) -> HashMap<u32, Strip> {
+    let mut strip = HashMap::new();
+    let name = file
+        .get("general.name")
+        .and_then(|v| v.as_str())
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    if name.contains("phi-3") || name.contains("phi3") {
+        let right = Strip {
+            left: false,
+            right: true,
+        };
+        for &id in specials {
+            strip.insert(id, right);
+        }
+        if let Some(&id) = text_to_id.get("</s>") {
+            strip.insert(id, right);
+        }
+        for t in ["<unk>", "<s>", "<|endoftext|>"] {
+            if let Some(&id) = text_to_id.get(t) {
+                strip.remove(&id);
+            }
+        }
+    }
+    strip
 }
 
 enum Fragment {

@@ -108,7 +108,7 @@ fn vocabulary_facts() {
     assert_eq!(tok.vocab_size(), 49152);
     assert_eq!(tok.eos_id(), Some(2));
     assert_eq!(tok.bos_id(), Some(1));
-    assert_eq!(tok.pre_tokenizer(), PreTokenizer::DigitsThenGpt2);
+    assert_eq!(tok.pre_tokenizer(), Some(PreTokenizer::DigitsThenGpt2));
     assert!((0..17).all(|i| tok.is_control(i)));
     assert!(!tok.is_control(17));
     assert!(!tok.is_control(u32::MAX));
@@ -184,40 +184,96 @@ fn shared_between_threads() {
     });
 }
 
-/// The smollm pre-tokenizer written as the two regexes llama.cpp lists, run by a regex
-/// engine: an independent oracle for the hand-written splitter.
-fn regex_pieces(text: &str) -> Vec<String> {
+/// llama.cpp's regex list for each pre-tokenizer, run by a regex engine: an independent
+/// oracle for the hand-written splitters. Each regex splits every piece the previous one
+/// produced; matches and the text between them both become pieces. The contractions are
+/// written out case by case, as llama.cpp adapts them (`(?i:...)` would also fold `ſ` and
+/// the Kelvin sign), and a literal-range set excludes whitespace, which llama.cpp replaces
+/// by `\x0B` before running such a regex.
+const ORACLES: &[(PreTokenizer, &[&str])] = &[
+    (PreTokenizer::Gpt2, &[GPT2]),
+    (PreTokenizer::DigitsThenGpt2, &[r"\p{N}", GPT2]),
+    (
+        PreTokenizer::Llama3,
+        &[concat!(
+            r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|",
+            r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        )],
+    ),
+    (
+        PreTokenizer::Qwen2,
+        &[concat!(
+            r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|",
+            r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        )],
+    ),
+    (
+        PreTokenizer::Qwen35,
+        &[concat!(
+            r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|",
+            r"\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        )],
+    ),
+    (
+        PreTokenizer::DeepseekCoder,
+        &[
+            r"[\r\n]",
+            r"\s?\p{L}+",
+            r"\s?\p{P}+",
+            r"(?:(?!\s)[\x{4E00}-\x{9FA5}\x{800}-\x{4E00}\x{AC00}-\x{D7FF}])+",
+            r"\p{N}",
+        ],
+    ),
+    (
+        PreTokenizer::Falcon,
+        &[r"[\p{P}\$\+<=>\^~\|`]+", GPT2, "[0-9][0-9][0-9]"],
+    ),
+];
+
+const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+fn regex_pieces(text: &str, mode: PreTokenizer) -> Vec<String> {
     use std::sync::OnceLock;
-    static RES: OnceLock<(fancy_regex::Regex, fancy_regex::Regex)> = OnceLock::new();
-    let (digits, gpt2) = RES.get_or_init(|| {
-        (
-            fancy_regex::Regex::new(r"\p{N}").expect("digit regex"),
-            fancy_regex::Regex::new(
-                r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
-            )
-            .expect("gpt2 regex"),
-        )
+    static RES: OnceLock<Vec<(PreTokenizer, Vec<fancy_regex::Regex>)>> = OnceLock::new();
+    let all = RES.get_or_init(|| {
+        ORACLES
+            .iter()
+            .map(|(mode, list)| {
+                let res = list
+                    .iter()
+                    .map(|r| fancy_regex::Regex::new(r).expect("oracle regex compiles"))
+                    .collect();
+                (*mode, res)
+            })
+            .collect()
     });
-    let mut stage1 = Vec::new();
-    let mut last = 0;
-    for m in digits.find_iter(text) {
-        let m = m.expect("regex runs");
-        if m.start() > last {
-            stage1.push(&text[last..m.start()]);
+    let (_, regexes) = all
+        .iter()
+        .find(|(m, _)| *m == mode)
+        .expect("an oracle for every pre-tokenizer tested");
+    let mut pieces = vec![text.to_owned()];
+    if text.is_empty() {
+        pieces.clear();
+    }
+    for re in regexes {
+        let mut next = Vec::new();
+        for piece in &pieces {
+            let mut last = 0;
+            for m in re.find_iter(piece) {
+                let m = m.expect("regex runs");
+                if m.start() > last {
+                    next.push(piece[last..m.start()].to_owned());
+                }
+                next.push(m.as_str().to_owned());
+                last = m.end();
+            }
+            if last < piece.len() {
+                next.push(piece[last..].to_owned());
+            }
         }
-        stage1.push(m.as_str());
-        last = m.end();
+        pieces = next;
     }
-    if last < text.len() {
-        stage1.push(&text[last..]);
-    }
-    let mut out = Vec::new();
-    for piece in stage1 {
-        for m in gpt2.find_iter(piece) {
-            out.push(m.expect("regex runs").as_str().to_owned());
-        }
-    }
-    out
+    pieces
 }
 
 fn interesting_char() -> impl Strategy<Value = char> {
@@ -226,7 +282,8 @@ fn interesting_char() -> impl Strategy<Value = char> {
             ' ', ' ', ' ', '\n', '\t', '\r', '\x0B', '\x0C', '\u{85}', '\u{a0}', '\u{3000}', '\u{2028}',
             '\'', 's', 't', 'r', 'e', 'v', 'm', 'l', 'd', 'S', 'M', 'a', 'Z', '0', '7', '½', 'Ⅻ', '٣',
             '.', ',', '!', '<', '|', '>', '_', '$', '日', 'é', '\u{301}', '🦀', '\u{1F3FD}', '\x1C',
-            '\u{4}', '\u{200B}', 'ß', 'Ω',
+            '\u{4}', '\u{200B}', 'ß', 'Ω', '\u{17F}', '\u{212A}', '你', '한', '、', '（', '=', '`',
+            '^', '~', '+', '(', ')', '-', '"',
         ]),
         1 => any::<char>(),
     ]
@@ -250,9 +307,11 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(400))]
 
     #[test]
-    fn splitter_matches_regex_engine(text in interesting_string()) {
-        let ours: Vec<&str> = pre_tokenize(&text, PreTokenizer::DigitsThenGpt2);
-        prop_assert_eq!(ours, regex_pieces(&text));
+    fn splitters_match_regex_engine(text in interesting_string()) {
+        for &(mode, _) in ORACLES {
+            let ours: Vec<&str> = pre_tokenize(&text, mode);
+            prop_assert_eq!(ours, regex_pieces(&text, mode), "{:?}", mode);
+        }
     }
 
     #[test]

@@ -1,0 +1,456 @@
+//! Weight formats added after the original three (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): one
+//! [`QuantFormat`] implementation per ggml type, each defining its dot product against the
+//! activation quantization ggml pairs it with (Q8_1 blocks of 32, or Q8_K super-blocks of
+//! 256). Matrices keep ggml's bytes as they are in the file.
+//!
+//! The kernels here are portable scalar code: exact integer sums per (sub-)block, then the
+//! block's float scales. There is no SIMD build of them yet, and their float order is not
+//! yet llama.cpp's AVX2 order, so greedy output on these types is not claimed to match
+//! llama.cpp bit for bit (unlike the Q4_0/Q4_1/Q8_0 kernels in `kernels.rs`).
+
+use std::marker::PhantomData;
+
+use gguf::{GgmlType, QK_K};
+use half::f16;
+
+use crate::weights::{BlockQ8_1, QK};
+
+/// An activation super-block quantized as ggml's Q8_K: `x ≈ d * q`, with the sum of each
+/// 16 quants kept for the k-quants' offset terms.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ8K {
+    pub d: f32,
+    pub qs: [i8; QK_K],
+    pub bsums: [i16; QK_K / 16],
+}
+
+impl Default for BlockQ8K {
+    fn default() -> Self {
+        Self {
+            d: 0.0,
+            qs: [0; QK_K],
+            bsums: [0; QK_K / 16],
+        }
+    }
+}
+
+/// Quantizes one activation row (length a multiple of 256) as ggml's reference Q8_K does:
+/// the scale comes from the signed value of largest magnitude (`-127 / max`), values round
+/// to nearest even and are capped at 127.
+pub fn quantize_row_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
+    for (blk, o) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
+        let mut max = 0f32;
+        let mut amax = 0f32;
+        for &v in blk {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            *o = BlockQ8K::default();
+            continue;
+        }
+        let iscale = -127.0 / max;
+        for (q, &v) in o.qs.iter_mut().zip(blk) {
+            *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+        }
+        for (s, group) in o.bsums.iter_mut().zip(o.qs.chunks_exact(16)) {
+            *s = group.iter().map(|&q| i16::from(q)).sum();
+        }
+        o.d = 1.0 / iscale;
+    }
+}
+
+/// Every activation quantization of the same input rows; a format takes the one it needs.
+pub struct Acts<'a> {
+    pub q8_1: &'a [BlockQ8_1],
+    pub q8_k: &'a [BlockQ8K],
+}
+
+/// An activation block type: how many elements a block covers, and where to find it.
+pub trait ActBlock: Sized + 'static {
+    const ELEMS: usize;
+    fn pick<'a>(acts: &Acts<'a>) -> &'a [Self];
+}
+
+impl ActBlock for BlockQ8_1 {
+    const ELEMS: usize = QK;
+    fn pick<'a>(acts: &Acts<'a>) -> &'a [Self] {
+        acts.q8_1
+    }
+}
+
+impl ActBlock for BlockQ8K {
+    const ELEMS: usize = QK_K;
+    fn pick<'a>(acts: &Acts<'a>) -> &'a [Self] {
+        acts.q8_k
+    }
+}
+
+/// One ggml weight format the kernels can multiply.
+pub trait QuantFormat: Send + Sync + 'static {
+    const TYPE: GgmlType;
+    /// The activation blocks the dot product takes.
+    type Act: ActBlock;
+    /// One weight row (ggml's blocks, as bytes) against one activation row.
+    fn dot(w: &[u8], a: &[Self::Act]) -> f32;
+}
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// The 32 five-bit values of a Q5_0/Q5_1 block from its `qh` (4 bytes) and `qs` (16).
+fn five_bit(qh: &[u8], qs: &[u8]) -> [i32; 32] {
+    let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    let mut q = [0i32; 32];
+    for j in 0..16 {
+        q[j] = i32::from(qs[j] & 0x0f) | (((qh >> j) & 1) << 4) as i32;
+        q[j + 16] = i32::from(qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4) as i32;
+    }
+    q
+}
+
+fn isum(q: &[i32], a: &[i8]) -> i32 {
+    q.iter().zip(a).map(|(&x, &y)| x * i32::from(y)).sum()
+}
+
+#[allow(non_camel_case_types)]
+pub struct Q5_0;
+
+impl QuantFormat for Q5_0 {
+    const TYPE: GgmlType = GgmlType::Q5_0;
+    type Act = BlockQ8_1;
+
+    fn dot(w: &[u8], a: &[BlockQ8_1]) -> f32 {
+        let mut acc = 0f32;
+        for (wb, ab) in w.chunks_exact(22).zip(a) {
+            let mut q = five_bit(&wb[2..6], &wb[6..22]);
+            q.iter_mut().for_each(|v| *v -= 16);
+            acc += f16_at(wb, 0) * ab.d * isum(&q, &ab.qs) as f32;
+        }
+        acc
+    }
+}
+
+#[allow(non_camel_case_types)]
+pub struct Q5_1;
+
+impl QuantFormat for Q5_1 {
+    const TYPE: GgmlType = GgmlType::Q5_1;
+    type Act = BlockQ8_1;
+
+    fn dot(w: &[u8], a: &[BlockQ8_1]) -> f32 {
+        let mut acc = 0f32;
+        for (wb, ab) in w.chunks_exact(24).zip(a) {
+            let q = five_bit(&wb[4..8], &wb[8..24]);
+            acc += f16_at(wb, 0) * ab.d * isum(&q, &ab.qs) as f32 + f16_at(wb, 2) * ab.s;
+        }
+        acc
+    }
+}
+
+/// Q4_K and Q5_K: eight sub-blocks of 32 with 6-bit scales and mins;
+/// `Σ x·a = d·da·Σ_j sc_j Σ q·a − dmin·da·Σ_j m_j Σ a`, the last sums from `bsums`.
+fn dot_k4_like(w: &[u8], a: &[BlockQ8K], bytes: usize, value: impl Fn(&[u8], usize) -> i32) -> f32 {
+    let mut acc = 0f32;
+    for (wb, ab) in w.chunks_exact(bytes).zip(a) {
+        let scales = &wb[4..16];
+        let mut sumi = 0i32;
+        let mut summ = 0i32;
+        for j in 0..8 {
+            let (sc, m) = gguf::k4_scale_min(j, scales);
+            let mut s = 0i32;
+            for l in 0..32 {
+                s += value(wb, 32 * j + l) * i32::from(ab.qs[32 * j + l]);
+            }
+            sumi += i32::from(sc) * s;
+            summ += i32::from(m) * (i32::from(ab.bsums[2 * j]) + i32::from(ab.bsums[2 * j + 1]));
+        }
+        acc += f16_at(wb, 0) * ab.d * sumi as f32 - f16_at(wb, 2) * ab.d * summ as f32;
+    }
+    acc
+}
+
+pub struct Q4K;
+
+impl QuantFormat for Q4K {
+    const TYPE: GgmlType = GgmlType::Q4_K;
+    type Act = BlockQ8K;
+
+    fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+        dot_k4_like(w, a, 144, |b, e| {
+            let (j, l) = (e / 32, e % 32);
+            let q = b[16 + 32 * (j / 2) + l];
+            i32::from(if j % 2 == 0 { q & 0x0f } else { q >> 4 })
+        })
+    }
+}
+
+pub struct Q5K;
+
+impl QuantFormat for Q5K {
+    const TYPE: GgmlType = GgmlType::Q5_K;
+    type Act = BlockQ8K;
+
+    fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+        dot_k4_like(w, a, 176, |b, e| {
+            let (j, l) = (e / 32, e % 32);
+            let q = b[48 + 32 * (j / 2) + l];
+            let lo = if j % 2 == 0 { q & 0x0f } else { q >> 4 };
+            i32::from(lo | (((b[16 + l] >> j) & 1) << 4))
+        })
+    }
+}
+
+pub struct Q6K;
+
+impl QuantFormat for Q6K {
+    const TYPE: GgmlType = GgmlType::Q6_K;
+    type Act = BlockQ8K;
+
+    /// Sixteen groups of 16 with signed 8-bit scales: `d·da·Σ_g sc_g Σ (q − 32)·a`.
+    fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+        let mut acc = 0f32;
+        for (wb, ab) in w.chunks_exact(210).zip(a) {
+            let mut groups = [0i32; 16];
+            for half in 0..2 {
+                let ql = &wb[64 * half..64 * half + 64];
+                let qh = &wb[128 + 32 * half..128 + 32 * half + 32];
+                for l in 0..32 {
+                    for k in 0..4 {
+                        let e = 128 * half + l + 32 * k;
+                        let q = i32::from(gguf::q6_at(ql, qh, l, k));
+                        groups[e / 16] += q * i32::from(ab.qs[e]);
+                    }
+                }
+            }
+            let sumi: i32 = groups
+                .iter()
+                .enumerate()
+                .map(|(g, &s)| i32::from(wb[192 + g] as i8) * s)
+                .sum();
+            acc += f16_at(wb, 208) * ab.d * sumi as f32;
+        }
+        acc
+    }
+}
+
+/// What [`crate::weights::Matrix`] needs of a matrix in any of these formats.
+pub trait BlockMatrix: Send + Sync {
+    fn ty(&self) -> GgmlType;
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    /// Whether the product takes Q8_K activations (else Q8_1).
+    fn wants_q8_k(&self) -> bool;
+    /// `out[r * n + t] = dot(W[r0 + r], x[t])` for `nr` rows and `n` tokens.
+    fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]);
+    /// Row `r` dequantized (embedding lookups).
+    fn row_f32(&self, r: usize, out: &mut [f32]);
+}
+
+/// A matrix of format `F`, as ggml's bytes, row after row.
+pub struct QuantMatrix<F> {
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+    format: PhantomData<F>,
+}
+
+impl<F: QuantFormat> QuantMatrix<F> {
+    /// `data` must hold `rows` rows of `cols` elements (the GGUF reader checked the size;
+    /// `cols` is a whole number of blocks).
+    pub fn new(rows: usize, cols: usize, data: Vec<u8>) -> Self {
+        debug_assert_eq!(cols % F::TYPE.block_elems(), 0);
+        debug_assert_eq!(data.len(), rows * Self::row_bytes(cols));
+        QuantMatrix {
+            rows,
+            cols,
+            data,
+            format: PhantomData,
+        }
+    }
+
+    fn row_bytes(cols: usize) -> usize {
+        cols / F::TYPE.block_elems() * F::TYPE.block_bytes()
+    }
+
+    fn row(&self, r: usize) -> &[u8] {
+        let rb = Self::row_bytes(self.cols);
+        &self.data[r * rb..(r + 1) * rb]
+    }
+}
+
+impl<F: QuantFormat> BlockMatrix for QuantMatrix<F> {
+    fn ty(&self) -> GgmlType {
+        F::TYPE
+    }
+
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn wants_q8_k(&self) -> bool {
+        F::Act::ELEMS == QK_K
+    }
+
+    fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
+        let x = F::Act::pick(acts);
+        let nb = self.cols / F::Act::ELEMS;
+        for r in 0..nr {
+            let w = self.row(r0 + r);
+            for t in 0..n {
+                out[r * n + t] = F::dot(w, &x[t * nb..(t + 1) * nb]);
+            }
+        }
+    }
+
+    fn row_f32(&self, r: usize, out: &mut [f32]) {
+        F::TYPE.dequantize(self.row(r), out);
+    }
+}
+
+/// A boxed matrix for ggml type `ty`, or `None` if no format here implements it.
+pub fn block_matrix(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+) -> Option<Box<dyn BlockMatrix>> {
+    fn boxed<F: QuantFormat>(rows: usize, cols: usize, data: Vec<u8>) -> Box<dyn BlockMatrix> {
+        Box::new(QuantMatrix::<F>::new(rows, cols, data))
+    }
+    Some(match ty {
+        GgmlType::Q5_0 => boxed::<Q5_0>(rows, cols, data),
+        GgmlType::Q5_1 => boxed::<Q5_1>(rows, cols, data),
+        GgmlType::Q4_K => boxed::<Q4K>(rows, cols, data),
+        GgmlType::Q5_K => boxed::<Q5K>(rows, cols, data),
+        GgmlType::Q6_K => boxed::<Q6K>(rows, cols, data),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::matmul;
+    use crate::weights::{quantize_row_q8_1, Matrix};
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    }
+
+    /// Each format's kernel against the f32 product of the scalar reference dequantization
+    /// of the weights (gguf's, written from ggml's definitions) and of the activations the
+    /// kernel was given: the integer sums are exact, so only float rounding may differ. Rows
+    /// are also identical alone and batched.
+    #[test]
+    fn kernels_match_the_reference_dequantization() {
+        let (rows, cols, n) = (11, 512, 5);
+        let mut s = 7u64;
+        let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 3.0).collect();
+        let mut xq = vec![BlockQ8_1::default(); n * cols / QK];
+        for (row, o) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(cols / QK)) {
+            quantize_row_q8_1(row, o);
+        }
+        let mut xk = vec![BlockQ8K::default(); n * cols / QK_K];
+        for (row, o) in x.chunks_exact(cols).zip(xk.chunks_exact_mut(cols / QK_K)) {
+            quantize_row_q8_k(row, o);
+        }
+        let deq_q8_1: Vec<f32> = xq
+            .iter()
+            .flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d))
+            .collect();
+        let deq_q8_k: Vec<f32> = xk
+            .iter()
+            .flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d))
+            .collect();
+        for (i, b) in xk.iter().enumerate() {
+            for (g, &sum) in b.bsums.iter().enumerate() {
+                let want: i32 = b.qs[16 * g..16 * g + 16]
+                    .iter()
+                    .map(|&q| i32::from(q))
+                    .sum();
+                assert_eq!(i32::from(sum), want, "block {i} group {g}");
+            }
+        }
+        // Q8_K is within half a step of its input.
+        for (a, b) in x.iter().zip(&deq_q8_k) {
+            assert!((a - b).abs() <= 3.0 / 127.0 * 0.5 + 1e-5, "{a} vs {b}");
+        }
+
+        for ty in [
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+        ] {
+            let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
+            let mut w = gguf::GgufWriter::new();
+            w.tensor_f32("w", &[cols as u64, rows as u64], ty, &vals);
+            let f = gguf::GgufFile::parse(w.to_bytes()).expect("parses");
+            let info = f.tensor("w").expect("tensor");
+            let deq = f.tensor_f32(info);
+            let m = Matrix::load(&f, info, rows, cols).expect("loads");
+            assert!(matches!(&m, Matrix::Blocks(b) if b.ty() == ty));
+            let mut out = vec![0f32; n * rows];
+            matmul(&m, &x, &xq, n, &mut out);
+            let xin = if m.wants_q8_k() { &deq_q8_k } else { &deq_q8_1 };
+            for t in 0..n {
+                for r in 0..rows {
+                    let want: f64 = (0..cols)
+                        .map(|c| deq[r * cols + c] as f64 * xin[t * cols + c] as f64)
+                        .sum();
+                    let got = out[t * rows + r] as f64;
+                    // Q5_1's offset term uses the f16-rounded activation sum, as ggml's.
+                    let tol = if ty == GgmlType::Q5_1 { 2e-2 } else { 1e-4 };
+                    assert!(
+                        (want - got).abs() < tol * (1.0 + want.abs()),
+                        "{ty:?} t{t} r{r}: {want} vs {got}"
+                    );
+                }
+                let mut one = vec![0f32; rows];
+                let nb = cols / QK;
+                matmul(
+                    &m,
+                    &x[t * cols..(t + 1) * cols],
+                    &xq[t * nb..(t + 1) * nb],
+                    1,
+                    &mut one,
+                );
+                assert_eq!(one, out[t * rows..(t + 1) * rows], "{ty:?} token {t}");
+            }
+            // Embedding lookups dequantize the row.
+            let mut row = vec![0f32; cols];
+            m.row_f32(3, &mut row);
+            assert_eq!(row, deq[3 * cols..4 * cols]);
+        }
+    }
+
+    #[test]
+    fn unsupported_types_are_refused_by_name() {
+        let e = gguf::GgufError::UnknownTensorType {
+            name: "blk.0.ffn_down.weight".into(),
+            ty: 16,
+        };
+        let msg = e.to_string();
+        assert!(
+            msg.contains("IQ2_XXS") && msg.contains("blk.0.ffn_down.weight"),
+            "{msg}"
+        );
+        let e = gguf::GgufError::UnknownTensorType {
+            name: "w".into(),
+            ty: 10,
+        };
+        assert!(e.to_string().contains("Q2_K"), "{e}");
+    }
+}
