@@ -114,7 +114,10 @@ class Server:
 
     def metrics(self) -> dict:
         """Prometheus samples as {'name{labels}': value}."""
-        return parse_metrics(requests.get(self.url + "/metrics", timeout=10).text)
+        r = requests.get(
+            self.url + "/metrics", headers={"Authorization": f"Bearer {self.api_key}"}, timeout=10
+        )
+        return parse_metrics(r.text)
 
     def stop(self) -> int:
         if self.proc.poll() is None:

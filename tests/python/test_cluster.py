@@ -293,3 +293,38 @@ def test_killing_a_prefill_node_mid_handoff(tmp_path):
         assert text == case["completion_text"]
     finally:
         c.stop()
+
+
+def test_prefix_affinity_stays_within_a_tenant(tmp_path):
+    """Two prefill nodes. Alice's prompt is cached on the node that ran it; while that node
+    is busy with Bob's long prompt, the least loaded node is the other one, yet Alice's
+    repeat goes back to hers and hits her cache. Bob's identical prompt hits nothing."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-alice alice\nsk-bob bob\n")
+    c = Cluster(
+        ["--kv-pool-tokens", "8192", "--api-keys", keys], tmp_path, prefill=2, decode=1,
+        api_key="sk-alice",
+    )
+    try:
+        alice, bob = c.client_for("sk-alice"), c.client_for("sk-bob")
+        prompt = " ".join(f"word{i}" for i in range(120))
+
+        def ask(client, text=prompt, max_tokens=2):
+            r = client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=max_tokens, temperature=0)
+            return r.usage.prompt_tokens_details.cached_tokens
+
+        assert ask(alice) == 0
+        busy = threading.Thread(
+            target=lambda: ask(bob, " ".join(f"other{i}" for i in range(300)), 1)
+        )
+        busy.start()
+        deadline = time.monotonic() + 60
+        while not any(n.metrics()["kvwarden_requests_running"] > 0 for n in c.prefill_nodes()):
+            assert time.monotonic() < deadline and busy.is_alive(), "Bob's prefill never ran"
+            time.sleep(0.05)
+        assert ask(alice) >= 64, "the repeat missed the node holding the tenant's prefix"
+        busy.join(timeout=120)
+        assert ask(bob) == 0, "a cached prefix crossed tenants"
+        assert c.metrics()["kvwarden_router_prefix_affinity_hits_total"] >= 1
+    finally:
+        c.stop()

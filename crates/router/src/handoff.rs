@@ -105,9 +105,8 @@ pub(crate) async fn start(
         let (tx, rx) = unbounded_channel();
         let prefill_client = prefill.client.clone();
         tokio::spawn(async move {
-            let loads = (prefill_load, decode_load);
-            run(&cluster, prefill_client, prefill_call, events, tx).await;
-            drop(loads);
+            run(&cluster, prefill_client, prefill_call, prefill_load, events, tx).await;
+            drop(decode_load);
         });
         return Ok(RequestHandle {
             id: RequestId(number),
@@ -221,6 +220,7 @@ async fn run(
     cluster: &Cluster,
     mut prefill_client: pb::node_client::NodeClient<tonic::transport::Channel>,
     prefill_call: tonic::Request<pb::PrefillRequest>,
+    prefill_load: InFlight,
     mut events: Streaming<pb::DecodeEvent>,
     tx: UnboundedSender<Event>,
 ) {
@@ -233,6 +233,8 @@ async fn run(
     };
     let prefill = prefill_client.prefill(prefill_call);
     tokio::pin!(prefill);
+    // The prefill node's part ends with its reply; it stops counting as its load then.
+    let mut prefill_load = Some(prefill_load);
     let mut prefill_pending = true;
     // The decode node sends nothing after `Reserved` until the K/V verified.
     let mut verified = false;
@@ -241,6 +243,7 @@ async fn run(
             _ = tx.closed() => return,
             reply = &mut prefill, if prefill_pending => {
                 prefill_pending = false;
+                prefill_load.take();
                 match reply.map(|r| r.into_inner().outcome) {
                     Ok(Some(pb::prefill_reply::Outcome::Done(_))) => {}
                     Ok(Some(pb::prefill_reply::Outcome::Failed(f))) => return fail(remote(f)),

@@ -195,7 +195,10 @@ impl NodeService {
 pub fn status_failure(status: &Status) -> pb::Failure {
     let reason = match status.code() {
         tonic::Code::DeadlineExceeded => "timeout",
-        tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition => "protocol",
+        tonic::Code::InvalidArgument
+        | tonic::Code::FailedPrecondition
+        | tonic::Code::ResourceExhausted
+        | tonic::Code::OutOfRange => "protocol",
         _ => "peer_gone",
     };
     wire::failure(reason, status.message())
@@ -406,7 +409,7 @@ impl Node for Arc<NodeService> {
         let mut frames = request.into_inner();
         let reply = |failed: Option<pb::Failure>| Ok(Response::new(pb::PushReply { failed }));
         let manifest = match self.next_frame(&mut frames).await {
-            Ok(Some(pb::kv_frame::Frame::Manifest(m))) => wire::manifest_from_pb(m)?,
+            Ok(Some(pb::kv_frame::Frame::Manifest(m))) => m,
             Ok(_) => {
                 self.metrics.failure("manifest");
                 return reply(Some(wire::failure(
@@ -419,12 +422,24 @@ impl Node for Arc<NodeService> {
                 return reply(Some(f));
             }
         };
-        let Some(pending) = self.pending().remove(&manifest.ticket) else {
+        // The ticket first: whatever else is wrong with the manifest then ends that
+        // reservation at once, rather than at its deadline.
+        let pending = Ticket::from_bytes(&manifest.ticket).and_then(|t| self.pending().remove(&t));
+        let Some(pending) = pending else {
             self.metrics.failure("manifest");
             return reply(Some(wire::failure(
                 "manifest",
                 "no reservation holds this ticket (expired, cancelled, or already filled)",
             )));
+        };
+        let manifest = match wire::manifest_from_pb(manifest) {
+            Ok(m) => m,
+            Err(status) => {
+                let f = wire::failure("manifest", status.message());
+                self.metrics.failure(&f.reason);
+                let _ = pending.verified.send(Err(HandoffFailure(f.clone())));
+                return reply(Some(f));
+            }
         };
         let PendingImport {
             reservation,

@@ -402,3 +402,88 @@ async fn a_client_without_a_cluster_certificate_is_refused() {
         .await;
     assert!(ok.is_ok(), "{ok:?}");
 }
+
+/// A frame over the node's message bound ends only its own transfer: the reservation fails
+/// with `protocol`, its pages return, and the node goes on serving an honest handoff.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_frame_ends_only_its_own_transfer() {
+    let ca = ClusterCa::generate("test CA").unwrap();
+    let peer = identity(&ca, "p");
+    let (pre, dec) = (
+        start_node(Role::Prefill, &ca, Deadlines::default()).await,
+        start_node(Role::Decode, &ca, Deadlines::default()).await,
+    );
+    let req = request("alice", 20, 3);
+    let local_prefill = engine(false);
+    let mut h = local_prefill
+        .submit_prefill(local_prefill.admission().admit(req.clone()).unwrap())
+        .unwrap();
+    let Some(Event::Prefilled(output)) = h.events.recv().await else {
+        panic!("no prefill");
+    };
+    let mut d = client(&dec.addr, &peer).max_encoding_message_size(64 << 20);
+    let (mut stream, ticket) = reserve(&mut d, "big", &req).await;
+    let ticket = Ticket::from_bytes(&ticket).unwrap();
+    let manifest = Manifest::describe(ticket, "big".into(), req.domain.clone(), &output);
+    let frames = vec![
+        pb::KvFrame {
+            frame: Some(pb::kv_frame::Frame::Manifest(wire::manifest_to_pb(
+                &manifest,
+            ))),
+        },
+        pb::KvFrame {
+            frame: Some(pb::kv_frame::Frame::Page(pb::Page {
+                index: 0,
+                tokens: 16,
+                data: vec![0; 16 << 20],
+            })),
+        },
+    ];
+    let reply = d.push_kv(tokio_stream::iter(frames)).await;
+    let refused = match reply {
+        Ok(r) => r.into_inner().failed.is_some(),
+        Err(_) => true,
+    };
+    assert!(refused, "an oversized frame was accepted");
+    assert!(drain(&mut stream).await.is_err());
+    wait_idle(&dec.engine).await;
+    // The node still serves.
+    let mono = engine(false);
+    let expected = collect_local(&mono, req.clone()).await;
+    let router = identity(&ca, "router");
+    let mut d = client(&dec.addr, &router);
+    let (mut stream, ticket) = reserve(&mut d, "ok", &req).await;
+    client(&pre.addr, &router)
+        .prefill(pb::PrefillRequest {
+            request: Some(wire::request_to_pb("ok", &req)),
+            decode_addr: dec.addr.clone(),
+            ticket,
+        })
+        .await
+        .unwrap();
+    assert_eq!(drain(&mut stream).await.unwrap(), expected);
+}
+
+/// A malformed manifest ends its reservation at once, not at the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_manifest_ends_its_reservation_at_once() {
+    let ca = ClusterCa::generate("test CA").unwrap();
+    let dec = start_node(Role::Decode, &ca, Deadlines::default()).await;
+    let mut d = client(&dec.addr, &identity(&ca, "p"));
+    let (mut stream, ticket) = reserve(&mut d, "m", &request("alice", 20, 3)).await;
+    let manifest = pb::Manifest {
+        ticket,
+        request_id: "m".into(),
+        ..Default::default()
+    };
+    let reply = d
+        .push_kv(tokio_stream::iter(vec![pb::KvFrame {
+            frame: Some(pb::kv_frame::Frame::Manifest(manifest)),
+        }]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(reply.failed.unwrap().reason, "manifest");
+    assert_eq!(drain(&mut stream).await, Err("manifest".to_owned()));
+    wait_idle(&dec.engine).await;
+}
