@@ -157,14 +157,14 @@ def parse_metrics(text: str) -> dict:
 class Node:
     """One `kvwarden serve --role prefill|decode`: internal API address and metrics URL."""
 
-    def __init__(self, role, args, certs: Path, name: str, log_path: Path, threads=1):
+    def __init__(self, role, args, certs: Path, name: str, log_path: Path, threads=1, port=0):
         require_binary()
         self.role = role
         self.log_path = log_path
         self.log = open(log_path, "wb")
         cmd = [
             str(BIN), "--threads", str(threads), "serve", "--role", role,
-            "--model", str(MODEL), "--port", "0", "--metrics-port", "0",
+            "--model", str(MODEL), "--port", str(port), "--metrics-port", "0",
             "--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / f"{name}.pem"),
             "--tls-key", str(certs / f"{name}.key"),
             *[str(a) for a in args],

@@ -328,3 +328,68 @@ def test_prefix_affinity_stays_within_a_tenant(tmp_path):
         assert c.metrics()["kvwarden_router_prefix_affinity_hits_total"] >= 1
     finally:
         c.stop()
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_node_down_at_start_joins_when_it_answers(tmp_path, mono):
+    """The router starts with one of its two decode nodes not yet running, serves through
+    the other, takes the late one in once it answers, and keeps serving through it when the
+    first is killed."""
+    certs = make_certs(tmp_path / "certs", ["router", "prefill0", "decode0", "decode1"])
+    late_port = free_port()
+    nodes = [
+        Node("prefill", ["--kv-pool-tokens", "4096"], certs, "prefill0", tmp_path / "p.log"),
+        Node("decode", ["--kv-pool-tokens", "4096"], certs, "decode0", tmp_path / "d0.log"),
+    ]
+    router = None
+    try:
+        log = tmp_path / "router.log"
+        router = subprocess.Popen(
+            [
+                str(BIN), "router", "--model", str(MODEL), "--port", "0", "--served-model-name", MODEL_NAME,
+                "--prefill", nodes[0].addr, "--decode", nodes[1].addr, f"127.0.0.1:{late_port}",
+                "--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / "router.pem"),
+                "--tls-key", str(certs / "router.key"),
+            ],
+            stdout=subprocess.DEVNULL, stderr=open(log, "wb"), cwd=ROOT,
+        )
+        from conftest import wait_for_line
+
+        url = wait_for_line(router, log, r"listening on (http://[0-9.]+:\d+)", "router")
+        case = GOLDEN[0]
+
+        class Via:
+            def __init__(self, url):
+                self.url = url
+
+            def post(self, path, body):
+                return requests.post(self.url + path, json=body, timeout=120)
+
+        via = Via(url)
+        want = complete_ids(mono, case["prompt_tokens"], 8)[0]
+        assert complete_ids(via, case["prompt_tokens"], 8)[0] == want
+        nodes.append(
+            Node("decode", ["--kv-pool-tokens", "4096"], certs, "decode1", tmp_path / "d1.log", port=late_port)
+        )
+        up = f'kvwarden_router_node_up{{role="decode",node="127.0.0.1:{late_port}"}}'
+        deadline = time.monotonic() + 30
+        while requests.get(url + "/metrics", timeout=10).text.find(up + " 1") < 0:
+            assert time.monotonic() < deadline, "the late node never joined"
+            time.sleep(0.2)
+        nodes[1].proc.send_signal(signal.SIGKILL)
+        nodes[1].proc.wait()
+        assert complete_ids(via, case["prompt_tokens"], 8)[0] == want
+        assert nodes[2].metrics()["kvwarden_node_decode_requests_total"] >= 1
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait()
+        for n in nodes:
+            n.stop()

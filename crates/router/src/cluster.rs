@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -89,7 +89,8 @@ pub(crate) struct Node {
     reported_load: AtomicU64,
     /// Requests this router has in flight there now.
     pub(crate) in_flight: AtomicU64,
-    max_context: usize,
+    /// What the node advertises, as it last reported (0 while it has never answered).
+    max_context: AtomicUsize,
     /// Requests sent to this node (for /metrics).
     pub(crate) sent: AtomicU64,
     /// Its KV pool as last polled: total, free, leased, cached pages.
@@ -112,6 +113,16 @@ impl Node {
         }
     }
 
+    /// A poll's news: the node is up with these limits.
+    fn update(&self, info: &pb::NodeInfo, max_context: usize) {
+        self.max_context.store(max_context, Ordering::Relaxed);
+        self.reported_load.store(info.load, Ordering::Relaxed);
+        self.record_pages(info);
+        if !self.healthy.swap(true, Ordering::Relaxed) {
+            tracing::info!("{} node {} is up", self.role.name(), self.addr);
+        }
+    }
+
     fn record_pages(&self, info: &pb::NodeInfo) {
         for (slot, n) in self.pages.iter().zip([
             info.pages_total,
@@ -125,7 +136,7 @@ impl Node {
 
     /// A request that cannot fit this node never goes to it.
     fn can_hold(&self, total_tokens: usize) -> bool {
-        total_tokens <= self.max_context
+        total_tokens <= self.max_context.load(Ordering::Relaxed)
     }
 }
 
@@ -145,6 +156,9 @@ pub struct Cluster {
     pub(crate) prefill: Vec<Arc<Node>>,
     pub(crate) decode: Vec<Arc<Node>>,
     admission: Admission,
+    /// Checked again at every poll: a node restarted with another model or layout is kept
+    /// out.
+    expect: Mutex<Expectation>,
     pub(crate) deadlines: transfer::Deadlines,
     pub(crate) metrics: RouterMetrics,
     /// (tenant-scoped prefix key) → index of the prefill node that last ran it.
@@ -152,6 +166,59 @@ pub struct Cluster {
     affinity_keys: std::collections::hash_map::RandomState,
     next_request: AtomicU64,
     pub(crate) request_id_keys: std::collections::hash_map::RandomState,
+}
+
+/// What every node of the cluster must be: the router's model, and one K/V layout (that of
+/// the first node that answered), so pages can move between any two nodes.
+struct Expectation {
+    model_checksum: u64,
+    vocab_size: usize,
+    layout: Option<(String, String)>,
+}
+
+impl Expectation {
+    /// The node's advertised context, if it is what `addr` was configured as.
+    fn check(
+        &mut self,
+        addr: &str,
+        role: transfer::Role,
+        info: &pb::NodeInfo,
+    ) -> Result<usize, StartupError> {
+        let actual = match pb::Role::try_from(info.role) {
+            Ok(pb::Role::Prefill) => transfer::Role::Prefill.name().to_owned(),
+            Ok(pb::Role::Decode) => transfer::Role::Decode.name().to_owned(),
+            _ => format!("unknown ({})", info.role),
+        };
+        if actual != role.name() {
+            return Err(StartupError::WrongRole {
+                addr: addr.to_owned(),
+                expected: role.name(),
+                actual,
+            });
+        }
+        if info.model_checksum != self.model_checksum || info.vocab_size as usize != self.vocab_size
+        {
+            return Err(StartupError::OtherModel {
+                addr: addr.to_owned(),
+                ours: self.model_checksum,
+                theirs: info.model_checksum,
+            });
+        }
+        let layout = layout_of(info);
+        match &self.layout {
+            None => self.layout = Some((addr.to_owned(), layout)),
+            Some((first, ours)) if *ours != layout => {
+                return Err(StartupError::OtherLayout {
+                    addr: addr.to_owned(),
+                    first: first.clone(),
+                    ours: ours.clone(),
+                    theirs: layout,
+                })
+            }
+            Some(_) => {}
+        }
+        Ok(info.max_context as usize)
+    }
 }
 
 fn layout_of(info: &pb::NodeInfo) -> String {
@@ -173,12 +240,18 @@ async fn info(client: &mut NodeClient<Channel>) -> Result<pb::NodeInfo, String> 
 
 impl Cluster {
     /// Connects to every node and checks the cluster can keep the promise it would make.
+    /// A node that does not answer yet is kept as down (the polls bring it in once it
+    /// answers and passes the same checks); a role with no reachable node is refused.
     pub async fn connect(
         config: ClusterConfig,
         tls: &TlsIdentity,
     ) -> Result<Arc<Self>, StartupError> {
+        let mut expect = Expectation {
+            model_checksum: config.model_checksum,
+            vocab_size: config.vocab_size,
+            layout: None,
+        };
         let mut nodes = Vec::new();
-        let mut first_layout: Option<(String, String)> = None;
         for (role, addrs) in [
             (transfer::Role::Prefill, &config.prefill),
             (transfer::Role::Decode, &config.decode),
@@ -186,85 +259,61 @@ impl Cluster {
             if addrs.is_empty() {
                 return Err(StartupError::NoNodes { role: role.name() });
             }
+            let mut unreachable = None;
+            let mut reachable = 0;
             for addr in addrs {
                 let channel = transfer::connect_lazy(addr, tls, config.deadlines.frame)
                     .map_err(|e| StartupError::Tls(e.to_string()))?;
                 let mut client = NodeClient::new(channel);
-                let info = info(&mut client)
-                    .await
-                    .map_err(|why| StartupError::Unreachable {
-                        role: role.name(),
-                        addr: addr.clone(),
-                        why,
-                    })?;
-                let actual = match pb::Role::try_from(info.role) {
-                    Ok(pb::Role::Prefill) => transfer::Role::Prefill,
-                    Ok(pb::Role::Decode) => transfer::Role::Decode,
-                    _ => {
-                        return Err(StartupError::WrongRole {
-                            addr: addr.clone(),
-                            expected: role.name(),
-                            actual: format!("unknown ({})", info.role),
-                        })
-                    }
-                };
-                if actual != role {
-                    return Err(StartupError::WrongRole {
-                        addr: addr.clone(),
-                        expected: role.name(),
-                        actual: actual.name().to_owned(),
-                    });
-                }
-                if info.model_checksum != config.model_checksum
-                    || info.vocab_size as usize != config.vocab_size
-                {
-                    return Err(StartupError::OtherModel {
-                        addr: addr.clone(),
-                        ours: config.model_checksum,
-                        theirs: info.model_checksum,
-                    });
-                }
-                let layout = layout_of(&info);
-                match &first_layout {
-                    None => first_layout = Some((addr.clone(), layout)),
-                    Some((first, ours)) if *ours != layout => {
-                        return Err(StartupError::OtherLayout {
-                            addr: addr.clone(),
-                            first: first.clone(),
-                            ours: ours.clone(),
-                            theirs: layout,
-                        })
-                    }
-                    Some(_) => {}
-                }
-                let max_context = info.max_context as usize;
-                if let Some(context) = config.max_context {
-                    if context > max_context {
-                        return Err(StartupError::ContextExceedsNode {
-                            context,
-                            addr: addr.clone(),
-                            pool: info.pool_tokens as usize,
-                            advertised: max_context,
-                        });
-                    }
-                }
-                let node = Arc::new(Node {
+                let node = Node {
                     addr: addr.clone(),
                     role,
-                    client,
-                    healthy: AtomicBool::new(true),
-                    reported_load: AtomicU64::new(info.load),
+                    client: client.clone(),
+                    healthy: AtomicBool::new(false),
+                    reported_load: AtomicU64::new(0),
                     in_flight: AtomicU64::new(0),
-                    max_context,
+                    max_context: AtomicUsize::new(0),
                     sent: AtomicU64::new(0),
                     pages: Default::default(),
+                };
+                match info(&mut client).await {
+                    Ok(info) => {
+                        let max_context = expect.check(addr, role, &info)?;
+                        if let Some(context) = config.max_context {
+                            if context > max_context {
+                                return Err(StartupError::ContextExceedsNode {
+                                    context,
+                                    addr: addr.clone(),
+                                    pool: info.pool_tokens as usize,
+                                    advertised: max_context,
+                                });
+                            }
+                        }
+                        node.update(&info, max_context);
+                        reachable += 1;
+                    }
+                    Err(why) => {
+                        tracing::warn!("{} node {addr} is not reachable yet: {why}", role.name());
+                        unreachable.get_or_insert((addr.clone(), why));
+                    }
+                }
+                nodes.push(Arc::new(node));
+            }
+            if reachable == 0 {
+                let (addr, why) = unreachable.unwrap_or_default();
+                return Err(StartupError::Unreachable {
+                    role: role.name(),
+                    addr,
+                    why,
                 });
-                node.record_pages(&info);
-                nodes.push(node);
             }
         }
-        let contexts: Vec<usize> = nodes.iter().map(|n| n.max_context).collect();
-        // Every node was checked above; this only fails for an empty cluster.
+        let contexts: Vec<usize> = nodes
+            .iter()
+            .filter(|n| n.is_healthy())
+            .map(|n| n.max_context.load(Ordering::Relaxed))
+            .collect();
+        // Both roles have a reachable node here; this only fails for an empty list.
         let admission =
             Admission::narrowest_of_nodes(&contexts, config.max_context, config.vocab_size)
                 .ok_or(StartupError::NoNodes { role: "prefill" })?;
@@ -275,6 +324,7 @@ impl Cluster {
             prefill,
             decode,
             admission,
+            expect: Mutex::new(expect),
             deadlines: config.deadlines,
             metrics: RouterMetrics::default(),
             affinity: Mutex::new(HashMap::new()),
@@ -352,10 +402,22 @@ async fn poll(cluster: std::sync::Weak<Cluster>) {
             let mut client = node.client.clone();
             match info(&mut client).await {
                 Ok(info) => {
-                    node.reported_load.store(info.load, Ordering::Relaxed);
-                    node.record_pages(&info);
-                    if !node.healthy.swap(true, Ordering::Relaxed) {
-                        tracing::info!("{} node {} is back", node.role.name(), node.addr);
+                    let checked = c
+                        .expect
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .check(&node.addr, node.role, &info);
+                    match checked {
+                        Ok(max_context) => node.update(&info, max_context),
+                        Err(why) => {
+                            if node.healthy.swap(false, Ordering::Relaxed) {
+                                tracing::error!(
+                                    "{} node {} is kept out: {why}",
+                                    node.role.name(),
+                                    node.addr
+                                );
+                            }
+                        }
                     }
                 }
                 Err(why) => {

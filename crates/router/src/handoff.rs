@@ -105,7 +105,15 @@ pub(crate) async fn start(
         let (tx, rx) = unbounded_channel();
         let prefill_client = prefill.client.clone();
         tokio::spawn(async move {
-            run(&cluster, prefill_client, prefill_call, prefill_load, events, tx).await;
+            run(
+                &cluster,
+                prefill_client,
+                prefill_call,
+                prefill_load,
+                events,
+                tx,
+            )
+            .await;
             drop(decode_load);
         });
         return Ok(RequestHandle {
