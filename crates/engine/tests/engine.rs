@@ -14,19 +14,7 @@ use kv::ScrubPolicy;
 use model::synth::SynthSpec;
 
 fn synth_model(context: usize) -> model::Model {
-    let spec = SynthSpec {
-        layers: 2,
-        dim: 64,
-        heads: 4,
-        kv_heads: 2,
-        ffn_dim: 128,
-        vocab: 300,
-        context,
-        seed: 7,
-        weight_type: GgmlType::Q4_1,
-    };
-    let file = gguf::GgufFile::parse(spec.build().unwrap().to_bytes()).unwrap();
-    model::Model::load(&file).unwrap()
+    SynthSpec::small(7, GgmlType::Q4_1, context).load().unwrap()
 }
 
 fn start(config: EngineConfig) -> EngineHandle {

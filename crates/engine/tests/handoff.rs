@@ -11,19 +11,7 @@ use kv::ScrubPolicy;
 use model::synth::SynthSpec;
 
 fn synth_model() -> model::Model {
-    let spec = SynthSpec {
-        layers: 2,
-        dim: 64,
-        heads: 4,
-        kv_heads: 2,
-        ffn_dim: 128,
-        vocab: 300,
-        context: 4096,
-        seed: 11,
-        weight_type: GgmlType::Q4_1,
-    };
-    let file = gguf::GgufFile::parse(spec.build().unwrap().to_bytes()).unwrap();
-    model::Model::load(&file).unwrap()
+    SynthSpec::small(11, GgmlType::Q4_1, 4096).load().unwrap()
 }
 
 fn start(prefix_cache: bool) -> EngineHandle {

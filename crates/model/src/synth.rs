@@ -58,6 +58,28 @@ impl Rng {
 }
 
 impl SynthSpec {
+    /// The small model the tests share: 2 layers, width 64, 4 heads over 2 KV heads, a
+    /// 300-token vocabulary (the 3 control tokens and the 256 bytes first).
+    pub fn small(seed: u64, weight_type: GgmlType, context: usize) -> Self {
+        Self {
+            layers: 2,
+            dim: 64,
+            heads: 4,
+            kv_heads: 2,
+            ffn_dim: 128,
+            vocab: 300,
+            context,
+            seed,
+            weight_type,
+        }
+    }
+
+    /// Writes the model as GGUF bytes and loads it back, as a served file would be.
+    pub fn load(&self) -> Result<crate::Model, String> {
+        let file = gguf::GgufFile::parse(self.build()?.to_bytes()).map_err(|e| e.to_string())?;
+        crate::Model::load(&file).map_err(|e| e.to_string())
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if self.layers == 0 || self.heads == 0 || self.kv_heads == 0 || self.context == 0 {
             return Err("layers, heads, kv-heads and context must be positive".into());

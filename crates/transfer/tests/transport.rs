@@ -17,19 +17,7 @@ use transfer::pb::{self, node_client::NodeClient};
 use transfer::{wire, Deadlines, NodeIdentity, NodeService, Role, TlsIdentity, TransferMetrics};
 
 fn synth_model() -> model::Model {
-    let spec = SynthSpec {
-        layers: 2,
-        dim: 64,
-        heads: 4,
-        kv_heads: 2,
-        ffn_dim: 128,
-        vocab: 300,
-        context: 4096,
-        seed: 5,
-        weight_type: GgmlType::Q8_0,
-    };
-    let file = gguf::GgufFile::parse(spec.build().unwrap().to_bytes()).unwrap();
-    model::Model::load(&file).unwrap()
+    SynthSpec::small(5, GgmlType::Q8_0, 4096).load().unwrap()
 }
 
 const POOL: usize = 512;

@@ -61,19 +61,7 @@ impl engine::StepModel for Faulty {
 }
 
 pub fn synth_model() -> model::Model {
-    let spec = SynthSpec {
-        layers: 2,
-        dim: 64,
-        heads: 4,
-        kv_heads: 2,
-        ffn_dim: 128,
-        vocab: 300,
-        context: 4096,
-        seed: 7,
-        weight_type: GgmlType::Q4_1,
-    };
-    let file = gguf::GgufFile::parse(spec.build().unwrap().to_bytes()).unwrap();
-    model::Model::load(&file).unwrap()
+    SynthSpec::small(7, GgmlType::Q4_1, 4096).load().unwrap()
 }
 
 pub fn faulty_engine(config: EngineConfig) -> (EngineHandle, Arc<AtomicUsize>) {
