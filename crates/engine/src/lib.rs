@@ -13,6 +13,8 @@
 //!   engine step and its pages go back to the pool then.
 
 mod admission;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 mod scheduler;
 
 use std::sync::atomic::{AtomicU64, Ordering};

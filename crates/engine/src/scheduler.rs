@@ -223,6 +223,9 @@ struct Progress {
     cached_tokens: Option<usize>,
     /// Prompt plus max_tokens: the most positions it can ever hold.
     total_tokens: usize,
+    /// Fault injection only: positions declared written without being written.
+    #[cfg(feature = "fault-injection")]
+    fault_claim: usize,
 }
 
 impl Progress {
@@ -325,8 +328,12 @@ impl Worker {
             } => {
                 self.arrivals += 1;
                 let total_tokens = admitted.total_tokens;
+                #[cfg(feature = "fault-injection")]
+                let fault_claim = admitted.fault_claim;
                 let request = admitted.request;
                 self.waiting.push_back(Progress {
+                    #[cfg(feature = "fault-injection")]
+                    fault_claim,
                     total_tokens,
                     id,
                     arrival: self.arrivals,
@@ -420,6 +427,10 @@ impl Worker {
             let Some(mut progress) = self.waiting.pop_front() else {
                 break;
             };
+            #[cfg(feature = "fault-injection")]
+            if progress.fault_claim > 0 {
+                kv.fault_claim_unwritten(progress.fault_claim);
+            }
             if progress.cached_tokens.is_none() {
                 progress.cached_tokens = Some(cached);
                 EngineMetrics::add(

@@ -7,6 +7,9 @@ use clap::{Parser, Subcommand};
 use engine::{EngineConfig, Event, GenerateRequest, IsolationDomain, SamplingParams};
 use gguf::GgmlType;
 
+#[cfg(feature = "fault-injection")]
+mod fault;
+
 const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 #[derive(Parser)]
@@ -89,6 +92,10 @@ struct ServeArgs {
     /// across tenants. Everything else is shared only within one tenant.
     #[arg(long)]
     public_prefixes: Option<PathBuf>,
+    /// FAULT-INJECTION BUILD ONLY: re-enact a known bug, to test `kvwarden audit`.
+    #[cfg(feature = "fault-injection")]
+    #[arg(long, value_parser = ["incident"])]
+    inject_fault: Option<String>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -167,6 +174,8 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
+    #[cfg(feature = "fault-injection")]
+    eprintln!("{}", fault::WARNING);
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
@@ -268,7 +277,9 @@ fn generate(args: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
-fn serve(args: ServeArgs) -> Result<()> {
+fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
+    #[cfg(feature = "fault-injection")]
+    fault::apply(&mut args);
     // Checked before the model loads, so a bad key file fails fast.
     let auth = match &args.api_keys {
         Some(path) => server::Auth::Keys(server::ApiKeys::load(path)?),

@@ -362,7 +362,15 @@ async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Respons
 }
 
 async fn health() -> Response {
-    Json(json!({ "status": "ok" })).into_response()
+    #[allow(unused_mut)] // mutated only in fault-injection builds
+    let mut body = json!({ "status": "ok" });
+    // A build that can re-enact the incident's bug says so to anything that asks.
+    #[cfg(feature = "fault-injection")]
+    {
+        body["fault_injection"] = json!(true);
+        body["fault"] = json!(engine::fault::incident().then_some("incident"));
+    }
+    Json(body).into_response()
 }
 
 async fn metrics(State(app): State<Arc<AppState>>) -> Response {
