@@ -41,6 +41,9 @@ enum Command {
     SynthModel(SynthArgs),
     /// Serve the OpenAI-compatible HTTP API.
     Serve(ServeArgs),
+    /// Audit any OpenAI-compatible server by the content of its answers, or replay the
+    /// incident (--scenario incident).
+    Audit(audit::AuditArgs),
 }
 
 #[derive(clap::Args)]
@@ -198,6 +201,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Generate(args) => generate(args),
         Command::SynthModel(args) => synth(args),
         Command::Serve(args) => serve(args),
+        Command::Audit(args) => Ok(audit::run_cli(args)?),
     }
 }
 
