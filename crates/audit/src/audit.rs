@@ -126,6 +126,9 @@ pub struct Auditor {
     /// Bytes per token of canary text, measured on the server (1.0 until measured: no
     /// token is shorter than one byte, so byte counts never overshoot).
     bytes_per_token: f64,
+    /// Filler words per token, measured likewise (1.0 until measured: a word is at least a
+    /// token).
+    words_per_token: f64,
 }
 
 fn lock(l: &Mutex<Ledger>) -> std::sync::MutexGuard<'_, Ledger> {
@@ -244,6 +247,7 @@ impl Auditor {
             mint,
             findings: Vec::new(),
             bytes_per_token: 1.0,
+            words_per_token: 1.0,
             config,
         })
     }
@@ -645,6 +649,28 @@ impl Auditor {
         if let Some(t) = r.ex.usage.and_then(|u| u.prompt_tokens).filter(|&t| t > 0) {
             self.bytes_per_token = (bytes as f64 / t as f64).max(1.0);
         }
+        let words = 200;
+        let text = prompts::filler(&mut self.rng, words);
+        let mut call = self.call(Api::Completions, Prompt::Text(text), 0);
+        call.max_tokens = 1;
+        let r = self
+            .send_one(Planned {
+                tenant: 0,
+                kind: Kind::Calibration,
+                call,
+                canary: None,
+                replay_of: None,
+            })
+            .await;
+        if let Some(t) = r.ex.usage.and_then(|u| u.prompt_tokens).filter(|&t| t > 0) {
+            self.words_per_token = (words as f64 / t as f64).min(1.0);
+        }
+    }
+
+    /// A document of about `tokens` tokens with the canary at its start, middle and end.
+    fn document_tokens(&mut self, c: &Canary, tokens: usize) -> String {
+        let words = (tokens as f64 * self.words_per_token * 0.97) as usize;
+        prompts::document(&mut self.rng, c, words)
     }
 
     /// Text of about `tokens` tokens of repeated canary.
@@ -717,7 +743,7 @@ impl Auditor {
                 2 => (
                     Kind::Document,
                     Api::Completions,
-                    prompts::document(&mut self.rng, &c, l * 2 / 5),
+                    self.document_tokens(&c, l * 2 / 5),
                     true,
                     false,
                 ),
@@ -748,7 +774,7 @@ impl Auditor {
                 6 => (
                     Kind::DocumentChat,
                     Api::Chat,
-                    prompts::document(&mut self.rng, &c, l / 4),
+                    self.document_tokens(&c, l / 4),
                     false,
                     true,
                 ),

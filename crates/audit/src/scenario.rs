@@ -1,6 +1,6 @@
 //! `kvwarden audit --scenario incident`: the incident, replayed against kvwarden itself on a
 //! synthetic model, as a short report a person can follow. Steps that need no compute use
-//! the incident's own numbers; the steps that run prompts use a pool scaled down by 64 with
+//! the incident's own numbers; the steps that run prompts use a pool scaled down by 128 with
 //! the same context-to-pool ratio, so the prefill fits in CI time.
 
 use std::io::Write;
@@ -18,8 +18,10 @@ use crate::rng::Rng;
 /// The incident's numbers (`../shared/INCIDENT.md`).
 pub const ADVERTISED: usize = 1_048_576;
 pub const POOL: usize = 681_280;
-/// The scaled-down steps divide both by this: 16,384 advertised over 10,645 tokens.
-pub const SCALE: usize = 64;
+/// The scaled-down steps divide both by this: 8,192 advertised over 5,322 tokens, the
+/// incident's ratio (0.6497) to four digits, small enough that prompts at the limit
+/// prefill in seconds on two cores.
+pub const SCALE: usize = 128;
 
 /// 1234567 -> "1,234,567".
 pub fn thousands(n: usize) -> String {
@@ -36,9 +38,13 @@ pub fn thousands(n: usize) -> String {
 
 /// Sum of the samples of `name` (any labels) across the deployment's metrics pages.
 async fn metric(client: &Client, dep: &dyn Deployment, name: &str) -> Option<f64> {
+    metric_at(client, &dep.metrics_urls(), name).await
+}
+
+async fn metric_at(client: &Client, urls: &[String], name: &str) -> Option<f64> {
     let mut total = None;
-    for url in dep.metrics_urls() {
-        let path = url.strip_prefix(&client.base).unwrap_or(&url).to_owned();
+    for url in urls {
+        let path = url.strip_prefix(&client.base).unwrap_or(url).to_owned();
         let Ok((200, text)) = client.get_text(&path, None).await else {
             continue;
         };
@@ -123,10 +129,10 @@ impl<W: Write> Replay<'_, W> {
     }
 }
 
-/// Flags of a node whose pool holds `pool` tokens (pages of 16 tokens, or of 5 for the
-/// scaled pool of 10,645 = 5 x 2,129 tokens, which is exactly the incident's / 64).
+/// Flags of a node whose pool holds exactly `pool` tokens: pages of 16 tokens, or of 2 for
+/// the scaled pool of 5,322 = 2 x 2,661 tokens.
 fn pool_flags(pool: usize) -> Vec<String> {
-    let page = if pool.is_multiple_of(16) { 16 } else { 5 };
+    let page = if pool.is_multiple_of(16) { 16 } else { 2 };
     vec![
         "--kv-pool-tokens".into(),
         pool.to_string(),
@@ -234,7 +240,7 @@ pub async fn incident(
     // 4 and 5. Scaled down, same ratio: prompts that run.
     let (adv, pool) = (ADVERTISED / SCALE, POOL / SCALE);
     r.step(&format!(
-        "Scale down by {SCALE} with the same ratio: advertise {} over a {}-token pool.",
+        "Scale down by {SCALE} with the same ratio: advertise {} over a {}-token pool, so prompts at the limit run in seconds.",
         thousands(adv),
         thousands(pool)
     ));
@@ -382,10 +388,10 @@ async fn scaled_audit<W: Write>(
     ];
     config.progress = false;
     config.batch_invariant = true;
-    config.requests = 8;
+    config.requests = 12;
     config.concurrency = 4;
     config.pressure_pairs = 2;
-    config.max_tokens = 8;
+    config.max_tokens = 16;
     config.seed = 64;
     let mut auditor = Auditor::connect(config).await?;
     r.say(format!(
@@ -402,7 +408,23 @@ async fn scaled_audit<W: Write>(
     );
     let client = Client::new(dep.url(), Duration::from_secs(30))?;
     let preempt_before = metric(&client, dep, "kvwarden_preemptions_total").await;
-    let report = auditor.run_checks().await?;
+    // Pool pressure shows as requests queued for pages: sample the gauge while the audit
+    // runs and keep the peak.
+    let peak_waiting = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let sampler = {
+        let (client, urls, peak) = (client.clone(), dep.metrics_urls(), peak_waiting.clone());
+        tokio::spawn(async move {
+            loop {
+                if let Some(w) = metric_at(&client, &urls, "kvwarden_requests_waiting").await {
+                    peak.fetch_max(w as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let report = auditor.run_checks().await;
+    sampler.abort();
+    let report = report?;
     let preempt_after = metric(&client, dep, "kvwarden_preemptions_total").await;
     r.say("   capacity (token-id prompts, exact lengths):");
     for c in &report.capacity {
@@ -442,7 +464,8 @@ async fn scaled_audit<W: Write>(
         _ => None,
     };
     r.say(format!(
-        "   pool pressure: {} preemptions (requests that gave their pages back and recomputed)",
+        "   pool pressure: up to {} requests queued for KV pages at once; {} preemptions (running requests that gave their pages back and recomputed)",
+        peak_waiting.load(std::sync::atomic::Ordering::Relaxed),
         preemptions.map_or("?".to_owned(), thousands)
     ));
     r.check(
@@ -477,10 +500,12 @@ mod tests {
         assert_eq!(thousands(POOL + 1), "681,281");
         assert_eq!(thousands(999), "999");
         assert_eq!(thousands(1000), "1,000");
-        // The scaled pool keeps the incident's ratio exactly.
-        assert_eq!(POOL / SCALE * SCALE, POOL);
-        assert_eq!(ADVERTISED / SCALE * SCALE, ADVERTISED);
-        assert_eq!(pool_flags(POOL / SCALE)[3], "5");
+        // The scaled pool keeps the incident's ratio to four digits, in whole pages.
+        let ratio = |pool: usize, adv: usize| pool as f64 / adv as f64;
+        let scaled = ratio(POOL / SCALE, ADVERTISED / SCALE);
+        assert!((scaled - ratio(POOL, ADVERTISED)).abs() < 1e-4, "{scaled}");
+        assert_eq!(pool_flags(POOL / SCALE)[3], "2");
+        assert!((POOL / SCALE).is_multiple_of(2));
         assert_eq!(pool_flags(POOL)[3], "16");
     }
 }
