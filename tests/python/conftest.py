@@ -18,6 +18,10 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(os.environ.get("KVWARDEN_BIN", ROOT / "target" / "debug" / "kvwarden"))
+# Built by scripts/test.sh with --features fault-injection into its own target dir.
+FAULT_BIN = Path(
+    os.environ.get("KVWARDEN_FAULT_BIN", ROOT / "target" / "fault" / "debug" / "kvwarden")
+)
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smollm2-135m"
 SYSTEM = "You are a helpful assistant."
@@ -38,12 +42,12 @@ def require_binary():
 class Server:
     """One `kvwarden serve` on a free port, its stderr in a log file."""
 
-    def __init__(self, args, log_path: Path, api_key="unused"):
+    def __init__(self, args, log_path: Path, api_key="unused", binary=None):
         require_binary()
         self.log_path = log_path
         self.log = open(log_path, "wb")
         cmd = [
-            str(BIN),
+            str(binary or BIN),
             "--threads",
             "2",
             "serve",
@@ -125,9 +129,9 @@ class Server:
 def make_server(tmp_path_factory):
     started = []
 
-    def make(*args, api_key="unused", name="server"):
+    def make(*args, api_key="unused", name="server", binary=None):
         log = tmp_path_factory.mktemp(name) / "stderr.log"
-        s = Server(args, log, api_key=api_key)
+        s = Server(args, log, api_key=api_key, binary=binary)
         started.append(s)
         return s
 
