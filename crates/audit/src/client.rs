@@ -130,6 +130,10 @@ impl Client {
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .no_proxy()
+            // A fresh connection per request: reusing an idle keep-alive connection that the
+            // server has just closed (llama-server closes them after 5 s) fails the request
+            // before it is sent, which would be the audit's fault, not the server's.
+            .pool_max_idle_per_host(0)
             .build()
             .map_err(|e| AuditError::Unreachable {
                 url: base.clone(),
@@ -324,27 +328,31 @@ fn choice_parts(api: Api, choice: &Value) -> (Option<String>, Vec<String>) {
     }
     .and_then(Value::as_str)
     .map(str::to_owned);
+    // OpenAI's completions shape is `logprobs.tokens`, its chat shape
+    // `logprobs.content[].token`; some servers (llama.cpp) use the chat shape for both, so
+    // both are read on both endpoints.
     let lp = choice.get("logprobs");
-    let tokens: Vec<String> = match api {
-        Api::Completions => lp
-            .and_then(|l| l.get("tokens"))
-            .and_then(Value::as_array)
-            .map(|a| {
-                a.iter()
-                    .filter_map(|t| t.as_str().map(str::to_owned))
-                    .collect()
-            })
-            .unwrap_or_default(),
-        Api::Chat => lp
-            .and_then(|l| l.get("content"))
-            .and_then(Value::as_array)
-            .map(|a| {
-                a.iter()
-                    .filter_map(|t| t.get("token").and_then(Value::as_str).map(str::to_owned))
-                    .collect()
-            })
-            .unwrap_or_default(),
-    };
+    let legacy = lp
+        .and_then(|l| l.get("tokens"))
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|t| t.as_str().map(str::to_owned))
+                .collect::<Vec<_>>()
+        });
+    let content = lp
+        .and_then(|l| l.get("content"))
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|t| t.get("token").and_then(Value::as_str).map(str::to_owned))
+                .collect::<Vec<_>>()
+        });
+    let tokens = match api {
+        Api::Completions => legacy.or(content),
+        Api::Chat => content.or(legacy),
+    }
+    .unwrap_or_default();
     (text, tokens)
 }
 
@@ -483,5 +491,13 @@ mod tests {
         assert_eq!(ex.content, " a b");
         assert_eq!(ex.logprob_tokens.as_ref().map(Vec::len), Some(2));
         assert_eq!(ex.usage.and_then(|u| u.cached_tokens), Some(2));
+        // llama.cpp answers /v1/completions with the chat shape of logprobs.
+        let mut ex = Exchange {
+            status: Some(200),
+            raw: r#"{"choices":[{"text":"ab","finish_reason":"stop","logprobs":{"content":[{"token":"a"},{"token":"b"}]}}]}"#.into(),
+            ..Default::default()
+        };
+        whole_body(&mut ex, Api::Completions);
+        assert_eq!(ex.logprob_tokens, Some(vec!["a".into(), "b".into()]));
     }
 }
