@@ -19,6 +19,10 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(os.environ.get("KVWARDEN_BIN", ROOT / "target" / "debug" / "kvwarden"))
+# Built by scripts/test.sh with --features fault-injection into its own target dir.
+FAULT_BIN = Path(
+    os.environ.get("KVWARDEN_FAULT_BIN", ROOT / "target" / "fault" / "debug" / "kvwarden")
+)
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smollm2-135m"
 SYSTEM = "You are a helpful assistant."
@@ -46,12 +50,12 @@ class Server:
     # KV pools behind this URL (a cluster has one per node).
     pools = 1
 
-    def __init__(self, args, log_path: Path, api_key="unused", nofile=None):
+    def __init__(self, args, log_path: Path, api_key="unused", nofile=None, binary=None):
         require_binary()
         self.log_path = log_path
         self.log = open(log_path, "wb")
         cmd = [
-            str(BIN),
+            str(binary or BIN),
             "--threads",
             "2",
             "serve",
@@ -290,12 +294,12 @@ class Cluster(Server):
 def make_server(tmp_path_factory):
     started = []
 
-    def make(*args, api_key="unused", name="server", nofile=None):
-        if DEPLOYMENT == "cluster":
+    def make(*args, api_key="unused", name="server", nofile=None, binary=None):
+        if DEPLOYMENT == "cluster" and binary is None:
             s = Cluster(args, tmp_path_factory.mktemp(name), api_key=api_key, nofile=nofile)
         else:
             log = tmp_path_factory.mktemp(name) / "stderr.log"
-            s = Server(args, log, api_key=api_key, nofile=nofile)
+            s = Server(args, log, api_key=api_key, nofile=nofile, binary=binary)
         started.append(s)
         return s
 

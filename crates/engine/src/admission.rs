@@ -38,6 +38,9 @@ impl Rejection {
 pub struct Admitted {
     pub(crate) request: GenerateRequest,
     pub(crate) total_tokens: usize,
+    /// Fault injection only: positions the scheduler declares written without writing them.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fault_claim: usize,
 }
 
 impl Admitted {
@@ -119,6 +122,10 @@ impl Admission {
         let prompt_tokens = request.prompt.len();
         let total = prompt_tokens.saturating_add(request.max_tokens);
         if total > self.max_context || prompt_tokens >= self.max_context {
+            #[cfg(feature = "fault-injection")]
+            if crate::fault::incident() {
+                return Ok(crate::fault::placeholder(request, self.max_context));
+            }
             return Err(Rejection::ContextLengthExceeded {
                 limit: self.max_context,
                 prompt_tokens,
@@ -132,6 +139,8 @@ impl Admission {
         Ok(Admitted {
             request,
             total_tokens: total,
+            #[cfg(feature = "fault-injection")]
+            fault_claim: 0,
         })
     }
 }

@@ -17,6 +17,8 @@
 #![forbid(unsafe_code)]
 
 mod admission;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 mod handle;
 pub mod handoff;
 mod worker;

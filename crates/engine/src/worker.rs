@@ -52,6 +52,9 @@ struct Progress {
     slot: Slot,
     /// Prefill role: end after the first token with the prompt's K/V.
     prefill_only: bool,
+    /// Fault injection only: positions declared written without being written.
+    #[cfg(feature = "fault-injection")]
+    fault_claim: usize,
 }
 
 impl Progress {
@@ -211,8 +214,12 @@ impl Worker {
             } => {
                 self.arrivals += 1;
                 let total_tokens = admitted.total_tokens;
+                #[cfg(feature = "fault-injection")]
+                let fault_claim = admitted.fault_claim;
                 let request = admitted.request;
                 self.waiting.push_back(Progress {
+                    #[cfg(feature = "fault-injection")]
+                    fault_claim,
                     total_tokens,
                     id,
                     arrival: self.arrivals,
@@ -329,6 +336,8 @@ impl Worker {
             total_tokens,
             slot,
             prefill_only: false,
+            #[cfg(feature = "fault-injection")]
+            fault_claim: 0,
         };
         match accept_token(
             &mut progress,
@@ -414,6 +423,10 @@ impl Worker {
             let Some(mut progress) = self.waiting.pop_front() else {
                 break;
             };
+            #[cfg(feature = "fault-injection")]
+            if progress.fault_claim > 0 {
+                kv.fault_claim_unwritten(progress.fault_claim);
+            }
             if progress.cached_tokens.is_none() {
                 progress.cached_tokens = Some(cached);
                 EngineMetrics::add(

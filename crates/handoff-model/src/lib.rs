@@ -1,6 +1,6 @@
 //! A model-checked specification of kvwarden's disaggregated prefill/decode handoff.
 //!
-//! The incident this protocol exists to prevent (shared/INCIDENT.md): a prefill node rejected
+//! The incident this protocol exists to prevent (described at the top of README.md): a prefill node rejected
 //! an over-length prompt, replaced it by a one-token placeholder and carried on; the decode
 //! node, which had reserved pages for the whole prompt, decoded over pages nobody had
 //! rewritten, full of other customers' KV, and the client got HTTP 200. This crate states the

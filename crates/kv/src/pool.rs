@@ -705,6 +705,16 @@ impl PageLease {
         rows(&self.pool.layout, &self.buf().data, layer, n)
     }
 
+    /// Fault injection only: records `slots` as written on every layer without writing them
+    /// (see `SequenceKv::fault_claim_unwritten`).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn fault_mark_written(&mut self, slots: usize) {
+        let slots = slots.min(self.pool.layout.page_tokens) as u32;
+        for w in self.written.iter_mut() {
+            *w = (*w).max(slots);
+        }
+    }
+
     /// Turns a fully written page into an immutable shared page readable by `visibility`.
     /// A partly written page cannot be shared: its free slots would be writable by nobody
     /// and readable by nobody, and the next writer must get a fresh private page.

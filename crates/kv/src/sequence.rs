@@ -281,6 +281,23 @@ impl SequenceKv {
         Ok(out)
     }
 
+    /// FAULT INJECTION ONLY (the `fault-injection` feature, never in default builds): the
+    /// incident's bug, so tests can prove that `kvwarden audit` catches it. Declares positions
+    /// `[0, upto)` written and committed without writing them, as the incident's decode side
+    /// trusted a transfer that never delivered the prompt's K/V: every later read of those
+    /// positions passes the written-extent check and sees whatever the pages held before.
+    #[cfg(feature = "fault-injection")]
+    pub fn fault_claim_unwritten(&mut self, upto: usize) {
+        let p = self.pool.layout().page_tokens;
+        let upto = upto.min(self.capacity());
+        for (i, block) in self.blocks.iter_mut().enumerate() {
+            if let Block::Owned(lease) = block {
+                lease.fault_mark_written(upto.saturating_sub(i * p).min(p));
+            }
+        }
+        self.len = self.len.max(upto);
+    }
+
     /// What `runs` costs without its checks; exists only in the benchmark build.
     #[cfg(feature = "bench-unchecked-baseline")]
     fn runs_unchecked_baseline(&self, layer: usize, upto: usize) -> Vec<KvRun<'_>> {

@@ -12,6 +12,8 @@ use engine::{EngineConfig, Event, GenerateRequest, IsolationDomain, SamplingPara
 use gguf::GgmlType;
 
 mod edge;
+#[cfg(feature = "fault-injection")]
+mod fault;
 mod node;
 mod router_cmd;
 mod serve;
@@ -51,6 +53,9 @@ enum Command {
     Serve(ServeArgs),
     /// Serve the OpenAI-compatible HTTP API in front of prefill and decode nodes.
     Router(router_cmd::RouterArgs),
+    /// Audit any OpenAI-compatible server by the content of its answers, or replay the
+    /// incident (--scenario incident).
+    Audit(audit::AuditArgs),
     /// Write a throwaway cluster CA and one certificate per name (router and nodes).
     Certs {
         /// Directory for ca.pem and NAME.pem / NAME.key.
@@ -125,6 +130,8 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
+    #[cfg(feature = "fault-injection")]
+    eprintln!("{}", fault::WARNING);
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
@@ -148,6 +155,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::SynthModel(args) => synth(args),
         Command::Serve(args) => serve::serve(args),
         Command::Router(args) => router_cmd::run(args),
+        Command::Audit(args) => Ok(audit::run_cli(args)?),
         Command::Certs { out, names } => {
             for path in transfer::certs::write_cluster(&out, &names)? {
                 eprintln!("wrote {}", path.display());

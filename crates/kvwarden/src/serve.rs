@@ -66,6 +66,10 @@ pub struct ServeArgs {
     /// and a prefill node for the decode node to take it.
     #[arg(long, default_value_t = 60)]
     pub(crate) handoff_timeout_secs: u64,
+    /// FAULT-INJECTION BUILD ONLY: re-enact a known bug, to test `kvwarden audit`.
+    #[cfg(feature = "fault-injection")]
+    #[arg(long, value_parser = ["incident"])]
+    pub(crate) inject_fault: Option<String>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -115,7 +119,9 @@ impl TlsArgs {
     }
 }
 
-pub fn serve(args: ServeArgs) -> Result<()> {
+pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
+    #[cfg(feature = "fault-injection")]
+    crate::fault::apply(&mut args);
     let auth = args.edge.auth()?;
     let file = open_model(&args.model)?;
     let tok = tokenizer::Tokenizer::from_gguf(&file)?;

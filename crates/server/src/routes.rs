@@ -403,10 +403,18 @@ async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Respons
 /// 200 while the backend can serve (the engine thread runs; a cluster has a reachable node
 /// of each role); 503 otherwise, since no generation request could then succeed.
 async fn health(State(app): State<Arc<AppState>>) -> Response {
-    match app.backend.health() {
-        Ok(()) => Json(json!({ "status": "ok" })).into_response(),
-        Err(e) => e.into_response(),
+    if let Err(e) = app.backend.health() {
+        return e.into_response();
     }
+    #[allow(unused_mut)] // mutated only in fault-injection builds
+    let mut body = json!({ "status": "ok" });
+    // A build that can re-enact the incident's bug says so to anything that asks.
+    #[cfg(feature = "fault-injection")]
+    {
+        body["fault_injection"] = json!(true);
+        body["fault"] = json!(engine::fault::incident().then_some("incident"));
+    }
+    Json(body).into_response()
 }
 
 /// The totals describe every tenant's traffic: on the API listener they need an API key.

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's `llama-server` from the PyPI sdist of llama-cpp-python (which vendors
+# llama.cpp) into .peer/ (git-ignored), for auditing a peer server with `kvwarden audit`.
+# Cached: a second run prints the path at once. About 10 minutes on 2 cores, run at the
+# lowest CPU priority so it does not starve other work. Needs cmake, ninja and a C++
+# compiler (Debian: apt-get install cmake ninja-build g++). Prints the binary's path.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+version=0.3.36
+peer="$root/.peer"
+bin="$peer/llama-server-$version"
+if [ -x "$bin" ]; then
+  echo "$bin"
+  exit 0
+fi
+for tool in cmake ninja c++; do
+  command -v "$tool" >/dev/null || { echo "build-llama-server: $tool is required (apt-get install cmake ninja-build g++)" >&2; exit 1; }
+done
+mkdir -p "$peer"
+src="$peer/src-$version"
+if [ ! -d "$src/vendor/llama.cpp" ]; then
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  echo "build-llama-server: downloading the llama-cpp-python==$version sdist from PyPI" >&2
+  python3 -m pip download --quiet --no-deps --no-binary llama-cpp-python \
+    "llama-cpp-python==$version" -d "$tmp" >&2
+  mkdir -p "$src"
+  tar -xzf "$tmp"/llama_cpp_python-"$version".tar.gz -C "$src" --strip-components=1
+fi
+echo "build-llama-server: building llama-server (about 10 minutes on 2 cores)" >&2
+nice -n 19 cmake -S "$src/vendor/llama.cpp" -B "$peer/build-$version" -G Ninja \
+  -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON >&2
+nice -n 19 cmake --build "$peer/build-$version" --target llama-server -j "$(nproc)" >&2
+cp "$peer/build-$version/bin/llama-server" "$bin.tmp"
+mv "$bin.tmp" "$bin"
+echo "$bin"
