@@ -67,8 +67,151 @@ impl Topology for Monolithic {
             "0".into(),
         ];
         args.extend(flags.iter().cloned());
-        let node = Node::start(&self.exe, &args)?;
+        let node = Node::start(&self.exe, &args, listening_url)?;
         Ok(Box::new(MonolithicDeployment { node }))
+    }
+}
+
+/// `kvwarden router` in front of one prefill and one decode node, over mutual TLS with a
+/// throwaway cluster CA: the deployment the incident happened in.
+pub struct Disaggregated {
+    pub exe: PathBuf,
+    /// Where the cluster's certificates are written.
+    pub workdir: PathBuf,
+}
+
+/// Flags the router takes; every other flag configures both nodes. `--max-context` goes to
+/// both: each node refuses a context its own pool cannot hold, and so does the router.
+const ROUTER_FLAGS: [&str; 2] = ["--max-body-bytes", "--max-context"];
+
+impl Topology for Disaggregated {
+    fn name(&self) -> &'static str {
+        "disaggregated (router + prefill node + decode node)"
+    }
+
+    fn launch(&self, model: &Path, flags: &[String]) -> Result<Box<dyn Deployment>, LaunchError> {
+        let certs = self.workdir.join("certs");
+        if !certs.join("ca.pem").is_file() {
+            let out = Command::new(&self.exe)
+                .args(["certs", "--out"])
+                .arg(&certs)
+                .args(["--name", "router", "--name", "prefill", "--name", "decode"])
+                .output()
+                .map_err(|source| LaunchError::Spawn {
+                    exe: self.exe.clone(),
+                    source,
+                })?;
+            if !out.status.success() {
+                return Err(LaunchError::Refused {
+                    code: out.status.code(),
+                    stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+                });
+            }
+        }
+        let tls = |name: &str| -> Vec<String> {
+            let path = |ext: &str| {
+                certs
+                    .join(format!("{name}.{ext}"))
+                    .to_string_lossy()
+                    .into_owned()
+            };
+            vec![
+                "--tls-ca".into(),
+                certs.join("ca.pem").to_string_lossy().into_owned(),
+                "--tls-cert".into(),
+                path("pem"),
+                "--tls-key".into(),
+                path("key"),
+            ]
+        };
+        let mut router_flags = Vec::new();
+        let mut pairs = flags.iter();
+        while let Some(flag) = pairs.next() {
+            if ROUTER_FLAGS.contains(&flag.as_str()) {
+                router_flags.push(flag.clone());
+                router_flags.extend(pairs.next().cloned());
+            }
+        }
+        let model = model.to_string_lossy().into_owned();
+        let mut nodes = Vec::new();
+        let mut addresses = Vec::new();
+        for role in ["prefill", "decode"] {
+            let mut args: Vec<String> = vec![
+                "--threads".into(),
+                "1".into(),
+                "serve".into(),
+                "--role".into(),
+                role.into(),
+                "--model".into(),
+                model.clone(),
+                "--port".into(),
+                "0".into(),
+                "--metrics-port".into(),
+                "0".into(),
+            ];
+            args.extend(tls(role));
+            args.extend(flags.iter().cloned());
+            let node = Node::start(&self.exe, &args, |log| {
+                after(log, "internal API on ").filter(|_| log.contains("node metrics on http://"))
+            })?;
+            addresses.push(node.url.clone());
+            nodes.push(node);
+        }
+        let metrics = nodes
+            .iter()
+            .filter_map(|n| after(&n.stderr(), "node metrics on "))
+            .map(|url| format!("{url}/metrics"))
+            .collect();
+        let mut args: Vec<String> = vec![
+            "router".into(),
+            "--model".into(),
+            model,
+            "--port".into(),
+            "0".into(),
+            "--prefill".into(),
+            addresses[0].clone(),
+            "--decode".into(),
+            addresses[1].clone(),
+        ];
+        args.extend(tls("router"));
+        args.extend(router_flags);
+        let router = Node::start(&self.exe, &args, listening_url)?;
+        Ok(Box::new(ClusterDeployment {
+            router,
+            nodes,
+            metrics,
+        }))
+    }
+}
+
+struct ClusterDeployment {
+    router: Node,
+    nodes: Vec<Node>,
+    metrics: Vec<String>,
+}
+
+impl Deployment for ClusterDeployment {
+    fn url(&self) -> &str {
+        &self.router.url
+    }
+
+    /// The nodes': the engine counters live there.
+    fn metrics_urls(&self) -> Vec<String> {
+        self.metrics.clone()
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "kvwarden router at {} over a prefill node at {} and a decode node at {}",
+            self.router.url, self.nodes[0].url, self.nodes[1].url
+        )
+    }
+
+    fn stop(&mut self) {
+        self.router.stop();
+        for n in &mut self.nodes {
+            n.stop();
+        }
     }
 }
 
@@ -102,8 +245,12 @@ pub struct Node {
 }
 
 impl Node {
-    /// Runs `exe args...` and waits until it prints its address ("listening on http://…").
-    pub fn start(exe: &Path, args: &[String]) -> Result<Self, LaunchError> {
+    /// Runs `exe args...` and waits until `ready` finds its address in what it printed.
+    pub fn start(
+        exe: &Path,
+        args: &[String],
+        ready: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, LaunchError> {
         let mut child = Command::new(exe)
             .args(args)
             .stdin(Stdio::null())
@@ -128,7 +275,7 @@ impl Node {
         let text = |s: &Arc<Mutex<String>>| s.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let deadline = Instant::now() + STARTUP;
         loop {
-            if let Some(url) = listening_url(&text(&stderr)) {
+            if let Some(url) = ready(&text(&stderr)) {
                 return Ok(Self { child, url, stderr });
             }
             if let Ok(Some(status)) = child.try_wait() {
@@ -175,12 +322,17 @@ impl Drop for Node {
 }
 
 fn listening_url(stderr: &str) -> Option<String> {
-    let at = stderr.find("listening on http://")? + "listening on ".len();
-    let url: String = stderr[at..]
+    after(stderr, "listening on ").filter(|url| url.starts_with("http://"))
+}
+
+/// The word that follows the first `marker` in `text`.
+fn after(text: &str, marker: &str) -> Option<String> {
+    let at = text.find(marker)? + marker.len();
+    let word: String = text[at..]
         .chars()
         .take_while(|c| !c.is_whitespace())
         .collect();
-    Some(url)
+    (!word.is_empty()).then_some(word)
 }
 
 #[cfg(test)]
@@ -203,6 +355,7 @@ mod tests {
                 "-c".into(),
                 "echo 'error: pool too small: 42 < 43' >&2; exit 3".into(),
             ],
+            listening_url,
         );
         match r {
             Err(LaunchError::Refused { code, stderr }) => {

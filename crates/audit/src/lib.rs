@@ -38,6 +38,15 @@ pub enum Scenario {
     Incident,
 }
 
+/// How a scenario deploys kvwarden.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TopologyArg {
+    /// `kvwarden router` in front of one prefill and one decode node, as in the incident.
+    Disaggregated,
+    /// One `kvwarden serve`.
+    Monolithic,
+}
+
 /// `kvwarden audit` arguments.
 #[derive(Debug, clap::Args)]
 pub struct AuditArgs {
@@ -98,6 +107,9 @@ pub struct AuditArgs {
     /// Run a scenario instead of auditing an endpoint.
     #[arg(long, value_enum, conflicts_with = "endpoint")]
     pub scenario: Option<Scenario>,
+    /// How the scenario deploys kvwarden.
+    #[arg(long, value_enum, default_value_t = TopologyArg::Disaggregated)]
+    pub topology: TopologyArg,
     /// The kvwarden binary a scenario launches (default: this executable).
     #[arg(long)]
     pub kvwarden_bin: Option<PathBuf>,
@@ -152,9 +164,20 @@ pub fn run_cli(args: AuditArgs) -> Result<(), AuditError> {
         };
         let workdir =
             std::env::temp_dir().join(format!("kvwarden-incident-{}", std::process::id()));
-        let topology = deploy::Monolithic { exe: exe.clone() };
+        let topology: Box<dyn deploy::Topology> = match args.topology {
+            TopologyArg::Monolithic => Box::new(deploy::Monolithic { exe: exe.clone() }),
+            TopologyArg::Disaggregated => Box::new(deploy::Disaggregated {
+                exe: exe.clone(),
+                workdir: workdir.join("cluster"),
+            }),
+        };
         let mut stdout = std::io::stdout();
-        let result = runtime.block_on(scenario::incident(&topology, &exe, &workdir, &mut stdout));
+        let result = runtime.block_on(scenario::incident(
+            topology.as_ref(),
+            &exe,
+            &workdir,
+            &mut stdout,
+        ));
         let _ = std::fs::remove_dir_all(&workdir);
         return match result? {
             true => Ok(()),
