@@ -175,6 +175,16 @@ impl SynthSpec {
         if !(hd * self.heads).is_multiple_of(32) || !(hd * self.kv_heads).is_multiple_of(32) {
             return Err("query and kv widths must be multiples of 32".into());
         }
+        let block = self.weight_type.block_elems();
+        if [self.dim, hd * self.heads, self.ffn_dim]
+            .iter()
+            .any(|c| !c.is_multiple_of(block))
+        {
+            return Err(format!(
+                "{:?} weights need dim, query width and ffn dim to be multiples of {block}",
+                self.weight_type
+            ));
+        }
         let mut w = GgufWriter::new();
         let s = |v: &str| MetaValue::String(v.to_string());
         let u = |v: usize| MetaValue::U32(v as u32);
