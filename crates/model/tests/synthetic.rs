@@ -401,11 +401,14 @@ fn each_architectures_additions_change_the_output() {
 #[test]
 fn chunking_and_batching_never_change_a_row_in_any_architecture() {
     for arch in [SynthArch::Llama3, SynthArch::Qwen2, SynthArch::Qwen3] {
-        for (ty, dtype) in [
-            (GgmlType::Q4_1, KvDtype::F16),
-            (GgmlType::Q8_0, KvDtype::F32),
+        for (ty, dtype, dim, heads) in [
+            (GgmlType::Q4_1, KvDtype::F16, 96, 6),
+            (GgmlType::Q8_0, KvDtype::F32, 96, 6),
+            // The k-quants need rows of whole 256-element super-blocks.
+            (GgmlType::Q4_K, KvDtype::F16, 256, 4),
+            (GgmlType::Q6_K, KvDtype::F16, 256, 4),
         ] {
-            let spec = spec(96, 6, 2, ty);
+            let spec = spec(dim, heads, 2, ty);
             let (_, model) = load_arch(&spec, arch);
             let pool = pool(&model, dtype);
             let a = tokens(45, 1);
@@ -481,6 +484,18 @@ fn unsupported_architectures_and_tensors_are_refused_by_name() {
     let mut w = spec.build_arch(SynthArch::Qwen3).unwrap();
     w.tensor_f32("rope_freqs.weight", &[16], GgmlType::F32, &[1.0; 16]);
     assert!(load_err(&w).contains("rope_freqs.weight"));
+    // Frequency factors of the wrong length, or ones that would make angles infinite.
+    for factors in [vec![1.0f32; 7], vec![0.0f32; 8], vec![f32::NAN; 8]] {
+        let mut w = spec.build_arch(SynthArch::Llama).unwrap();
+        w.tensor_f32(
+            "rope_freqs.weight",
+            &[factors.len() as u64],
+            GgmlType::F32,
+            &factors,
+        );
+        let e = load_err(&w);
+        assert!(e.contains("rope_freqs.weight"), "{e}");
+    }
 
     // RoPE scalings whose arithmetic is not implemented.
     for (arch, key) in [
