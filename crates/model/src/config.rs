@@ -165,6 +165,22 @@ impl LlamaConfig {
                 )));
             }
         }
+        // Keys that change llama.cpp's graph in ways this pass does not implement: refused
+        // rather than ignored (a Mixtral file says `llama` too).
+        if let Some(n) = opt_u("expert_count")? {
+            if n > 0 {
+                return Err(ModelError::Unsupported(format!(
+                    "mixture of experts ({a}.expert_count = {n})"
+                )));
+            }
+        }
+        for k in ["attention.scale", "attention.clamp_kqv"] {
+            if let Some(v) = opt_f(k)? {
+                if v != 0.0 {
+                    return Err(ModelError::Unsupported(format!("{a}.{k} = {v}")));
+                }
+            }
+        }
         let vocab_size = match opt_u("vocab_size")? {
             Some(v) => v,
             None => f.get_array("tokenizer.ggml.tokens")?.len(),

@@ -497,6 +497,18 @@ fn unsupported_architectures_and_tensors_are_refused_by_name() {
         assert!(e.contains("rope_freqs.weight"), "{e}");
     }
 
+    // Metadata that changes llama.cpp's graph in ways not implemented here.
+    for (key, value) in [
+        ("llama.expert_count", gguf::MetaValue::U32(8)),
+        ("llama.attention.scale", gguf::MetaValue::F32(0.5)),
+        ("llama.attention.clamp_kqv", gguf::MetaValue::F32(8.0)),
+    ] {
+        let mut w = spec.build_arch(SynthArch::Llama).unwrap();
+        w.meta(key, value);
+        let e = load_err(&w);
+        assert!(e.contains(key), "{e}");
+    }
+
     // RoPE scalings whose arithmetic is not implemented.
     for (arch, key) in [
         (SynthArch::Llama3, "llama.rope.scaling.type"),
