@@ -197,14 +197,7 @@ impl QuantFormat for Q4K {
         if simd::has_avx2() {
             let mut acc = 0f32;
             for (wb, ab) in w.chunks_exact(144).zip(a) {
-                let mut sc = [0u8; 8];
-                let mut summ = 0i32;
-                for (j, s) in sc.iter_mut().enumerate() {
-                    let (scale, m) = gguf::k4_scale_min(j, &wb[4..16]);
-                    *s = scale;
-                    summ += i32::from(m)
-                        * (i32::from(ab.bsums[2 * j]) + i32::from(ab.bsums[2 * j + 1]));
-                }
+                let (sc, summ) = k4_scales(wb, ab);
                 // SAFETY: AVX2 is present (checked above), the only requirement of the
                 // target-feature function; it checks the slice lengths it reads.
                 let sumi = unsafe { simd::q4_k_sumi(&wb[16..144], &ab.qs, &sc) };
@@ -217,6 +210,20 @@ impl QuantFormat for Q4K {
     }
 }
 
+/// The eight 6-bit sub-block scales of a Q4_K/Q5_K block, and `Σ_j m_j Σ a` over its
+/// sub-blocks (the offset term, from the activations' `bsums`).
+#[cfg(target_arch = "x86_64")]
+fn k4_scales(wb: &[u8], ab: &BlockQ8K) -> ([u8; 8], i32) {
+    let mut sc = [0u8; 8];
+    let mut summ = 0i32;
+    for (j, s) in sc.iter_mut().enumerate() {
+        let (scale, m) = gguf::k4_scale_min(j, &wb[4..16]);
+        *s = scale;
+        summ += i32::from(m) * (i32::from(ab.bsums[2 * j]) + i32::from(ab.bsums[2 * j + 1]));
+    }
+    (sc, summ)
+}
+
 pub struct Q5K;
 
 impl QuantFormat for Q5K {
@@ -224,6 +231,26 @@ impl QuantFormat for Q5K {
     type Act = BlockQ8K;
 
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if simd::has_avx2() {
+            let mut acc = 0f32;
+            for (wb, ab) in w.chunks_exact(176).zip(a) {
+                let (sc, summ) = k4_scales(wb, ab);
+                // SAFETY: AVX2 is present (checked above), the only requirement of the
+                // target-feature function; it checks the slice lengths it reads.
+                let sumi = unsafe { simd::q5_k_sumi(&wb[16..48], &wb[48..176], &ab.qs, &sc) };
+                // The same float expression as `dot_k4_like`, on the same integers.
+                acc += f16_at(wb, 0) * ab.d * sumi as f32 - f16_at(wb, 2) * ab.d * summ as f32;
+            }
+            return acc;
+        }
+        Self::dot_scalar(w, a)
+    }
+}
+
+impl Q5K {
+    /// The portable definition (the SIMD path is tested against it).
+    pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
         dot_k4_like(w, a, 176, |b, e| {
             let (j, l) = (e / 32, e % 32);
             let q = b[48 + 32 * (j / 2) + l];
@@ -337,6 +364,36 @@ mod simd {
             let q = load(qs, 32 * c);
             let lo = _mm256_and_si256(q, mask);
             let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask);
+            let p_lo = _mm256_maddubs_epi16(lo, load(a, 64 * c));
+            let p_hi = _mm256_maddubs_epi16(hi, load(a, 64 * c + 32));
+            let s_lo = _mm256_madd_epi16(p_lo, _mm256_set1_epi16(i16::from(sc[2 * c])));
+            let s_hi = _mm256_madd_epi16(p_hi, _mm256_set1_epi16(i16::from(sc[2 * c + 1])));
+            acc = _mm256_add_epi32(acc, _mm256_add_epi32(s_lo, s_hi));
+        }
+        hsum(acc)
+    }
+
+    /// As [`q4_k_sumi`] for Q5_K: the fifth bit of sub-block `j`'s element `l` is bit `j` of
+    /// `qh[l]`. Products are at most 31 · 127, so `maddubs` never saturates.
+    #[target_feature(enable = "avx2")]
+    pub fn q5_k_sumi(qh: &[u8], qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> i32 {
+        assert!(qh.len() >= 32 && qs.len() >= 128);
+        let mask = _mm256_set1_epi8(0x0f);
+        let five = _mm256_set1_epi8(0x10);
+        let h = load(qh, 0);
+        // 0x10 where bit `j` of `qh[l]` is set.
+        let high = |j: usize| {
+            let bit = _mm256_set1_epi8((1u8 << j) as i8);
+            _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), five)
+        };
+        let mut acc = _mm256_setzero_si256();
+        for c in 0..4 {
+            let q = load(qs, 32 * c);
+            let lo = _mm256_or_si256(_mm256_and_si256(q, mask), high(2 * c));
+            let hi = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask),
+                high(2 * c + 1),
+            );
             let p_lo = _mm256_maddubs_epi16(lo, load(a, 64 * c));
             let p_hi = _mm256_maddubs_epi16(hi, load(a, 64 * c + 32));
             let s_lo = _mm256_madd_epi16(p_lo, _mm256_set1_epi16(i16::from(sc[2 * c])));
@@ -590,12 +647,16 @@ mod tests {
         }
     }
 
-    /// The dispatched Q4_K and Q6_K products (AVX2 where the CPU has it) give the portable
+    /// The dispatched Q4_K, Q5_K and Q6_K products (AVX2 where the CPU has it) give the portable
     /// definition's bits: the same integers, then the same float expression.
     #[test]
     fn simd_k_quants_equal_the_scalar_definition_bit_for_bit() {
         let mut s = 11u64;
-        for (ty, blocks) in [(GgmlType::Q4_K, 3), (GgmlType::Q6_K, 3)] {
+        for (ty, blocks) in [
+            (GgmlType::Q4_K, 3),
+            (GgmlType::Q5_K, 3),
+            (GgmlType::Q6_K, 3),
+        ] {
             for trial in 0..20 {
                 let cols = blocks * QK_K;
                 // Wide value ranges, so quants reach their extremes (0 and 15 or 63).
@@ -607,6 +668,7 @@ mod tests {
                 quantize_row_q8_k(&x, &mut xk);
                 let (fast, slow) = match ty {
                     GgmlType::Q4_K => (Q4K::dot(&w, &xk), Q4K::dot_scalar(&w, &xk)),
+                    GgmlType::Q5_K => (Q5K::dot(&w, &xk), Q5K::dot_scalar(&w, &xk)),
                     _ => (Q6K::dot(&w, &xk), Q6K::dot_scalar(&w, &xk)),
                 };
                 assert_eq!(fast.to_bits(), slow.to_bits(), "{ty:?} trial {trial}");
