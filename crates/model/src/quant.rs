@@ -4,7 +4,7 @@
 //! 256). Matrices keep ggml's bytes as they are in the file.
 //!
 //! The kernels compute exact integer sums per (sub-)block, then apply the block's float
-//! scales in a fixed order. Q4_K and Q6_K have AVX2 builds of the integer part (run-time
+//! scales in a fixed order. Q4_K, Q5_K and Q6_K have AVX2 builds of the integer part (run-time
 //! dispatch, as in `kernels.rs`); integer sums do not depend on their order, so the SIMD
 //! and portable paths give the same bits. That float order is not yet llama.cpp's AVX2
 //! order, so greedy output on these types is not claimed to match llama.cpp bit for bit
