@@ -116,9 +116,13 @@ struct SynthArgs {
     context: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Weight type of the layer matrices: f32, f16, q4_0, q4_1, q8_0.
+    /// Weight type of the layer matrices: f32, f16, q4_0, q4_1, q8_0, q5_0, q5_1, q4_k,
+    /// q5_k, q6_k (the k-quants need dim and ffn multiples of 256).
     #[arg(long, default_value = "q8_0")]
     weight_type: String,
+    /// Architecture: llama, llama3 (llama with Llama 3's RoPE factors and BOS), qwen2, qwen3.
+    #[arg(long, default_value = "llama")]
+    arch: String,
     #[arg(short = 'o', long)]
     output: PathBuf,
 }
@@ -182,7 +186,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     drop(file);
     let prompt = match (&args.prompt, args.prompt_tokens) {
         (_, Some(ids)) => ids,
-        (Some(text), None) => tok.encode(text),
+        (Some(text), None) => tok.with_bos(tok.encode(text)),
         (None, None) => bail!("give --prompt or --prompt-tokens"),
     };
     let context = model.config.context_length;
@@ -271,8 +275,22 @@ fn synth(args: SynthArgs) -> Result<()> {
         "q4_0" => GgmlType::Q4_0,
         "q4_1" => GgmlType::Q4_1,
         "q8_0" => GgmlType::Q8_0,
-        other => bail!("unknown weight type {other:?} (f32, f16, q4_0, q4_1, q8_0)"),
+        "q5_0" => GgmlType::Q5_0,
+        "q5_1" => GgmlType::Q5_1,
+        "q4_k" => GgmlType::Q4_K,
+        "q5_k" => GgmlType::Q5_K,
+        "q6_k" => GgmlType::Q6_K,
+        other => bail!(
+            "unknown weight type {other:?} (f32, f16, q4_0, q4_1, q8_0, q5_0, q5_1, q4_k, q5_k, q6_k)"
+        ),
     };
+    let arch = model::synth::SynthArch::from_name(&args.arch).with_context(|| {
+        format!(
+            "unknown architecture {:?} ({})",
+            args.arch,
+            model::synth::SynthArch::NAMES
+        )
+    })?;
     let spec = model::synth::SynthSpec {
         layers: args.layers,
         dim: args.dim,
@@ -284,7 +302,7 @@ fn synth(args: SynthArgs) -> Result<()> {
         seed: args.seed,
         weight_type,
     };
-    let writer = spec.build().map_err(anyhow::Error::msg)?;
+    let writer = spec.build_arch(arch).map_err(anyhow::Error::msg)?;
     writer
         .write_to(&args.output)
         .with_context(|| format!("writing {}", args.output.display()))?;

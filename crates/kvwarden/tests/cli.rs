@@ -165,3 +165,57 @@ fn serve_checks_the_context_against_a_memory_budget() {
         "{stderr}"
     );
 }
+
+/// `synth-model --arch` writes a file of each architecture that `generate` loads and runs;
+/// an unknown architecture or a weight type that does not fit the shape is refused.
+#[test]
+fn synth_model_writes_every_architecture() {
+    let dir = std::env::temp_dir().join(format!("kvwarden-synth-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for (arch, ty) in [
+        ("llama", "q4_1"),
+        ("llama3", "q8_0"),
+        ("qwen2", "q5_0"),
+        ("qwen3", "q4_k"),
+    ] {
+        let path = dir.join(format!("{arch}.gguf"));
+        let path = path.to_string_lossy();
+        let (code, _, stderr) = kvwarden(&[
+            "synth-model",
+            "--arch",
+            arch,
+            "--weight-type",
+            ty,
+            "--dim",
+            "256",
+            "--heads",
+            "4",
+            "--ffn",
+            "512",
+            "-o",
+            &path,
+        ]);
+        assert_eq!(code, Some(0), "{arch}: {stderr}");
+        let (code, stdout, stderr) = kvwarden(&[
+            "generate",
+            "--model",
+            &path,
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "3",
+            "--json",
+        ]);
+        assert_eq!(code, Some(0), "{arch}: {stderr}");
+        assert!(stdout.contains("\"tokens\""), "{arch}: {stdout}");
+    }
+    let out = dir.join("x.gguf");
+    let out = out.to_string_lossy();
+    let (code, _, stderr) = kvwarden(&["synth-model", "--arch", "gemma3", "-o", &out]);
+    assert_ne!(code, Some(0));
+    assert!(stderr.contains("\"gemma3\""), "{stderr}");
+    let (code, _, stderr) = kvwarden(&["synth-model", "--weight-type", "q6_k", "-o", &out]);
+    assert_ne!(code, Some(0));
+    assert!(stderr.contains("256"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

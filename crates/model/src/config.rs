@@ -2,19 +2,66 @@ use gguf::GgufFile;
 
 use crate::ModelError;
 
+/// The GGUF `general.architecture` values this forward pass implements. Each is the llama
+/// block (RMSNorm, rotary attention with grouped KV heads, SwiGLU) with its own additions,
+/// as llama.cpp's `src/models/{llama,qwen2,qwen3}.cpp` build them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama 1/2/3, Mistral, SmolLM: rotary pairs of adjacent dimensions, optional
+    /// `rope_freqs.weight` frequency factors (Llama 3.1's RoPE scaling).
+    Llama,
+    /// Qwen 2 / 2.5: Q, K and V projections carry biases; rotary halves (NeoX layout).
+    Qwen2,
+    /// Qwen 3: an RMSNorm over each Q and K head before the rotation; rotary halves.
+    Qwen3,
+}
+
+impl Arch {
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3";
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "llama" => Some(Arch::Llama),
+            "qwen2" => Some(Arch::Qwen2),
+            "qwen3" => Some(Arch::Qwen3),
+            _ => None,
+        }
+    }
+
+    /// The prefix of this architecture's metadata keys (`qwen2.block_count`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+        }
+    }
+
+    /// Whether rotary pairs are `(i, i + n/2)` (ggml's NEOX mode, which llama.cpp uses for
+    /// the Qwen families) rather than adjacent `(2i, 2i + 1)` (NORMAL, llama).
+    pub fn rope_neox(self) -> bool {
+        !matches!(self, Arch::Llama)
+    }
+}
+
 /// Hyperparameters of a llama-family model, every one read from the GGUF metadata.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
+    pub arch: Arch,
     pub n_layers: usize,
     pub dim: usize,
     pub n_heads: usize,
     pub n_kv_heads: usize,
+    /// Width of one attention head (`attention.key_length`, default `dim / n_heads`); Qwen 3
+    /// has `n_heads * head_dim != dim`.
     pub head_dim: usize,
     pub ffn_dim: usize,
     pub vocab_size: usize,
     pub context_length: usize,
     pub rope_base: f32,
     pub rope_dims: usize,
+    /// ggml's `freq_scale`: 1 / `rope.scaling.factor` for linear scaling, else 1.
+    pub rope_freq_scale: f32,
     pub rms_eps: f32,
     /// End-of-sequence token from the tokenizer metadata, if the file names one.
     pub eos_token: Option<u32>,
@@ -22,29 +69,36 @@ pub struct LlamaConfig {
 
 impl LlamaConfig {
     pub fn from_gguf(f: &GgufFile) -> Result<Self, ModelError> {
-        let arch = f.get_str("general.architecture")?;
-        if arch != "llama" {
-            return Err(ModelError::Unsupported(format!(
-                "architecture {arch:?} (only \"llama\" is supported)"
-            )));
-        }
-        let u = |k: &str| -> Result<usize, ModelError> {
-            Ok(f.get_u64(&format!("llama.{k}"))? as usize)
+        let arch_name = f.get_str("general.architecture")?;
+        let arch = Arch::from_name(arch_name).ok_or_else(|| {
+            ModelError::Unsupported(format!(
+                "architecture {arch_name:?} (supported: {})",
+                Arch::SUPPORTED
+            ))
+        })?;
+        let a = arch.name();
+        let key = |k: &str| format!("{a}.{k}");
+        let u = |k: &str| -> Result<usize, ModelError> { Ok(f.get_u64(&key(k))? as usize) };
+        let opt_u = |k: &str| -> Result<Option<usize>, ModelError> {
+            match f.get(&key(k)) {
+                Some(_) => Ok(Some(u(k)?)),
+                None => Ok(None),
+            }
+        };
+        let opt_f = |k: &str| -> Result<Option<f64>, ModelError> {
+            match f.get(&key(k)) {
+                Some(_) => Ok(Some(f.get_f64(&key(k))?)),
+                None => Ok(None),
+            }
         };
         let n_layers = u("block_count")?;
         let dim = u("embedding_length")?;
         let n_heads = u("attention.head_count")?;
-        let n_kv_heads = match f.get("llama.attention.head_count_kv") {
-            Some(_) => u("attention.head_count_kv")?,
-            None => n_heads,
-        };
+        let n_kv_heads = opt_u("attention.head_count_kv")?.unwrap_or(n_heads);
         let ffn_dim = u("feed_forward_length")?;
         let context_length = u("context_length")?;
-        let rope_base = match f.get("llama.rope.freq_base") {
-            Some(_) => f.get_f64("llama.rope.freq_base")? as f32,
-            None => 10_000.0,
-        };
-        let rms_eps = f.get_f64("llama.attention.layer_norm_rms_epsilon")? as f32;
+        let rope_base = opt_f("rope.freq_base")?.unwrap_or(10_000.0) as f32;
+        let rms_eps = f.get_f64(&key("attention.layer_norm_rms_epsilon"))? as f32;
         let limit = 1 << 20;
         for (name, v) in [
             ("block_count", n_layers),
@@ -54,26 +108,81 @@ impl LlamaConfig {
             ("feed_forward_length", ffn_dim),
         ] {
             if v == 0 || v > limit {
-                return Err(ModelError::Unsupported(format!("llama.{name} = {v}")));
+                return Err(ModelError::Unsupported(format!("{a}.{name} = {v}")));
             }
         }
-        if dim % n_heads != 0 || n_heads % n_kv_heads != 0 {
+        if n_heads % n_kv_heads != 0 {
             return Err(ModelError::Unsupported(format!(
-                "{n_heads} heads, {n_kv_heads} KV heads, width {dim}: heads must divide the width and KV heads the heads"
+                "{n_heads} heads, {n_kv_heads} KV heads: KV heads must divide the heads"
             )));
         }
-        let head_dim = dim / n_heads;
-        let rope_dims = match f.get("llama.rope.dimension_count") {
-            Some(_) => u("rope.dimension_count")?,
-            None => head_dim,
+        let head_dim = match opt_u("attention.key_length")? {
+            Some(k) => k,
+            None if dim % n_heads == 0 => dim / n_heads,
+            None => {
+                return Err(ModelError::Unsupported(format!(
+                    "{n_heads} heads do not divide the width {dim} and the file gives no key length"
+                )))
+            }
         };
-        if rope_dims > head_dim || rope_dims % 2 != 0 {
+        let value_dim = opt_u("attention.value_length")?.unwrap_or(head_dim);
+        if head_dim == 0 || head_dim > limit || value_dim != head_dim {
+            return Err(ModelError::Unsupported(format!(
+                "key length {head_dim} and value length {value_dim} (they must be equal and positive)"
+            )));
+        }
+        let rope_dims = opt_u("rope.dimension_count")?.unwrap_or(head_dim);
+        if rope_dims > head_dim || rope_dims % 2 != 0 || rope_dims == 0 {
             return Err(ModelError::Unsupported(format!(
                 "rope dimension count {rope_dims} with head dim {head_dim}"
             )));
         }
-        let vocab_size = match f.get("llama.vocab_size") {
-            Some(_) => u("vocab_size")?,
+        // llama.cpp's default scaling type is "linear", whose factor defaults to 1 (none).
+        // YaRN and LongRoPE change the angles and magnitudes in ways not implemented here:
+        // refused rather than run with the wrong positions.
+        let scaling = match f.get(&key("rope.scaling.type")) {
+            Some(_) => f.get_str(&key("rope.scaling.type"))?,
+            None => "linear",
+        };
+        let factor = match opt_f("rope.scaling.factor")? {
+            Some(v) => v,
+            None => opt_f("rope.scale_linear")?.unwrap_or(0.0),
+        } as f32;
+        let rope_freq_scale = match scaling {
+            "none" => 1.0,
+            "linear" if factor == 0.0 => 1.0,
+            "linear" if factor.is_finite() && factor > 0.0 => 1.0 / factor,
+            other => {
+                return Err(ModelError::Unsupported(format!(
+                    "RoPE scaling {other:?} with factor {factor} (supported: none, linear)"
+                )))
+            }
+        };
+        if let Some(af) = opt_f("rope.scaling.attn_factor")? {
+            if af != 1.0 {
+                return Err(ModelError::Unsupported(format!(
+                    "RoPE attention factor {af} (only 1 is supported)"
+                )));
+            }
+        }
+        // Keys that change llama.cpp's graph in ways this pass does not implement: refused
+        // rather than ignored (a Mixtral file says `llama` too).
+        if let Some(n) = opt_u("expert_count")? {
+            if n > 0 {
+                return Err(ModelError::Unsupported(format!(
+                    "mixture of experts ({a}.expert_count = {n})"
+                )));
+            }
+        }
+        for k in ["attention.scale", "attention.clamp_kqv"] {
+            if let Some(v) = opt_f(k)? {
+                if v != 0.0 {
+                    return Err(ModelError::Unsupported(format!("{a}.{k} = {v}")));
+                }
+            }
+        }
+        let vocab_size = match opt_u("vocab_size")? {
+            Some(v) => v,
             None => f.get_array("tokenizer.ggml.tokens")?.len(),
         };
         if context_length == 0 {
@@ -86,6 +195,7 @@ impl LlamaConfig {
             )));
         }
         Ok(Self {
+            arch,
             n_layers,
             dim,
             n_heads,
@@ -96,6 +206,7 @@ impl LlamaConfig {
             context_length,
             rope_base,
             rope_dims,
+            rope_freq_scale,
             rms_eps,
             eos_token: f
                 .get("tokenizer.ggml.eos_token_id")
@@ -106,5 +217,10 @@ impl LlamaConfig {
 
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+
+    /// Width of the concatenated query heads (the attention output's width too).
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
     }
 }

@@ -3,6 +3,7 @@ use half::f16;
 use kv::{KvRun, KvSlice, SequenceKv};
 use rayon::prelude::*;
 
+use crate::config::Arch;
 use crate::kernels::{matmul, matmul_group, KvElem};
 use crate::weights::{load_vector, quantize_row_q8_1, BlockQ8_1, Matrix, QK};
 use crate::{LlamaConfig, ModelError};
@@ -17,6 +18,13 @@ struct Layer {
     w_gate: Matrix,
     w_up: Matrix,
     w_down: Matrix,
+    /// Q, K and V projection biases (qwen2; optional in every architecture, as in llama.cpp).
+    bq: Option<Vec<f32>>,
+    bk: Option<Vec<f32>>,
+    bv: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights of Q and K, applied before the rotation (qwen3).
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
 }
 
 /// A loaded llama-family model.
@@ -27,6 +35,9 @@ pub struct Model {
     output_norm: Vec<f32>,
     /// `None` when the output projection is tied to the token embedding.
     output: Option<Matrix>,
+    /// Llama 3's RoPE frequency factors (`rope_freqs.weight`): rotary pair `i` turns at
+    /// `theta_i / factor_i`.
+    rope_freqs: Option<Vec<f32>>,
     /// Kernels run inside this pool: a forward pass enters it once, and every parallel loop
     /// inside then starts on the calling worker instead of handing off to a sleeping thread
     /// (a handoff per matrix costs milliseconds when another process shares the cores).
@@ -59,7 +70,12 @@ impl Model {
     pub fn load(file: &GgufFile) -> Result<Self, ModelError> {
         let config = LlamaConfig::from_gguf(file)?;
         let c = &config;
+        // Every tensor the file holds must be one this architecture reads: a tensor left
+        // unread (an output bias, a fused QKV, LongRoPE factors) would change the answer, so
+        // the model is refused naming it instead.
+        let used = std::cell::RefCell::new(std::collections::HashSet::<String>::new());
         let tensor = |name: &str| {
+            used.borrow_mut().insert(name.to_string());
             file.tensor(name).ok_or_else(|| ModelError::Tensor {
                 name: name.to_string(),
                 reason: "missing".into(),
@@ -74,20 +90,39 @@ impl Model {
             Matrix::load(file, tensor(name)?, rows, cols)
         };
         let vec = |name: &str, len: usize| load_vector(file, tensor(name)?, len);
-        let kv_dim = c.kv_dim();
+        let opt_vec = |name: &str, len: usize| match file.tensor(name) {
+            Some(_) => vec(name, len).map(Some),
+            None => Ok(None),
+        };
+        let (kv_dim, q_dim, hd) = (c.kv_dim(), c.q_dim(), c.head_dim);
+        let qk_norms = c.arch == Arch::Qwen3;
         let mut layers = Vec::with_capacity(c.n_layers);
         for i in 0..c.n_layers {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
+            let b = |s: &str| format!("blk.{i}.{s}.bias");
             layers.push(Layer {
                 attn_norm: vec(&p("attn_norm"), c.dim)?,
-                wq: mat(&p("attn_q"), c.dim, c.dim)?,
+                wq: mat(&p("attn_q"), q_dim, c.dim)?,
                 wk: mat(&p("attn_k"), kv_dim, c.dim)?,
                 wv: mat(&p("attn_v"), kv_dim, c.dim)?,
-                wo: mat(&p("attn_output"), c.dim, c.dim)?,
+                wo: mat(&p("attn_output"), c.dim, q_dim)?,
                 ffn_norm: vec(&p("ffn_norm"), c.dim)?,
                 w_gate: mat(&p("ffn_gate"), c.ffn_dim, c.dim)?,
                 w_up: mat(&p("ffn_up"), c.ffn_dim, c.dim)?,
                 w_down: mat(&p("ffn_down"), c.dim, c.ffn_dim)?,
+                bq: opt_vec(&b("attn_q"), q_dim)?,
+                bk: opt_vec(&b("attn_k"), kv_dim)?,
+                bv: opt_vec(&b("attn_v"), kv_dim)?,
+                q_norm: if qk_norms {
+                    Some(vec(&p("attn_q_norm"), hd)?)
+                } else {
+                    None
+                },
+                k_norm: if qk_norms {
+                    Some(vec(&p("attn_k_norm"), hd)?)
+                } else {
+                    None
+                },
             });
         }
         let embed = mat("token_embd.weight", c.vocab_size, c.dim)?;
@@ -95,17 +130,42 @@ impl Model {
             Some(_) => Some(mat("output.weight", c.vocab_size, c.dim)?),
             None => None,
         };
+        // llama.cpp reads frequency factors for the llama graph only.
+        let rope_freqs = if c.arch == Arch::Llama {
+            let f = opt_vec("rope_freqs.weight", c.rope_dims / 2)?;
+            if let Some(v) = &f {
+                if v.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+                    return Err(ModelError::Tensor {
+                        name: "rope_freqs.weight".into(),
+                        reason: "frequency factors must be finite and positive".into(),
+                    });
+                }
+            }
+            f
+        } else {
+            None
+        };
+        let output_norm = vec("output_norm.weight", c.dim)?;
+        let used = used.into_inner();
+        if let Some(extra) = file.tensors().iter().find(|t| !used.contains(&t.name)) {
+            return Err(ModelError::Unsupported(format!(
+                "tensor {:?} is not used by kvwarden's {} architecture",
+                extra.name,
+                c.arch.name()
+            )));
+        }
         let threads = rayon::ThreadPoolBuilder::new()
             .thread_name(|i| format!("kvwarden-compute-{i}"))
             .build()
             .map_err(|e| ModelError::Unsupported(format!("cannot start compute threads: {e}")))?;
         Ok(Self {
             threads,
-            output_norm: vec("output_norm.weight", c.dim)?,
+            output_norm,
             config,
             embed,
             layers,
             output,
+            rope_freqs,
         })
     }
 
@@ -136,7 +196,7 @@ impl Model {
 
     fn forward_in_pool(&self, items: &mut [BatchItem<'_>]) -> Vec<Result<Logits, ModelError>> {
         let c = &self.config;
-        let (dim, kv_dim, hd) = (c.dim, c.kv_dim(), c.head_dim);
+        let (dim, kv_dim, q_dim, hd) = (c.dim, c.kv_dim(), c.q_dim(), c.head_dim);
         let mut status: Vec<Result<(), ModelError>> = items
             .iter()
             .map(
@@ -173,14 +233,15 @@ impl Model {
                     .row_f32(tok as usize, &mut x[r * dim..(r + 1) * dim]);
             }
         }
-        let rope = RopeTable::new(c, rows.iter().map(|&(_, p)| p));
+        let rope = RopeTable::new(c, self.rope_freqs.as_deref(), rows.iter().map(|&(_, p)| p));
 
         let mut xn = vec![0f32; n * dim];
         let mut xq = vec![BlockQ8_1::default(); n * dim / QK];
-        let mut q = vec![0f32; n * dim];
+        let mut aq = vec![BlockQ8_1::default(); n * q_dim / QK];
+        let mut q = vec![0f32; n * q_dim];
         let mut k = vec![0f32; n * kv_dim];
         let mut v = vec![0f32; n * kv_dim];
-        let mut attn = vec![0f32; n * dim];
+        let mut attn = vec![0f32; n * q_dim];
         let mut proj = vec![0f32; n * dim];
         let mut gate = vec![0f32; n * c.ffn_dim];
         let mut up = vec![0f32; n * c.ffn_dim];
@@ -196,8 +257,26 @@ impl Model {
                 n,
                 &mut [&mut q, &mut k, &mut v],
             );
+            // As llama.cpp's graph: bias after the product, then the per-head norm, then RoPE.
+            for (out, bias, width) in [
+                (&mut q, &layer.bq, q_dim),
+                (&mut k, &layer.bk, kv_dim),
+                (&mut v, &layer.bv, kv_dim),
+            ] {
+                if let Some(b) = bias {
+                    for row in out.chunks_exact_mut(width) {
+                        add_in_place(row, b);
+                    }
+                }
+            }
+            for (out, norm) in [(&mut q, &layer.q_norm), (&mut k, &layer.k_norm)] {
+                if let Some(w) = norm {
+                    let heads = out.clone();
+                    rms_norm_rows(&heads, w, c.rms_eps, hd, out);
+                }
+            }
             for (r, _) in rows.iter().enumerate() {
-                rope.apply(r, &mut q[r * dim..(r + 1) * dim], hd);
+                rope.apply(r, &mut q[r * q_dim..(r + 1) * q_dim], hd);
                 rope.apply(r, &mut k[r * kv_dim..(r + 1) * kv_dim], hd);
             }
             for (i, it) in items.iter_mut().enumerate() {
@@ -219,8 +298,8 @@ impl Model {
                 }
             }
             self.attention(li, items, &starts, &mut status, &q, &mut attn);
-            quantize_rows(&attn, dim, &mut xq);
-            matmul(&layer.wo, &attn, &xq, n, &mut proj);
+            quantize_rows(&attn, q_dim, &mut aq);
+            matmul(&layer.wo, &attn, &aq, n, &mut proj);
             add_in_place(&mut x, &proj);
 
             rms_norm_rows(&x, &layer.ffn_norm, c.rms_eps, dim, &mut xn);
@@ -305,7 +384,8 @@ impl Model {
         attn: &mut [f32],
     ) {
         let c = &self.config;
-        let (dim, hd) = (c.dim, c.head_dim);
+        // Rows of `q` and `attn` are the concatenated query heads.
+        let (dim, hd) = (c.q_dim(), c.head_dim);
         let group = c.n_heads / c.n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
 
@@ -513,42 +593,56 @@ fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, width: usize, out: &mut [f
     }
 }
 
-/// Rotary embedding angles per batch row, computed as ggml does for llama's "normal" mode:
-/// pairs of adjacent dimensions, `theta_i = pos * base^(-2i/d)` built by repeated
-/// multiplication.
+/// Rotary embedding angles per batch row, computed as ggml does: `theta_i = pos *
+/// base^(-2i/d)` built by repeated multiplication, divided by the pair's frequency factor
+/// (Llama 3) and multiplied by the linear scale. The pairs are adjacent dimensions (llama's
+/// NORMAL mode) or dimension `i` with `i + d/2` (NEOX mode, the Qwen families).
 struct RopeTable {
     half: usize,
+    neox: bool,
     cos: Vec<f32>,
     sin: Vec<f32>,
 }
 
 impl RopeTable {
-    fn new(c: &LlamaConfig, positions: impl Iterator<Item = usize>) -> Self {
+    fn new(c: &LlamaConfig, freqs: Option<&[f32]>, positions: impl Iterator<Item = usize>) -> Self {
         let half = c.rope_dims / 2;
         let theta_scale = c.rope_base.powf(-2.0 / c.rope_dims as f32);
         let mut cos = Vec::new();
         let mut sin = Vec::new();
         for p in positions {
             let mut theta = p as f32;
-            for _ in 0..half {
-                cos.push(theta.cos());
-                sin.push(theta.sin());
+            for i in 0..half {
+                // With no factors and no scaling both operations are exact (x / 1, 1 * x),
+                // so llama's original path keeps its bits.
+                let ff = freqs.map_or(1.0, |f| f[i]);
+                let t = c.rope_freq_scale * (theta / ff);
+                cos.push(t.cos());
+                sin.push(t.sin());
                 theta *= theta_scale;
             }
         }
-        Self { half, cos, sin }
+        Self {
+            half,
+            neox: c.arch.rope_neox(),
+            cos,
+            sin,
+        }
     }
 
     fn apply(&self, row: usize, x: &mut [f32], hd: usize) {
         let cs = &self.cos[row * self.half..(row + 1) * self.half];
         let sn = &self.sin[row * self.half..(row + 1) * self.half];
+        // Index of the second element of pair `i`, relative to the first.
+        let (stride, offset) = if self.neox { (1, self.half) } else { (2, 1) };
         for head in x.chunks_exact_mut(hd) {
             for i in 0..self.half {
-                let (a, b) = (head[2 * i], head[2 * i + 1]);
+                let j = stride * i;
+                let (a, b) = (head[j], head[j + offset]);
                 // The contractions GCC makes of ggml's `x0*cos - x1*sin` and
                 // `x0*sin + x1*cos`: the first product fused, the second rounded.
-                head[2 * i] = a.mul_add(cs[i], -(b * sn[i]));
-                head[2 * i + 1] = a.mul_add(sn[i], b * cs[i]);
+                head[j] = a.mul_add(cs[i], -(b * sn[i]));
+                head[j + offset] = a.mul_add(sn[i], b * cs[i]);
             }
         }
     }

@@ -3,10 +3,12 @@
 //! activation quantization ggml pairs it with (Q8_1 blocks of 32, or Q8_K super-blocks of
 //! 256). Matrices keep ggml's bytes as they are in the file.
 //!
-//! The kernels here are portable scalar code: exact integer sums per (sub-)block, then the
-//! block's float scales. There is no SIMD build of them yet, and their float order is not
-//! yet llama.cpp's AVX2 order, so greedy output on these types is not claimed to match
-//! llama.cpp bit for bit (unlike the Q4_0/Q4_1/Q8_0 kernels in `kernels.rs`).
+//! The kernels compute exact integer sums per (sub-)block, then apply the block's float
+//! scales in a fixed order. Q4_K, Q5_K and Q6_K have AVX2 builds of the integer part (run-time
+//! dispatch, as in `kernels.rs`); integer sums do not depend on their order, so the SIMD
+//! and portable paths give the same bits. That float order is not yet llama.cpp's AVX2
+//! order, so greedy output on these types is not claimed to match llama.cpp bit for bit
+//! (unlike the Q4_0/Q4_1/Q8_0 kernels in `kernels.rs`).
 
 use std::marker::PhantomData;
 
@@ -175,17 +177,51 @@ fn dot_k4_like(w: &[u8], a: &[BlockQ8K], bytes: usize, value: impl Fn(&[u8], usi
 
 pub struct Q4K;
 
-impl QuantFormat for Q4K {
-    const TYPE: GgmlType = GgmlType::Q4_K;
-    type Act = BlockQ8K;
-
-    fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+impl Q4K {
+    /// The portable definition (the SIMD path is tested against it).
+    pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
         dot_k4_like(w, a, 144, |b, e| {
             let (j, l) = (e / 32, e % 32);
             let q = b[16 + 32 * (j / 2) + l];
             i32::from(if j % 2 == 0 { q & 0x0f } else { q >> 4 })
         })
     }
+}
+
+impl QuantFormat for Q4K {
+    const TYPE: GgmlType = GgmlType::Q4_K;
+    type Act = BlockQ8K;
+
+    fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if simd::has_avx2() {
+            let mut acc = 0f32;
+            for (wb, ab) in w.chunks_exact(144).zip(a) {
+                let (sc, summ) = k4_scales(wb, ab);
+                // SAFETY: AVX2 is present (checked above), the only requirement of the
+                // target-feature function; it checks the slice lengths it reads.
+                let sumi = unsafe { simd::q4_k_sumi(&wb[16..144], &ab.qs, &sc) };
+                // The same float expression as `dot_k4_like`, on the same integers.
+                acc += f16_at(wb, 0) * ab.d * sumi as f32 - f16_at(wb, 2) * ab.d * summ as f32;
+            }
+            return acc;
+        }
+        Self::dot_scalar(w, a)
+    }
+}
+
+/// The eight 6-bit sub-block scales of a Q4_K/Q5_K block, and `Σ_j m_j Σ a` over its
+/// sub-blocks (the offset term, from the activations' `bsums`).
+#[cfg(target_arch = "x86_64")]
+fn k4_scales(wb: &[u8], ab: &BlockQ8K) -> ([u8; 8], i32) {
+    let mut sc = [0u8; 8];
+    let mut summ = 0i32;
+    for (j, s) in sc.iter_mut().enumerate() {
+        let (scale, m) = gguf::k4_scale_min(j, &wb[4..16]);
+        *s = scale;
+        summ += i32::from(m) * (i32::from(ab.bsums[2 * j]) + i32::from(ab.bsums[2 * j + 1]));
+    }
+    (sc, summ)
 }
 
 pub struct Q5K;
@@ -195,6 +231,26 @@ impl QuantFormat for Q5K {
     type Act = BlockQ8K;
 
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if simd::has_avx2() {
+            let mut acc = 0f32;
+            for (wb, ab) in w.chunks_exact(176).zip(a) {
+                let (sc, summ) = k4_scales(wb, ab);
+                // SAFETY: AVX2 is present (checked above), the only requirement of the
+                // target-feature function; it checks the slice lengths it reads.
+                let sumi = unsafe { simd::q5_k_sumi(&wb[16..48], &wb[48..176], &ab.qs, &sc) };
+                // The same float expression as `dot_k4_like`, on the same integers.
+                acc += f16_at(wb, 0) * ab.d * sumi as f32 - f16_at(wb, 2) * ab.d * summ as f32;
+            }
+            return acc;
+        }
+        Self::dot_scalar(w, a)
+    }
+}
+
+impl Q5K {
+    /// The portable definition (the SIMD path is tested against it).
+    pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
         dot_k4_like(w, a, 176, |b, e| {
             let (j, l) = (e / 32, e % 32);
             let q = b[48 + 32 * (j / 2) + l];
@@ -210,8 +266,38 @@ impl QuantFormat for Q6K {
     const TYPE: GgmlType = GgmlType::Q6_K;
     type Act = BlockQ8K;
 
-    /// Sixteen groups of 16 with signed 8-bit scales: `d·da·Σ_g sc_g Σ (q − 32)·a`.
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if simd::has_avx2() {
+            let mut acc = 0f32;
+            for (wb, ab) in w.chunks_exact(210).zip(a) {
+                let mut sc = [0i8; 16];
+                for (s, &b) in sc.iter_mut().zip(&wb[192..208]) {
+                    *s = b as i8;
+                }
+                // Σ (q − 32)·a = Σ q·a − 32·Σ a, the last sum per group from `bsums`.
+                let offset: i32 = sc
+                    .iter()
+                    .zip(&ab.bsums)
+                    .map(|(&s, &b)| i32::from(s) * i32::from(b))
+                    .sum();
+                // SAFETY: AVX2 is present (checked above), the only requirement of the
+                // target-feature function; it checks the slice lengths it reads.
+                let unsigned = unsafe { simd::q6_k_sumi(&wb[..128], &wb[128..192], &ab.qs, &sc) };
+                let sumi = unsigned - 32 * offset;
+                // The same float expression as `dot_scalar`, on the same integer.
+                acc += f16_at(wb, 208) * ab.d * sumi as f32;
+            }
+            return acc;
+        }
+        Self::dot_scalar(w, a)
+    }
+}
+
+impl Q6K {
+    /// Sixteen groups of 16 with signed 8-bit scales: `d·da·Σ_g sc_g Σ (q − 32)·a`. The
+    /// portable definition (the SIMD path is tested against it).
+    pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
         let mut acc = 0f32;
         for (wb, ab) in w.chunks_exact(210).zip(a) {
             let mut groups = [0i32; 16];
@@ -234,6 +320,131 @@ impl QuantFormat for Q6K {
             acc += f16_at(wb, 208) * ab.d * sumi as f32;
         }
         acc
+    }
+}
+
+/// AVX2 integer sums of the k-quants. Each returns an exact `i32` (every partial sum is
+/// bounded far below overflow), so the result is the portable code's whatever the order.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    pub fn has_avx2() -> bool {
+        std::arch::is_x86_feature_detected!("avx2")
+    }
+
+    /// Sum of the eight `i32` lanes.
+    #[target_feature(enable = "avx2")]
+    fn hsum(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+        _mm_cvtsi128_si32(s)
+    }
+
+    /// 32 bytes from `b[at..at + 32]`.
+    #[target_feature(enable = "avx2")]
+    fn load<T: Copy>(b: &[T], at: usize) -> __m256i {
+        let s = &b[at..at + 32 / std::mem::size_of::<T>()];
+        // SAFETY: `s` is exactly 32 bytes of plain integers (the slice index above panics
+        // otherwise); the load is unaligned.
+        unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+    }
+
+    /// `Σ_j sc[j] · Σ_l q[32j + l] · a[32j + l]` for one Q4_K super-block: `qs` its 128
+    /// bytes of nibbles (sub-block 2c in the low nibbles of bytes 32c.., 2c + 1 in the high
+    /// ones), `a` the Q8_K quants. Products are at most 15 · 127, so the pairwise i16 sums
+    /// of `maddubs` never saturate.
+    #[target_feature(enable = "avx2")]
+    pub fn q4_k_sumi(qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> i32 {
+        assert!(qs.len() >= 128);
+        let mask = _mm256_set1_epi8(0x0f);
+        let mut acc = _mm256_setzero_si256();
+        for c in 0..4 {
+            let q = load(qs, 32 * c);
+            let lo = _mm256_and_si256(q, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask);
+            let p_lo = _mm256_maddubs_epi16(lo, load(a, 64 * c));
+            let p_hi = _mm256_maddubs_epi16(hi, load(a, 64 * c + 32));
+            let s_lo = _mm256_madd_epi16(p_lo, _mm256_set1_epi16(i16::from(sc[2 * c])));
+            let s_hi = _mm256_madd_epi16(p_hi, _mm256_set1_epi16(i16::from(sc[2 * c + 1])));
+            acc = _mm256_add_epi32(acc, _mm256_add_epi32(s_lo, s_hi));
+        }
+        hsum(acc)
+    }
+
+    /// As [`q4_k_sumi`] for Q5_K: the fifth bit of sub-block `j`'s element `l` is bit `j` of
+    /// `qh[l]`. Products are at most 31 · 127, so `maddubs` never saturates.
+    #[target_feature(enable = "avx2")]
+    pub fn q5_k_sumi(qh: &[u8], qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> i32 {
+        assert!(qh.len() >= 32 && qs.len() >= 128);
+        let mask = _mm256_set1_epi8(0x0f);
+        let five = _mm256_set1_epi8(0x10);
+        let h = load(qh, 0);
+        // 0x10 where bit `j` of `qh[l]` is set.
+        let high = |j: usize| {
+            let bit = _mm256_set1_epi8((1u8 << j) as i8);
+            _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), five)
+        };
+        let mut acc = _mm256_setzero_si256();
+        for c in 0..4 {
+            let q = load(qs, 32 * c);
+            let lo = _mm256_or_si256(_mm256_and_si256(q, mask), high(2 * c));
+            let hi = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask),
+                high(2 * c + 1),
+            );
+            let p_lo = _mm256_maddubs_epi16(lo, load(a, 64 * c));
+            let p_hi = _mm256_maddubs_epi16(hi, load(a, 64 * c + 32));
+            let s_lo = _mm256_madd_epi16(p_lo, _mm256_set1_epi16(i16::from(sc[2 * c])));
+            let s_hi = _mm256_madd_epi16(p_hi, _mm256_set1_epi16(i16::from(sc[2 * c + 1])));
+            acc = _mm256_add_epi32(acc, _mm256_add_epi32(s_lo, s_hi));
+        }
+        hsum(acc)
+    }
+
+    /// `Σ_g sc[g] · Σ_{e in g} q[e] · a[e]` for one Q6_K super-block with the 6-bit values
+    /// taken unsigned (0..63; the caller subtracts the offset of 32): `ql` 128 bytes of low
+    /// nibbles, `qh` 64 bytes of high bit pairs, groups of 16. Products are at most
+    /// 63 · 127, so `maddubs` never saturates.
+    #[target_feature(enable = "avx2")]
+    pub fn q6_k_sumi(ql: &[u8], qh: &[u8], a: &[i8; 256], sc: &[i8; 16]) -> i32 {
+        assert!(ql.len() >= 128 && qh.len() >= 64);
+        let m4 = _mm256_set1_epi8(0x0f);
+        let m2 = _mm256_set1_epi8(0x03);
+        let mut acc = _mm256_setzero_si256();
+        for half in 0..2 {
+            let l0 = load(ql, 64 * half);
+            let l1 = load(ql, 64 * half + 32);
+            let h = load(qh, 32 * half);
+            // Element 128·half + 32·k + l: low nibble of ql[l] (k = 0), ql[l + 32] (1),
+            // high nibble of ql[l] (2), ql[l + 32] (3); high bits (qh[l] >> 2k) & 3.
+            let lows = [
+                _mm256_and_si256(l0, m4),
+                _mm256_and_si256(l1, m4),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(l0), m4),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(l1), m4),
+            ];
+            let highs = [
+                _mm256_and_si256(h, m2),
+                _mm256_and_si256(_mm256_srli_epi16::<2>(h), m2),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(h), m2),
+                _mm256_and_si256(_mm256_srli_epi16::<6>(h), m2),
+            ];
+            for k in 0..4 {
+                let q = _mm256_or_si256(lows[k], _mm256_slli_epi16::<4>(highs[k]));
+                let e = 128 * half + 32 * k;
+                let p = _mm256_maddubs_epi16(q, load(a, e));
+                // The low 128 bits hold group e / 16, the high ones the next.
+                let g = e / 16;
+                let scales = _mm256_set_m128i(
+                    _mm_set1_epi16(i16::from(sc[g + 1])),
+                    _mm_set1_epi16(i16::from(sc[g])),
+                );
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scales));
+            }
+        }
+        hsum(acc)
     }
 }
 
@@ -433,6 +644,35 @@ mod tests {
             let mut row = vec![0f32; cols];
             m.row_f32(3, &mut row);
             assert_eq!(row, deq[3 * cols..4 * cols]);
+        }
+    }
+
+    /// The dispatched Q4_K, Q5_K and Q6_K products (AVX2 where the CPU has it) give the portable
+    /// definition's bits: the same integers, then the same float expression.
+    #[test]
+    fn simd_k_quants_equal_the_scalar_definition_bit_for_bit() {
+        let mut s = 11u64;
+        for (ty, blocks) in [
+            (GgmlType::Q4_K, 3),
+            (GgmlType::Q5_K, 3),
+            (GgmlType::Q6_K, 3),
+        ] {
+            for trial in 0..20 {
+                let cols = blocks * QK_K;
+                // Wide value ranges, so quants reach their extremes (0 and 15 or 63).
+                let amp = 1.0 + trial as f32;
+                let vals: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * amp).collect();
+                let w = ty.quantize(&vals);
+                let x: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * amp).collect();
+                let mut xk = vec![BlockQ8K::default(); blocks];
+                quantize_row_q8_k(&x, &mut xk);
+                let (fast, slow) = match ty {
+                    GgmlType::Q4_K => (Q4K::dot(&w, &xk), Q4K::dot_scalar(&w, &xk)),
+                    GgmlType::Q5_K => (Q5K::dot(&w, &xk), Q5K::dot_scalar(&w, &xk)),
+                    _ => (Q6K::dot(&w, &xk), Q6K::dot_scalar(&w, &xk)),
+                };
+                assert_eq!(fast.to_bits(), slow.to_bits(), "{ty:?} trial {trial}");
+            }
         }
     }
 

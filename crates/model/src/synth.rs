@@ -17,6 +17,78 @@ pub struct SynthSpec {
     pub weight_type: GgmlType,
 }
 
+/// Which architecture's metadata and tensors a synthetic file has (the forward pass is
+/// chosen by `general.architecture`, as for a real file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SynthArch {
+    /// llama, rope base 10,000, no BOS added (SmolLM-like).
+    Llama,
+    /// llama with Llama 3's RoPE: base 500,000 and `rope_freqs.weight` frequency factors,
+    /// the `llama-bpe` pre-tokenizer, and a BOS (token 0) the prompt must start with.
+    Llama3,
+    /// qwen2: Q, K and V biases, NeoX rotary halves, rope base 1,000,000.
+    Qwen2,
+    /// qwen3: per-head Q and K RMSNorm weights, NeoX rotary halves, and heads twice as wide
+    /// as `dim / heads` (`attention.key_length`), as Qwen 3's query width exceeds its model
+    /// width.
+    Qwen3,
+}
+
+impl SynthArch {
+    pub const NAMES: &'static str = "llama, llama3, qwen2, qwen3";
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "llama" => Some(SynthArch::Llama),
+            "llama3" => Some(SynthArch::Llama3),
+            "qwen2" => Some(SynthArch::Qwen2),
+            "qwen3" => Some(SynthArch::Qwen3),
+            _ => None,
+        }
+    }
+
+    /// The GGUF `general.architecture` it writes.
+    pub fn gguf_name(self) -> &'static str {
+        match self {
+            SynthArch::Llama | SynthArch::Llama3 => "llama",
+            SynthArch::Qwen2 => "qwen2",
+            SynthArch::Qwen3 => "qwen3",
+        }
+    }
+
+    pub fn rope_base(self) -> f32 {
+        match self {
+            SynthArch::Llama => 10_000.0,
+            SynthArch::Llama3 => 500_000.0,
+            SynthArch::Qwen2 | SynthArch::Qwen3 => 1_000_000.0,
+        }
+    }
+}
+
+/// Llama 3.1's frequency factors for `head_dim`-wide heads (factor 8, low/high frequency
+/// factors 1 and 4, original context 8192, as Meta's configuration publishes them): pairs
+/// whose wavelength is short keep their frequency, long ones are slowed by the factor, and
+/// the band between is interpolated smoothly. Stored as the divisor of each pair's angle.
+pub fn llama3_rope_factors(head_dim: usize, base: f32) -> Vec<f32> {
+    let (factor, low, high, orig) = (8.0f64, 1.0f64, 4.0f64, 8192.0f64);
+    let (low_wavelen, high_wavelen) = (orig / low, orig / high);
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = (base as f64).powf(-2.0 * i as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            let ff = if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth = (orig / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            };
+            ff as f32
+        })
+        .collect()
+}
+
 /// Control tokens of the synthetic vocabulary; ids 0, 1, 2 like the default model.
 pub const SYNTH_CONTROL: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 /// Byte `b` is token `BYTE_BASE + b`.
@@ -105,27 +177,57 @@ impl SynthSpec {
         Ok(())
     }
 
-    /// Builds the GGUF file.
+    /// Width of one attention head of `arch`'s file.
+    pub fn head_dim(&self, arch: SynthArch) -> usize {
+        match arch {
+            SynthArch::Qwen3 => 2 * self.dim / self.heads,
+            _ => self.dim / self.heads,
+        }
+    }
+
+    /// Builds the GGUF file of a llama model (as SmolLM's).
     pub fn build(&self) -> Result<GgufWriter, String> {
+        self.build_arch(SynthArch::Llama)
+    }
+
+    /// Builds the GGUF file with `arch`'s metadata and tensors.
+    pub fn build_arch(&self, arch: SynthArch) -> Result<GgufWriter, String> {
         self.validate()?;
+        let hd = self.head_dim(arch);
+        if !(hd * self.heads).is_multiple_of(32) || !(hd * self.kv_heads).is_multiple_of(32) {
+            return Err("query and kv widths must be multiples of 32".into());
+        }
+        let block = self.weight_type.block_elems();
+        if [self.dim, hd * self.heads, self.ffn_dim]
+            .iter()
+            .any(|c| !c.is_multiple_of(block))
+        {
+            return Err(format!(
+                "{:?} weights need dim, query width and ffn dim to be multiples of {block}",
+                self.weight_type
+            ));
+        }
         let mut w = GgufWriter::new();
         let s = |v: &str| MetaValue::String(v.to_string());
         let u = |v: usize| MetaValue::U32(v as u32);
-        w.meta("general.architecture", s("llama"));
+        let a = arch.gguf_name();
+        let k = |key: &str| format!("{a}.{key}");
+        w.meta("general.architecture", s(a));
         w.meta("general.name", s("kvwarden-synthetic"));
-        w.meta("llama.block_count", u(self.layers));
-        w.meta("llama.embedding_length", u(self.dim));
-        w.meta("llama.attention.head_count", u(self.heads));
-        w.meta("llama.attention.head_count_kv", u(self.kv_heads));
-        w.meta("llama.feed_forward_length", u(self.ffn_dim));
-        w.meta("llama.context_length", u(self.context));
-        w.meta("llama.rope.dimension_count", u(self.dim / self.heads));
-        w.meta("llama.rope.freq_base", MetaValue::F32(10000.0));
-        w.meta(
-            "llama.attention.layer_norm_rms_epsilon",
-            MetaValue::F32(1e-5),
-        );
-        w.meta("llama.vocab_size", u(self.vocab));
+        w.meta(&k("block_count"), u(self.layers));
+        w.meta(&k("embedding_length"), u(self.dim));
+        w.meta(&k("attention.head_count"), u(self.heads));
+        w.meta(&k("attention.head_count_kv"), u(self.kv_heads));
+        w.meta(&k("feed_forward_length"), u(self.ffn_dim));
+        w.meta(&k("context_length"), u(self.context));
+        w.meta(&k("rope.dimension_count"), u(hd));
+        w.meta(&k("rope.freq_base"), MetaValue::F32(arch.rope_base()));
+        w.meta(&k("attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-5));
+        w.meta(&k("vocab_size"), u(self.vocab));
+        if arch == SynthArch::Qwen3 {
+            w.meta(&k("attention.key_length"), u(hd));
+            w.meta(&k("attention.value_length"), u(hd));
+        }
 
         let bytes = byte_to_unicode();
         let mut tokens = Vec::with_capacity(self.vocab);
@@ -142,14 +244,25 @@ impl SynthSpec {
             tokens.push(MetaValue::String(format!("<|unused_{i}|>")));
             types.push(MetaValue::I32(5));
         }
+        let pre = match arch {
+            SynthArch::Llama => "smollm",
+            SynthArch::Llama3 => "llama-bpe",
+            SynthArch::Qwen2 | SynthArch::Qwen3 => "qwen2",
+        };
         w.meta("tokenizer.ggml.model", s("gpt2"));
-        w.meta("tokenizer.ggml.pre", s("smollm"));
+        w.meta("tokenizer.ggml.pre", s(pre));
         w.meta("tokenizer.ggml.tokens", MetaValue::Array(tokens));
         w.meta("tokenizer.ggml.token_type", MetaValue::Array(types));
         w.meta("tokenizer.ggml.merges", MetaValue::Array(Vec::new()));
-        w.meta("tokenizer.ggml.bos_token_id", u(1));
+        // Llama 3's files ask for a BOS (`<|begin_of_text|>`) before every prompt; here it
+        // is token 0, which the ChatML template never renders, so the server must add it.
+        let add_bos = arch == SynthArch::Llama3;
+        w.meta(
+            "tokenizer.ggml.bos_token_id",
+            u(if add_bos { 0 } else { 1 }),
+        );
         w.meta("tokenizer.ggml.eos_token_id", u(2));
-        w.meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(false));
+        w.meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(add_bos));
         w.meta("tokenizer.chat_template", s(CHATML));
 
         let mut rng = Rng(self.seed ^ 0x5EED_0FC0_FFEE);
@@ -161,7 +274,11 @@ impl SynthSpec {
                     .collect();
                 w.tensor_f32(name, &[cols as u64, rows as u64], ty, &vals);
             };
-        let kv_dim = self.dim / self.heads * self.kv_heads;
+        // Biases and norm weights come from their own stream, so the matrices of a seed are
+        // the same in every architecture.
+        let mut extra = Rng(self.seed ^ 0xB1A5_0F0F);
+        let kv_dim = hd * self.kv_heads;
+        let q_dim = hd * self.heads;
         let ty = self.weight_type;
         matrix(
             &mut w,
@@ -175,10 +292,24 @@ impl SynthSpec {
             let ones = vec![1.0f32; self.dim];
             w.tensor_f32(&p("attn_norm"), &[self.dim as u64], GgmlType::F32, &ones);
             w.tensor_f32(&p("ffn_norm"), &[self.dim as u64], GgmlType::F32, &ones);
-            matrix(&mut w, &p("attn_q"), self.dim, self.dim, ty);
+            matrix(&mut w, &p("attn_q"), q_dim, self.dim, ty);
             matrix(&mut w, &p("attn_k"), kv_dim, self.dim, ty);
             matrix(&mut w, &p("attn_v"), kv_dim, self.dim, ty);
-            matrix(&mut w, &p("attn_output"), self.dim, self.dim, ty);
+            matrix(&mut w, &p("attn_output"), self.dim, q_dim, ty);
+            if arch == SynthArch::Qwen2 {
+                for (n, len) in [("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)] {
+                    let bias: Vec<f32> = (0..len).map(|_| extra.uniform() * 0.5).collect();
+                    let name = format!("blk.{l}.{n}.bias");
+                    w.tensor_f32(&name, &[len as u64], GgmlType::F32, &bias);
+                }
+            }
+            if arch == SynthArch::Qwen3 {
+                for n in ["attn_q_norm", "attn_k_norm"] {
+                    // Around 1, varied so that a norm applied to the wrong axis shows.
+                    let g: Vec<f32> = (0..hd).map(|_| 1.0 + extra.uniform() * 0.4).collect();
+                    w.tensor_f32(&p(n), &[hd as u64], GgmlType::F32, &g);
+                }
+            }
             matrix(&mut w, &p("ffn_gate"), self.ffn_dim, self.dim, ty);
             matrix(&mut w, &p("ffn_up"), self.ffn_dim, self.dim, ty);
             matrix(&mut w, &p("ffn_down"), self.dim, self.ffn_dim, ty);
@@ -189,6 +320,10 @@ impl SynthSpec {
             GgmlType::F32,
             &vec![1.0f32; self.dim],
         );
+        if arch == SynthArch::Llama3 {
+            let f = llama3_rope_factors(hd, arch.rope_base());
+            w.tensor_f32("rope_freqs.weight", &[f.len() as u64], GgmlType::F32, &f);
+        }
         Ok(w)
     }
 }

@@ -4,7 +4,7 @@
 
 use gguf::{GgmlType, GgufFile};
 use kv::{IsolationDomain, KvDtype, KvPool, Owner, PoolConfig, RequestId, ScrubPolicy, SequenceKv};
-use model::synth::SynthSpec;
+use model::synth::{SynthArch, SynthSpec};
 use model::{BatchItem, LogitsWanted, Model};
 
 fn spec(dim: usize, heads: usize, kv_heads: usize, ty: GgmlType) -> SynthSpec {
@@ -22,7 +22,11 @@ fn spec(dim: usize, heads: usize, kv_heads: usize, ty: GgmlType) -> SynthSpec {
 }
 
 fn load(spec: &SynthSpec) -> (GgufFile, Model) {
-    let file = GgufFile::parse(spec.build().unwrap().to_bytes()).unwrap();
+    load_arch(spec, SynthArch::Llama)
+}
+
+fn load_arch(spec: &SynthSpec, arch: SynthArch) -> (GgufFile, Model) {
+    let file = GgufFile::parse(spec.build_arch(arch).unwrap().to_bytes()).unwrap();
     let model = Model::load(&file).unwrap();
     (file, model)
 }
@@ -53,11 +57,22 @@ fn tokens(n: usize, seed: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Logits for every position, from the straightforward f32 definition of a llama block.
-fn reference(file: &GgufFile, spec: &SynthSpec, toks: &[u32]) -> Vec<Vec<f32>> {
+/// Logits for every position, from the straightforward f32 definition of a llama block
+/// with each architecture's additions (llama.cpp's `src/models/{llama,qwen2,qwen3}.cpp`):
+/// optional Q/K/V biases, per-head Q/K RMSNorm, adjacent or NeoX rotary pairs, frequency
+/// factors.
+fn reference(file: &GgufFile, spec: &SynthSpec, arch: SynthArch, toks: &[u32]) -> Vec<Vec<f32>> {
     let t = |name: &str| file.tensor_f32(file.tensor(name).unwrap());
-    let (d, hd) = (spec.dim, spec.dim / spec.heads);
-    let kvd = hd * spec.kv_heads;
+    let opt = |name: &str| file.tensor(name).map(|i| file.tensor_f32(i));
+    let (d, hd) = (spec.dim, spec.head_dim(arch));
+    let (kvd, qd) = (hd * spec.kv_heads, hd * spec.heads);
+    let neox = arch != SynthArch::Llama && arch != SynthArch::Llama3;
+    let base = arch.rope_base() as f64;
+    let factors = opt("rope_freqs.weight");
+    let linear = file
+        .get(&format!("{}.rope.scaling.factor", arch.gguf_name()))
+        .and_then(|v| v.as_f64())
+        .unwrap_or(1.0);
     let matvec = |w: &[f32], x: &[f32], rows: usize| -> Vec<f32> {
         (0..rows)
             .map(|r| {
@@ -80,11 +95,27 @@ fn reference(file: &GgufFile, spec: &SynthSpec, toks: &[u32]) -> Vec<Vec<f32>> {
     let rope = |x: &mut [f32], pos: usize| {
         for head in x.chunks_exact_mut(hd) {
             for i in 0..hd / 2 {
-                let theta = pos as f64 * 10000f64.powf(-2.0 * i as f64 / hd as f64);
-                let (a, b) = (head[2 * i] as f64, head[2 * i + 1] as f64);
-                head[2 * i] = (a * theta.cos() - b * theta.sin()) as f32;
-                head[2 * i + 1] = (a * theta.sin() + b * theta.cos()) as f32;
+                let ff = factors.as_ref().map_or(1.0, |f| f[i] as f64);
+                let theta = pos as f64 * base.powf(-2.0 * i as f64 / hd as f64) / ff / linear;
+                let (i0, i1) = if neox {
+                    (i, i + hd / 2)
+                } else {
+                    (2 * i, 2 * i + 1)
+                };
+                let (a, b) = (head[i0] as f64, head[i1] as f64);
+                head[i0] = (a * theta.cos() - b * theta.sin()) as f32;
+                head[i1] = (a * theta.sin() + b * theta.cos()) as f32;
             }
+        }
+    };
+    let add = |x: &mut Vec<f32>, b: &Option<Vec<f32>>| {
+        if let Some(b) = b {
+            x.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+        }
+    };
+    let head_norm = |x: &mut Vec<f32>, w: &Option<Vec<f32>>| {
+        if let Some(w) = w {
+            *x = x.chunks(hd).flat_map(|h| norm(h, w)).collect();
         }
     };
     let embed = t("token_embd.weight");
@@ -97,21 +128,31 @@ fn reference(file: &GgufFile, spec: &SynthSpec, toks: &[u32]) -> Vec<Vec<f32>> {
         let (wq, wk, wv, wo) = (w("attn_q"), w("attn_k"), w("attn_v"), w("attn_output"));
         let (wg, wu, wd) = (w("ffn_gate"), w("ffn_up"), w("ffn_down"));
         let (an, fnw) = (w("attn_norm"), w("ffn_norm"));
+        let b = |n: &str| opt(&format!("blk.{l}.{n}.bias"));
+        let (bq, bk, bv) = (b("attn_q"), b("attn_k"), b("attn_v"));
+        let hn = |n: &str| opt(&format!("blk.{l}.{n}.weight"));
+        let (qn, kn) = (hn("attn_q_norm"), hn("attn_k_norm"));
         let mut ks = Vec::new();
         let mut vs = Vec::new();
         let mut qs = Vec::new();
         for (pos, x) in xs.iter().enumerate() {
             let xn = norm(x, &an);
-            let mut q = matvec(&wq, &xn, d);
+            let mut q = matvec(&wq, &xn, qd);
             let mut k = matvec(&wk, &xn, kvd);
+            let mut v = matvec(&wv, &xn, kvd);
+            add(&mut q, &bq);
+            add(&mut k, &bk);
+            add(&mut v, &bv);
+            head_norm(&mut q, &qn);
+            head_norm(&mut k, &kn);
             rope(&mut q, pos);
             rope(&mut k, pos);
             qs.push(q);
             ks.push(k);
-            vs.push(matvec(&wv, &xn, kvd));
+            vs.push(v);
         }
         for pos in 0..xs.len() {
-            let mut att = vec![0f32; d];
+            let mut att = vec![0f32; qd];
             for h in 0..spec.heads {
                 let g = h / (spec.heads / spec.kv_heads);
                 let q = &qs[pos][h * hd..(h + 1) * hd];
@@ -189,7 +230,7 @@ fn odd_shapes_match_the_f32_definition() {
             .pop()
             .unwrap()
             .unwrap();
-        let want = reference(&file, &spec, &toks);
+        let want = reference(&file, &spec, SynthArch::Llama, &toks);
         for (pos, row) in want.iter().enumerate() {
             let ours = &got[pos * spec.vocab..(pos + 1) * spec.vocab];
             let worst = row
@@ -293,4 +334,214 @@ fn a_token_outside_the_vocabulary_fails_only_its_own_item() {
         Err(model::ModelError::TokenOutOfRange { id: 99_999, .. })
     ));
     assert_eq!(bad.len(), 0, "a failed item commits nothing");
+}
+
+/// Logits of every position of `toks` from one forward pass.
+fn all_logits(model: &Model, dtype: KvDtype, toks: &[u32]) -> Vec<f32> {
+    let pool = pool(model, dtype);
+    let mut s = seq(&pool, 1, toks.len());
+    model
+        .forward(&mut [BatchItem {
+            kv: &mut s,
+            tokens: toks,
+            logits: LogitsWanted::All,
+        }])
+        .pop()
+        .unwrap()
+        .unwrap()
+}
+
+fn worst_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+#[test]
+fn every_architecture_matches_its_f32_definition() {
+    for arch in [SynthArch::Llama3, SynthArch::Qwen2, SynthArch::Qwen3] {
+        for (dim, heads, kv_heads) in [(96, 3, 1), (128, 8, 2), (64, 2, 2)] {
+            let spec = spec(dim, heads, kv_heads, GgmlType::F32);
+            let (file, model) = load_arch(&spec, arch);
+            assert_eq!(model.config.head_dim, spec.head_dim(arch));
+            // Long enough that the slowest rotary pairs have turned (positions past 64).
+            let toks = tokens(70, dim as u32 + heads as u32);
+            let got = all_logits(&model, KvDtype::F32, &toks);
+            let want = reference(&file, &spec, arch, &toks);
+            for (pos, row) in want.iter().enumerate() {
+                let worst = worst_diff(row, &got[pos * spec.vocab..(pos + 1) * spec.vocab]);
+                assert!(
+                    worst < 1e-2,
+                    "{arch:?} {dim}/{heads}/{kv_heads} position {pos}: max |diff| {worst}"
+                );
+            }
+        }
+    }
+}
+
+/// Each architecture's own part of the block matters: the same weights read as plain llama
+/// give different logits (so the reference comparison above would catch its omission).
+#[test]
+fn each_architectures_additions_change_the_output() {
+    let spec = spec(64, 4, 2, GgmlType::F32);
+    let toks = tokens(20, 5);
+    let (_, llama) = load_arch(&spec, SynthArch::Llama);
+    let base = all_logits(&llama, KvDtype::F32, &toks);
+    for arch in [SynthArch::Llama3, SynthArch::Qwen2, SynthArch::Qwen3] {
+        let (_, m) = load_arch(&spec, arch);
+        let other = all_logits(&m, KvDtype::F32, &toks);
+        assert!(
+            worst_diff(&base, &other) > 0.05,
+            "{arch:?} computes the same logits as llama"
+        );
+    }
+}
+
+#[test]
+fn chunking_and_batching_never_change_a_row_in_any_architecture() {
+    for arch in [SynthArch::Llama3, SynthArch::Qwen2, SynthArch::Qwen3] {
+        for (ty, dtype, dim, heads) in [
+            (GgmlType::Q4_1, KvDtype::F16, 96, 6),
+            (GgmlType::Q8_0, KvDtype::F32, 96, 6),
+            // The k-quants need rows of whole 256-element super-blocks.
+            (GgmlType::Q4_K, KvDtype::F16, 256, 4),
+            (GgmlType::Q6_K, KvDtype::F16, 256, 4),
+        ] {
+            let spec = spec(dim, heads, 2, ty);
+            let (_, model) = load_arch(&spec, arch);
+            let pool = pool(&model, dtype);
+            let a = tokens(45, 1);
+            let b = tokens(23, 2);
+            let mut whole = seq(&pool, 1, a.len());
+            let ref_logits = model
+                .forward(&mut [BatchItem {
+                    kv: &mut whole,
+                    tokens: &a,
+                    logits: LogitsWanted::Last,
+                }])
+                .pop()
+                .unwrap()
+                .unwrap();
+            let mut chunked = seq(&pool, 2, a.len());
+            let mut other = seq(&pool, 3, b.len());
+            let mut last = Vec::new();
+            let (mut ia, mut ib) = (0, 0);
+            for (ca, cb) in [(7, 3), (1, 20), (30, 0), (7, 0)] {
+                let (ra, rb) = (&a[ia..ia + ca], &b[ib..ib + cb]);
+                let mut out = model.forward(&mut [
+                    BatchItem {
+                        kv: &mut other,
+                        tokens: rb,
+                        logits: LogitsWanted::Last,
+                    },
+                    BatchItem {
+                        kv: &mut chunked,
+                        tokens: ra,
+                        logits: LogitsWanted::Last,
+                    },
+                ]);
+                last = out.pop().unwrap().unwrap();
+                ia += ca;
+                ib += cb;
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&last),
+                bits(&ref_logits),
+                "{arch:?} {ty:?} {dtype:?}: chunked/batched row differs"
+            );
+        }
+    }
+}
+
+fn load_err(w: &gguf::GgufWriter) -> String {
+    let file = GgufFile::parse(w.to_bytes()).unwrap();
+    match Model::load(&file) {
+        Ok(_) => panic!("the model loaded"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn unsupported_architectures_and_tensors_are_refused_by_name() {
+    let mut w = gguf::GgufWriter::new();
+    w.meta(
+        "general.architecture",
+        gguf::MetaValue::String("gemma3".into()),
+    );
+    let e = load_err(&w);
+    assert!(e.contains("\"gemma3\"") && e.contains("qwen3"), "{e}");
+
+    // A tensor the forward pass would not read (here an output bias) is never ignored.
+    let spec = spec(64, 4, 2, GgmlType::F32);
+    let mut w = spec.build_arch(SynthArch::Qwen2).unwrap();
+    w.tensor_f32("output.bias", &[320], GgmlType::F32, &[0.5; 320]);
+    let e = load_err(&w);
+    assert!(e.contains("output.bias") && e.contains("qwen2"), "{e}");
+
+    // Frequency factors belong to the llama graph only; qwen3 without its head norms fails.
+    let mut w = spec.build_arch(SynthArch::Qwen3).unwrap();
+    w.tensor_f32("rope_freqs.weight", &[16], GgmlType::F32, &[1.0; 16]);
+    assert!(load_err(&w).contains("rope_freqs.weight"));
+    // Frequency factors of the wrong length, or ones that would make angles infinite.
+    for factors in [vec![1.0f32; 7], vec![0.0f32; 8], vec![f32::NAN; 8]] {
+        let mut w = spec.build_arch(SynthArch::Llama).unwrap();
+        w.tensor_f32(
+            "rope_freqs.weight",
+            &[factors.len() as u64],
+            GgmlType::F32,
+            &factors,
+        );
+        let e = load_err(&w);
+        assert!(e.contains("rope_freqs.weight"), "{e}");
+    }
+
+    // Metadata that changes llama.cpp's graph in ways not implemented here.
+    for (key, value) in [
+        ("llama.expert_count", gguf::MetaValue::U32(8)),
+        ("llama.attention.scale", gguf::MetaValue::F32(0.5)),
+        ("llama.attention.clamp_kqv", gguf::MetaValue::F32(8.0)),
+    ] {
+        let mut w = spec.build_arch(SynthArch::Llama).unwrap();
+        w.meta(key, value);
+        let e = load_err(&w);
+        assert!(e.contains(key), "{e}");
+    }
+
+    // RoPE scalings whose arithmetic is not implemented.
+    for (arch, key) in [
+        (SynthArch::Llama3, "llama.rope.scaling.type"),
+        (SynthArch::Qwen2, "qwen2.rope.scaling.type"),
+    ] {
+        let mut w = spec.build_arch(arch).unwrap();
+        w.meta(key, gguf::MetaValue::String("yarn".into()));
+        let e = load_err(&w);
+        assert!(e.contains("yarn"), "{e}");
+    }
+}
+
+/// Linear RoPE scaling (`rope.scaling.factor` f) turns every pair at 1/f of its angle.
+#[test]
+fn linear_rope_scaling_divides_the_angles() {
+    let spec = spec(64, 4, 2, GgmlType::F32);
+    let mut w = spec.build_arch(SynthArch::Qwen2).unwrap();
+    w.meta(
+        "qwen2.rope.scaling.type",
+        gguf::MetaValue::String("linear".into()),
+    );
+    w.meta("qwen2.rope.scaling.factor", gguf::MetaValue::F32(4.0));
+    let file = GgufFile::parse(w.to_bytes()).unwrap();
+    let model = Model::load(&file).unwrap();
+    assert_eq!(model.config.rope_freq_scale, 0.25);
+    let toks = tokens(40, 9);
+    let got = all_logits(&model, KvDtype::F32, &toks);
+    let want = reference(&file, &spec, SynthArch::Qwen2, &toks);
+    let unscaled = all_logits(&load_arch(&spec, SynthArch::Qwen2).1, KvDtype::F32, &toks);
+    let v = spec.vocab;
+    for (pos, row) in want.iter().enumerate() {
+        let worst = worst_diff(row, &got[pos * v..(pos + 1) * v]);
+        assert!(worst < 1e-2, "position {pos}: max |diff| {worst}");
+    }
+    assert!(worst_diff(&got[v..], &unscaled[v..]) > 1e-3);
 }

@@ -121,9 +121,10 @@ async fn start_completion(
             let tok = app.tokenizer.clone();
             let text = s.to_owned();
             // The whole prompt is the client's own: control-token text is parsed, so
-            // clients can format their own turns.
+            // clients can format their own turns. The BOS the model expects goes in front
+            // (token-id prompts are taken as they are, as llama.cpp does).
             app.prompt_workers
-                .run(move |_| Ok(tok.encode(&text)))
+                .run(move |_| Ok(tok.with_bos(tok.encode(&text))))
                 .await?
         }
     };
@@ -182,7 +183,9 @@ async fn start_chat(
     let tok = app.tokenizer.clone();
     let prompt = app
         .prompt_workers
-        .run(move |cancel| chat_prompt::prompt_tokens(&tok, &template, &messages, cancel))
+        .run(move |cancel| {
+            chat_prompt::prompt_tokens(&tok, &template, &messages, cancel).map(|t| tok.with_bos(t))
+        })
         .await?;
     start(
         app,

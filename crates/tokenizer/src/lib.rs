@@ -120,6 +120,8 @@ pub struct Tokenizer {
     user_defined: Vec<u32>,
     bos: Option<u32>,
     eos: Option<u32>,
+    /// Whether a prompt must start with `bos` (llama.cpp's `add_bos`).
+    add_bos: bool,
     chat_template: Option<String>,
 }
 
@@ -272,6 +274,27 @@ impl Tokenizer {
 
         let bos = optional_id(file, "tokenizer.ggml.bos_token_id", n)?;
         let eos = optional_id(file, "tokenizer.ggml.eos_token_id", n)?;
+        // llama.cpp's default: SentencePiece vocabularies and the Llama 3 family of BPE
+        // pre-tokenizers (the `Llama3` rows that ignore merges) add a BOS, others do not;
+        // `tokenizer.ggml.add_bos_token` overrides it.
+        let default_add_bos = match &model {
+            Model::Spm(_) => true,
+            Model::Bpe {
+                pre, ignore_merges, ..
+            } => *pre == PreTokenizer::Llama3 && *ignore_merges,
+        };
+        let add_bos = match file.get("tokenizer.ggml.add_bos_token") {
+            None => default_add_bos,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| invalid(format!("tokenizer.ggml.add_bos_token = {v:?}")))?,
+        };
+        if add_bos && bos.is_none() {
+            // Prompts would silently lack the token the model was trained to see first.
+            return Err(invalid(
+                "the vocabulary asks for a BOS token but tokenizer.ggml.bos_token_id is missing",
+            ));
+        }
         let chat_template = file
             .get("tokenizer.chat_template")
             .and_then(|v| v.as_str())
@@ -289,6 +312,7 @@ impl Tokenizer {
             user_defined,
             bos,
             eos,
+            add_bos,
             chat_template,
         })
     }
@@ -444,6 +468,25 @@ impl Tokenizer {
 
     pub fn bos_id(&self) -> Option<u32> {
         self.bos
+    }
+
+    /// Whether prompts must start with the BOS token (`tokenizer.ggml.add_bos_token`, or
+    /// llama.cpp's default for the vocabulary type when the file does not say).
+    pub fn add_bos(&self) -> bool {
+        self.add_bos
+    }
+
+    /// A prompt's tokens as the model must see them: with the BOS in front when the
+    /// vocabulary asks for one and the prompt does not already start with it (a chat
+    /// template that renders `bos_token` has put it there; llama.cpp strips that one and
+    /// adds its own, which gives the same single BOS).
+    pub fn with_bos(&self, mut tokens: Vec<u32>) -> Vec<u32> {
+        if let (true, Some(bos)) = (self.add_bos, self.bos) {
+            if tokens.first() != Some(&bos) {
+                tokens.insert(0, bos);
+            }
+        }
+        tokens
     }
 
     pub fn is_control(&self, id: u32) -> bool {

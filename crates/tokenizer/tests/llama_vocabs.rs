@@ -221,3 +221,31 @@ fn sentencepiece_spaces_and_special_tokens() {
         .any(|&i| llama.token_type(i) == Some(tokenizer::TokenType::Byte)));
     assert_eq!(llama.decode(&ids).expect("decodes"), format!(" {text}"));
 }
+
+/// Whether each vocabulary asks for a BOS before prompts, against what llama.cpp decides for
+/// it (`llama_vocab::impl::load`: SentencePiece and the Llama 3 pre-tokenizers default to
+/// yes, other BPE vocabularies to no, and `tokenizer.ggml.add_bos_token` overrides both).
+#[test]
+fn add_bos_follows_llama_cpp() {
+    let dir = vocab_dir();
+    for (stem, add_bos) in [
+        ("llama-spm", true),
+        ("llama-bpe", true),
+        ("qwen2", false),
+        ("gpt-2", false),
+        ("starcoder", false),
+        ("deepseek-llm", true),
+        ("command-r", true),
+        ("phi-3", true),
+    ] {
+        let path = dir.join(format!("ggml-vocab-{stem}.gguf"));
+        let file = gguf::GgufFile::open(&path).expect("vocabulary parses");
+        let tok = Tokenizer::from_gguf(&file).expect("vocabulary loads");
+        assert_eq!(tok.add_bos(), add_bos, "{stem}");
+        let bos = tok.bos_id();
+        let with = tok.with_bos(tok.encode("Hello"));
+        assert_eq!(with.first() == bos.as_ref(), add_bos, "{stem}: {with:?}");
+        // A prompt that already starts with BOS (a template rendered it) gets no second one.
+        assert_eq!(tok.with_bos(with.clone()), with, "{stem}");
+    }
+}
