@@ -187,7 +187,8 @@ class Node:
 # Flags that belong to the router; every other flag configures the nodes.
 ROUTER_FLAGS = {
     "--api-keys", "--max-body-bytes", "--max-context", "--max-connections", "--header-timeout",
-    "--body-timeout", "--send-timeout", "--metrics-listen",
+    "--body-timeout", "--send-timeout", "--metrics-listen", "--tenant-max-requests",
+    "--tenant-max-tokens",
 }
 ROUTER_AND_NODE_FLAGS = {"--max-context"}
 
