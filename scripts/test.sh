@@ -25,5 +25,7 @@ bash crates/kv/loom.sh
 # The end-to-end suite runs the binary that `cargo test` just built (optimized dev profile).
 "$python" -m pytest tests/python -q
 # Every fixture becomes router + prefill node + decode node: the router must answer exactly
-# as `serve` does. (test_cluster.py starts its own clusters and ran above.)
-KVWARDEN_DEPLOYMENT=cluster "$python" -m pytest tests/python -q --ignore tests/python/test_cluster.py
+# as `serve` does.
+# (test_cluster.py and the fault suite test_faults.py start their own clusters and ran above.)
+KVWARDEN_DEPLOYMENT=cluster "$python" -m pytest tests/python -q --ignore tests/python/test_cluster.py \
+  --ignore tests/python/test_faults.py

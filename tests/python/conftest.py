@@ -166,9 +166,27 @@ class Node:
             "--tls-key", str(certs / f"{name}.key"),
             *[str(a) for a in args],
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT)
-        self.metrics_url = wait_for_line(self.proc, log_path, r"node metrics on (http://[0-9.]+:\d+)", f"{role} node")
+        self.cmd = cmd
+        self.starts = 0
+        self._start(cmd, log_path)
         self.addr = wait_for_line(self.proc, log_path, r"internal API on ([0-9.]+:\d+)", f"{role} node")
+
+    def _start(self, cmd, log_path: Path):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT)
+        self.metrics_url = wait_for_line(self.proc, log_path, r"node metrics on (http://[0-9.]+:\d+)", f"{self.role} node")
+
+    def restart(self):
+        """Starts the node again, after it died, on the same internal address (the router
+        knows nodes by address), with a log of its own."""
+        assert self.proc.poll() is not None, "restart() needs a node that has exited"
+        self.log.close()
+        self.starts += 1
+        cmd = list(self.cmd)
+        cmd[cmd.index("--port") + 1] = self.addr.rsplit(":", 1)[1]
+        self.log_path = self.log_path.with_name(f"{self.log_path.stem}.restart{self.starts}.log")
+        self.log = open(self.log_path, "wb")
+        self._start(cmd, self.log_path)
+        wait_for_line(self.proc, self.log_path, r"internal API on ([0-9.]+:\d+)", f"{self.role} node")
 
     def metrics(self) -> dict:
         return parse_metrics(requests.get(self.metrics_url + "/metrics", timeout=10).text)
