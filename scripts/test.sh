@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: fetches the model, checks formatting and lints,
-# runs the Rust tests, the loom model of the KV pool, and the end-to-end tests that drive a
+# runs the Rust tests, the loom model of the KV pool, the fuzz targets briefly, and the end-to-end tests that drive a
 # real `kvwarden serve` with the official OpenAI client, then the same end-to-end suite
 # against `kvwarden router` in front of a prefill and a decode node.
 set -euo pipefail
@@ -21,6 +21,9 @@ else
   echo "test.sh: NOT RUN: model::kernels avx2_and_vnni_kernels_agree_bit_for_bit (this CPU lacks AVX-512 VNNI)" >&2
 fi
 bash crates/kv/loom.sh
+# Every cargo-fuzz target (fuzz/) for a short fixed time: a crash fails the run, its input
+# saved in fuzz/artifacts/. `scripts/fuzz.sh 1800` is the long form.
+./scripts/fuzz.sh 20
 
 # The end-to-end suite runs the binary that `cargo test` just built (optimized dev profile).
 "$python" -m pytest tests/python -q
