@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: fetches the model, checks formatting and lints,
-# runs the Rust tests, the loom model of the KV pool, the fuzz targets briefly, and the end-to-end tests that drive a
-# real `kvwarden serve` with the official OpenAI client, then the same end-to-end suite
-# against `kvwarden router` in front of a prefill and a decode node.
+# runs the Rust tests, the loom model of the KV pool, every fuzz target briefly, and the
+# end-to-end tests that drive a real `kvwarden serve` with the official OpenAI client (with
+# the fault suite), then the same end-to-end suite against `kvwarden router` in front of a
+# prefill and a decode node.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
