@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The fault suite's short form (issue 10): a router over one prefill and two decode nodes
 # on loopback, canary traffic from two tenants throughout, a hung decode node mid-stream, a
-# hung prefill node mid-prefill, and a killed decode node restarted on its address; it checks
-# statuses, zero canary leaks, page accounting back to idle on every node, and that the
-# restarted node is used again. Bounded: the test's own liveness bounds, and `timeout`.
+# hung prefill node mid-prefill, a killed decode node and a killed router, each restarted on
+# its address; it checks statuses, zero canary leaks, page accounting back to idle on every
+# node, and that the restarted node and router serve again. Bounded: the test's own liveness bounds, and `timeout`.
 # Usage: scripts/faults.sh   (runs in scripts/test.sh too; prints its figures with -s)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -263,6 +263,7 @@ class Cluster(Server):
             if nofile is not None:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
+        self.cmd, self.limit_files, self.starts = cmd, limit_files, 0
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT, preexec_fn=limit_files
         )
@@ -270,6 +271,23 @@ class Cluster(Server):
         self._wait_healthy()
         self.api_key = api_key
         self.client = self.client_for(api_key)
+
+    def restart_router(self):
+        """Starts the router again, after it died, on the same address, with a log of its
+        own; the nodes are the same processes."""
+        assert self.proc.poll() is not None, "restart_router() needs a router that has exited"
+        self.log.close()
+        self.starts += 1
+        cmd = list(self.cmd)
+        cmd[cmd.index("--port") + 1] = self.url.rsplit(":", 1)[1]
+        self.log_path = self.log_path.with_name(f"router.restart{self.starts}.log")
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT, preexec_fn=self.limit_files
+        )
+        url = wait_for_line(self.proc, self.log_path, r"listening on (http://[0-9.]+:\d+)", "kvwarden router")
+        assert url == self.url, (url, self.url)
+        self._wait_healthy()
 
     @property
     def pools(self):

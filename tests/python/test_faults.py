@@ -9,6 +9,10 @@ faults injected one after the other:
    (503/504), never a 200, within HUNG_BOUND; then SIGCONT.
 3. SIGKILL of a decode node mid-stream, then a restart on the same address: the router
    uses the restarted node again without operator action (it polls nodes every second).
+4. SIGKILL of the router mid-stream, then a restart on the same address: the stream's client
+   sees it end without [DONE] (an error), the nodes release its pages, and the restarted
+   router serves both tenants again. Canary requests while the router is down fail to
+   connect, which is the only error they may see then.
 
 Throughout, every canary response is either a clean success whose text holds no other
 tenant's canary, or an error in OpenAI's shape with a status a fault explains; at the end
@@ -51,6 +55,9 @@ class Canaries:
         self.errors = {}  # (tenant, status, code) -> count
         self.leaks = []
         self.wrong = []
+        # Set while the router is down on purpose: a connection error is then expected.
+        self.router_down = threading.Event()
+        self.unreachable = 0
         self.threads = [threading.Thread(target=self.run, args=(t,), daemon=True) for t in CANARIES]
 
     def __enter__(self):
@@ -90,7 +97,11 @@ class Canaries:
                 )
             except requests.RequestException as e:
                 with self.lock:
-                    self.wrong.append((tenant, f"no response: {e}"))
+                    if self.router_down.is_set():
+                        self.unreachable += 1
+                    else:
+                        self.wrong.append((tenant, f"no response: {e}"))
+                time.sleep(0.05)
                 continue
             self.check(tenant, others, r)
 
@@ -245,6 +256,25 @@ def test_faults_short(tmp_path):
             wait_until(lambda: all(canaries.ok[t] > before[t] for t in CANARIES), 120,
                        "both tenants served after the faults")
 
+            # 4. The router killed mid-stream, then restarted on its address.
+            t, events, _ = busy_decode(c, canaries)
+            canaries.router_down.set()
+            c.proc.send_signal(signal.SIGKILL)
+            c.proc.wait(timeout=30)
+            t.join(timeout=HUNG_BOUND)
+            assert not t.is_alive(), "the client of a killed router hung"
+            data = [d for kind, d in events if kind == "data"]
+            assert b"[DONE]" not in data, "a stream cut by the router's death looked complete"
+            assert any(kind == "error" for kind, _ in events) or (data and "error" in json.loads(data[-1])), events[-3:]
+            # The nodes release what the dead router's requests held.
+            wait_until(lambda: all(leased(n) == 0 for n in c.nodes), 60,
+                       "nodes released the dead router's requests")
+            c.restart_router()
+            canaries.router_down.clear()
+            before = dict(canaries.ok)
+            wait_until(lambda: all(canaries.ok[t] > before[t] for t in CANARIES), 120,
+                       "both tenants served by the restarted router")
+
         assert canaries.leaks == [], canaries.leaks[:3]
         assert canaries.wrong == [], canaries.wrong[:3]
         # Quiescence: every node, the restarted one too, back to no leased page.
@@ -260,8 +290,9 @@ def test_faults_short(tmp_path):
                                        "max_tokens": len(case["completion_tokens"]), "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == case["completion_text"]
-        print(f"\nfaults: 2 SIGSTOP, 1 SIGKILL + restart; canaries ok {canaries.ok}, "
-              f"errors {canaries.errors}, leaks {len(canaries.leaks)}, wrong {len(canaries.wrong)}")
+        print(f"\nfaults: 2 SIGSTOP, 2 SIGKILL + restart; canaries ok {canaries.ok}, "
+              f"errors {canaries.errors}, unreachable while the router was down {canaries.unreachable}, "
+              f"leaks {len(canaries.leaks)}, wrong {len(canaries.wrong)}")
     finally:
         for n in stopped:
             n.proc.send_signal(signal.SIGCONT)
