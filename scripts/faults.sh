@@ -3,7 +3,8 @@
 # on loopback, canary traffic from two tenants throughout, a hung decode node mid-stream, a
 # hung prefill node mid-prefill, a killed decode node and a killed router, each restarted on
 # its address; it checks statuses, zero canary leaks, page accounting back to idle on every
-# node, and that the restarted node and router serve again. Bounded: the test's own liveness bounds, and `timeout`.
+# node, and that the restarted node and router serve again. Bounded: the test's own
+# liveness bounds, and `timeout`.
 # Usage: scripts/faults.sh   (runs in scripts/test.sh too; prints its figures with -s)
 set -euo pipefail
 cd "$(dirname "$0")/.."
