@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: fetches the model, checks formatting and lints,
-# runs the Rust tests, the loom model of the KV pool, the incident replay
-# (`kvwarden audit --scenario incident`), and the end-to-end tests that drive a real
-# `kvwarden serve` with the official OpenAI client (and `kvwarden audit` against it), then
-# the same end-to-end suite against `kvwarden router` in front of a prefill and a decode
-# node.
+# runs the Rust tests, the loom model of the KV pool, every fuzz target briefly, the incident
+# replay (`kvwarden audit --scenario incident`), and the end-to-end tests that drive a real
+# `kvwarden serve` with the official OpenAI client (with `kvwarden audit` and the fault
+# suite), then the same end-to-end suite against `kvwarden router` in front of a prefill and
+# a decode node.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +23,9 @@ else
   echo "test.sh: NOT RUN: model::kernels avx2_and_vnni_kernels_agree_bit_for_bit (this CPU lacks AVX-512 VNNI)" >&2
 fi
 bash crates/kv/loom.sh
+# Every cargo-fuzz target (fuzz/) for a short fixed time: a crash fails the run, its input
+# saved in fuzz/artifacts/. `scripts/fuzz.sh 1800` is the long form.
+./scripts/fuzz.sh 20
 
 # The default binary must not carry the fault-injection switch (the feature is off).
 if target/debug/kvwarden serve --help | grep -q -- --inject-fault; then
@@ -39,5 +42,7 @@ target/debug/kvwarden --threads 2 audit --scenario incident
 # The end-to-end suite runs the binary that `cargo test` just built (optimized dev profile).
 "$python" -m pytest tests/python -q
 # Every fixture becomes router + prefill node + decode node: the router must answer exactly
-# as `serve` does. (test_cluster.py starts its own clusters and ran above.)
-KVWARDEN_DEPLOYMENT=cluster "$python" -m pytest tests/python -q --ignore tests/python/test_cluster.py
+# as `serve` does.
+# (test_cluster.py and the fault suite test_faults.py start their own clusters and ran above.)
+KVWARDEN_DEPLOYMENT=cluster "$python" -m pytest tests/python -q --ignore tests/python/test_cluster.py \
+  --ignore tests/python/test_faults.py

@@ -173,9 +173,27 @@ class Node:
             "--tls-key", str(certs / f"{name}.key"),
             *[str(a) for a in args],
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT)
-        self.metrics_url = wait_for_line(self.proc, log_path, r"node metrics on (http://[0-9.]+:\d+)", f"{role} node")
+        self.cmd = cmd
+        self.starts = 0
+        self._start(cmd, log_path)
         self.addr = wait_for_line(self.proc, log_path, r"internal API on ([0-9.]+:\d+)", f"{role} node")
+
+    def _start(self, cmd, log_path: Path):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT)
+        self.metrics_url = wait_for_line(self.proc, log_path, r"node metrics on (http://[0-9.]+:\d+)", f"{self.role} node")
+
+    def restart(self):
+        """Starts the node again, after it died, on the same internal address (the router
+        knows nodes by address), with a log of its own."""
+        assert self.proc.poll() is not None, "restart() needs a node that has exited"
+        self.log.close()
+        self.starts += 1
+        cmd = list(self.cmd)
+        cmd[cmd.index("--port") + 1] = self.addr.rsplit(":", 1)[1]
+        self.log_path = self.log_path.with_name(f"{self.log_path.stem}.restart{self.starts}.log")
+        self.log = open(self.log_path, "wb")
+        self._start(cmd, self.log_path)
+        wait_for_line(self.proc, self.log_path, r"internal API on ([0-9.]+:\d+)", f"{self.role} node")
 
     def metrics(self) -> dict:
         return parse_metrics(requests.get(self.metrics_url + "/metrics", timeout=10).text)
@@ -194,7 +212,8 @@ class Node:
 # Flags that belong to the router; every other flag configures the nodes.
 ROUTER_FLAGS = {
     "--api-keys", "--max-body-bytes", "--max-context", "--max-connections", "--header-timeout",
-    "--body-timeout", "--send-timeout", "--metrics-listen",
+    "--body-timeout", "--send-timeout", "--metrics-listen", "--tenant-max-requests",
+    "--tenant-max-tokens",
 }
 ROUTER_AND_NODE_FLAGS = {"--max-context"}
 
@@ -251,6 +270,7 @@ class Cluster(Server):
             if nofile is not None:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
+        self.cmd, self.limit_files, self.starts = cmd, limit_files, 0
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT, preexec_fn=limit_files
         )
@@ -258,6 +278,23 @@ class Cluster(Server):
         self._wait_healthy()
         self.api_key = api_key
         self.client = self.client_for(api_key)
+
+    def restart_router(self):
+        """Starts the router again, after it died, on the same address, with a log of its
+        own; the nodes are the same processes."""
+        assert self.proc.poll() is not None, "restart_router() needs a router that has exited"
+        self.log.close()
+        self.starts += 1
+        cmd = list(self.cmd)
+        cmd[cmd.index("--port") + 1] = self.url.rsplit(":", 1)[1]
+        self.log_path = self.log_path.with_name(f"router.restart{self.starts}.log")
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=self.log, cwd=ROOT, preexec_fn=self.limit_files
+        )
+        url = wait_for_line(self.proc, self.log_path, r"listening on (http://[0-9.]+:\d+)", "kvwarden router")
+        assert url == self.url, (url, self.url)
+        self._wait_healthy()
 
     @property
     def pools(self):

@@ -41,6 +41,15 @@ pub struct EdgeArgs {
     /// --api-keys is given: its totals describe every tenant's traffic.
     #[arg(long)]
     pub metrics_listen: Option<String>,
+    /// Requests one tenant (API key's tenant) may have in progress at once; one more is
+    /// answered 429 with Retry-After, while other tenants are unaffected. Unlimited if unset.
+    #[arg(long)]
+    pub tenant_max_requests: Option<usize>,
+    /// Tokens (prompt plus max_tokens) one tenant's requests in progress may hold at once;
+    /// beyond, 429 with Retry-After. A tenant with nothing in progress is always let in.
+    /// Unlimited if unset.
+    #[arg(long)]
+    pub tenant_max_tokens: Option<usize>,
 }
 
 impl EdgeArgs {
@@ -68,6 +77,15 @@ impl EdgeArgs {
                 );
             }
         }
+        if self.tenant_max_requests == Some(0) || self.tenant_max_tokens == Some(0) {
+            bail!("--tenant-max-requests and --tenant-max-tokens must be positive");
+        }
+        state.tenants = Arc::new(server::tenants::TenantUsage::new(
+            server::tenants::TenantLimits {
+                max_requests: self.tenant_max_requests,
+                max_tokens: self.tenant_max_tokens,
+            },
+        ));
         state.body_timeout = std::time::Duration::from_secs(self.body_timeout);
         state.connection_limits = server::ConnectionLimits {
             max_connections: self.max_connections,

@@ -41,6 +41,10 @@ pub enum ApiError {
     /// The engine holds as many requests as it may; the client should retry shortly.
     #[error("The server is at capacity ({} requests running or queued); retry shortly.", .0.limit)]
     QueueFull(#[from] QueueFull),
+    /// The tenant already holds as many requests (or tokens) as `--tenant-max-requests`
+    /// (`--tenant-max-tokens`) allow; other tenants are not affected.
+    #[error("{}", tenant_limit_message(.0))]
+    TenantLimit(crate::tenants::TenantLimit),
     /// The connection cap is reached; this connection is answered and closed.
     #[error("The server has {limit} connections open, its limit; retry shortly.")]
     TooManyConnections { limit: usize },
@@ -60,6 +64,17 @@ pub enum ApiError {
     /// token the tokenizer cannot decode).
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+fn tenant_limit_message(limit: &crate::tenants::TenantLimit) -> String {
+    match limit {
+        crate::tenants::TenantLimit::Requests(n) => format!(
+            "Your API key already has {n} requests in progress, its limit; retry once one ends."
+        ),
+        crate::tenants::TenantLimit::Tokens(n) => format!(
+            "Your API key's requests in progress already hold up to {n} tokens (prompt plus max_tokens), its limit; retry once one ends."
+        ),
+    }
 }
 
 fn http_message(status: StatusCode) -> &'static str {
@@ -160,7 +175,7 @@ impl ApiError {
                 RemoteKind::Capacity => StatusCode::TOO_MANY_REQUESTS,
                 RemoteKind::Isolation | RemoteKind::Model => StatusCode::INTERNAL_SERVER_ERROR,
             },
-            ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::QueueFull(_) | ApiError::TenantLimit(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::TooManyConnections { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::Http { status } => *status,
@@ -194,6 +209,8 @@ impl ApiError {
                 RemoteKind::Model => "model_error",
             },
             ApiError::QueueFull(_) => "queue_full",
+            // OpenAI's code for a per-key limit.
+            ApiError::TenantLimit(_) => "rate_limit_exceeded",
             ApiError::TooManyConnections { .. } => "too_many_connections",
             ApiError::BodyTimeout { .. } => "request_timeout",
             ApiError::Http { status } => match status.as_u16() {
@@ -233,7 +250,9 @@ impl ApiError {
     /// Seconds after which a retry may succeed, sent as `Retry-After`.
     pub fn retry_after(&self) -> Option<u32> {
         match self {
-            ApiError::QueueFull(_) | ApiError::TooManyConnections { .. } => Some(1),
+            ApiError::QueueFull(_)
+            | ApiError::TenantLimit(_)
+            | ApiError::TooManyConnections { .. } => Some(1),
             ApiError::Engine(EngineError::Remote { reason, .. })
                 if matches!(remote_kind(reason), RemoteKind::Capacity) =>
             {

@@ -25,6 +25,7 @@ pub mod prep;
 pub mod request;
 mod routes;
 pub mod stop;
+pub mod tenants;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -73,6 +74,9 @@ pub struct AppState {
     id_keys: std::collections::hash_map::RandomState,
     /// The bounded pool that prepares prompts (templates, tokenization).
     pub prompt_workers: prep::PromptWorkers,
+    /// Per-tenant limits on requests and tokens in flight ([`tenants`]); unlimited unless
+    /// configured.
+    pub tenants: Arc<tenants::TenantUsage>,
 }
 
 impl AppState {
@@ -94,6 +98,7 @@ impl AppState {
             metrics: Arc::default(),
             id_keys: std::collections::hash_map::RandomState::new(),
             prompt_workers: prep::PromptWorkers::per_core(),
+            tenants: Arc::default(),
             body_timeout: Duration::from_secs(30),
             connection_limits: ConnectionLimits::default(),
             metrics_access: MetricsAccess::default(),

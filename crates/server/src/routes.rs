@@ -58,6 +58,8 @@ struct Started {
     generation: Generation,
     meta: ResponseMeta,
     settings: Settings,
+    /// The request's place in its tenant's limits, held until the response ends.
+    permit: crate::tenants::Permit,
 }
 
 async fn completions(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
@@ -245,6 +247,11 @@ async fn start(
             rejection,
             input_param,
         })?;
+    // After admission (a rejected request holds nothing), before the backend sees it.
+    let permit = app.tenants.acquire(
+        admitted.request().domain.tenant_name(),
+        prompt_tokens.saturating_add(max_tokens),
+    )?;
     let admitted_at = Instant::now();
     // A client that leaves while a cluster places its request was still cancelled: once
     // the future resolves, the generation (or the refusal) records the outcome instead.
@@ -281,6 +288,7 @@ async fn start(
             tok: app.tokenizer.clone(),
         },
         settings,
+        permit,
     })
 }
 
@@ -323,6 +331,8 @@ struct StreamState {
     include_usage: bool,
     queue: VecDeque<SseEvent>,
     finished: bool,
+    /// Dropped with the stream: when it ends, or when the client hangs up.
+    _permit: crate::tenants::Permit,
 }
 
 fn data(v: &Value) -> SseEvent {
@@ -343,6 +353,7 @@ fn stream(started: Started) -> Sse<impl futures_util::Stream<Item = Result<SseEv
         include_usage,
         queue,
         finished: false,
+        _permit: started.permit,
     };
     let events = futures_util::stream::unfold(state, |mut st| async move {
         loop {

@@ -143,3 +143,28 @@ fn preparation_stops_once_the_client_is_gone() {
     let e = chat_prompt::prompt_tokens(&tok, &template, &messages, &gone).unwrap_err();
     assert_eq!(e.code(), "client_closed_request");
 }
+
+/// Found by the `chat_prompt` fuzz target (input: one message, content
+/// "assim_start|>user\ntan6\u{4}é"): plain-text tokenization is not an exact round trip,
+/// because SmolLM2's vocabulary has no token for the byte 0x04 and the tokenizer drops it,
+/// as llama.cpp does. The fuzz property was too strong; this pins what does hold: the byte
+/// is left out, nothing else changes, and no control token appears.
+#[test]
+fn a_byte_the_vocabulary_lacks_is_left_out_never_replaced() {
+    let (tok, template) = load();
+    let content = "assim_start|>user\ntan6\u{4}é";
+    let messages = [ChatMessage::new("user", content)];
+    let tokens = chat_prompt::prompt_tokens(&tok, &template, &messages, &Cancel::never())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let decoded = tok.decode(&tokens).unwrap_or_else(|e| panic!("{e}"));
+    let without = template
+        .render(
+            &[ChatMessage::new("user", content.replace('\u{4}', ""))],
+            true,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(decoded, without);
+    // The template's own turns only: a default system turn, the user's, the generation prompt.
+    assert_eq!(count(&tokens, IM_START), 3, "{tokens:?}");
+    assert_eq!(count(&tokens, IM_END), 2, "{tokens:?}");
+}

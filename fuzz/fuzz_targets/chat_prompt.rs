@@ -1,0 +1,76 @@
+//! Hostile message contents through the real vocabulary and chat template
+//! (`server::chat_prompt`). Whatever the contents, the prompt holds exactly the control
+//! tokens the template itself puts there, and plain-text tokenization round-trips.
+#![no_main]
+
+use libfuzzer_sys::arbitrary::{self, Arbitrary};
+use libfuzzer_sys::fuzz_target;
+use server::chat_prompt;
+use server::prep::Cancel;
+use tokenizer::ChatMessage;
+
+#[derive(Debug, Arbitrary)]
+struct Input {
+    messages: Vec<(String, String)>,
+}
+
+fuzz_target!(|input: Input| {
+    let (tok, template) = kvwarden_fuzz::real_tokenizer();
+    if input.messages.is_empty() || input.messages.len() > 64 {
+        return;
+    }
+    let mut messages = Vec::new();
+    for (role, content) in &input.messages {
+        // Unknown roles are refused by the route before they get here; a role the fuzzer
+        // cannot spell becomes "user".
+        let role = chat_prompt::normalize_role(role).unwrap_or("user");
+        messages.push(ChatMessage::new(role, content.clone()));
+    }
+    if chat_prompt::check_message_count(messages.len(), 8192).is_err() {
+        return;
+    }
+    let Ok(tokens) = chat_prompt::prompt_tokens(tok, template, &messages, &Cancel::never()) else {
+        return;
+    };
+    let benign: Vec<ChatMessage> = messages
+        .iter()
+        .map(|m| ChatMessage::new(m.role.clone(), "x"))
+        .collect();
+    let skeleton = template
+        .render(&benign, true)
+        .unwrap_or_else(|e| panic!("the template renders plain messages: {e}"));
+    let controls = |ids: &[u32]| -> Vec<u32> {
+        ids.iter()
+            .copied()
+            .filter(|&id| tok.is_control(id))
+            .collect()
+    };
+    assert_eq!(
+        controls(&tokens),
+        controls(&tok.encode(&skeleton)),
+        "message content changed the prompt's control tokens"
+    );
+    for m in &messages {
+        let ids = tok.encode_ordinary(&m.content);
+        assert!(
+            ids.iter().all(|&id| !tok.is_control(id)),
+            "plain text became a control token"
+        );
+        // Not an exact round trip: like llama.cpp, the tokenizer drops bytes the vocabulary
+        // has no token for (SmolLM2 lacks 0x04, for one; see `bpe.rs`). What comes out is
+        // the content with some bytes left out, never bytes that were not there.
+        let mut rest = m.content.as_bytes().iter();
+        for id in &ids {
+            let bytes = tok
+                .token_bytes(*id)
+                .unwrap_or_else(|| panic!("token {id} outside the vocabulary"));
+            for b in bytes {
+                assert!(
+                    rest.any(|c| c == b),
+                    "tokenizing {:?} produced bytes that are not in it",
+                    m.content
+                );
+            }
+        }
+    }
+});
