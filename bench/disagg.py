@@ -3,8 +3,8 @@ run, same binary (target/release/kvwarden), streaming /v1/completions with token
 prompts and ignore_eos. Prints TTFT and output tokens/s for each, their ratios, and the KV
 bytes moved per prompt token. Run on an otherwise idle machine: `python3 bench/disagg.py`.
 
-The monolithic server gets --threads 2; each node gets --threads 1, so both deployments
-use the same two cores.
+The monolithic server gets --threads 2; each node gets --threads 1 (NODE_THREADS to
+change it), so both deployments use the same two cores.
 """
 
 import json
@@ -103,7 +103,7 @@ def main():
     procs = []
     addrs = {}
     for role, n in (("prefill", "p"), ("decode", "d")):
-        p = start(["--threads", "1", "serve", "--role", role, "--port", "0", "--metrics-port", "0",
+        p = start(["--threads", os.environ.get("NODE_THREADS", "1"), "serve", "--role", role, "--port", "0", "--metrics-port", "0",
                    "--kv-pool-tokens", "32768", "--model", str(MODEL), *tls(n)], tmp / f"{n}.log")
         procs.append(p)
         addrs[role] = wait(tmp / f"{n}.log", r"internal API on ([0-9.:]+)", p)
