@@ -13,7 +13,7 @@ complain() {
 # A plain clone must pass its own tests: nothing may read files from outside the repository
 # (the reference outputs live in tests/data/golden/). Documentation may mention the shared
 # folder; code, scripts and configuration may not.
-if hits=$(git grep -n -I -E '\.\./shared|shared/golden' -- \
+if hits=$(git grep -n -I -E '\.\./shar[e]d|shar[e]d/golden' -- \
   ':(exclude)*.md' ':(exclude)scripts/check-repo.sh' ':(exclude).ci/run'); then
   complain "code refers to files outside the repository:"
   echo "$hits" >&2
