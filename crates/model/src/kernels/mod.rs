@@ -41,11 +41,113 @@ pub fn matmul_group(
             assert_eq!(x_f32.len(), n * w.cols(), "matmul: input shape");
         }
     }
+    // The k-quants take the input as Q8_K super-blocks, quantized once for the group.
+    let q8_k = match ws.iter().find(|w| w.wants_q8_k()) {
+        Some(w) => {
+            let cols = w.cols();
+            let mut q = vec![BlockQ8K::default(); n * cols / gguf::QK_K];
+            for (row, o) in x_f32
+                .chunks_exact(cols)
+                .zip(q.chunks_exact_mut(cols / gguf::QK_K))
+            {
+                quantize_row_q8_k(row, o);
+            }
+            q
+        }
+        None => Vec::new(),
+    };
+    let input = Input {
+        x_f32,
+        acts: Acts {
+            q8_1: x_q8,
+            q8_k: &q8_k,
+        },
+        // Only the Q4_1 kernel reads them.
+        scales: if ws.iter().any(|w| matches!(w, Matrix::Q4_1 { .. })) {
+            tile_scales(x_q8, n, ws[0].cols() / QK)
+        } else {
+            Vec::new()
+        },
+        cols: ws[0].cols(),
+    };
+    if n >= TOKEN_SPLIT_MIN {
+        by_token_blocks(ws, &input, outs);
+    } else {
+        by_row_blocks(ws, &input, n, outs);
+    }
+}
+
+/// From this many input rows on, the work is split by blocks of tokens, each walking the
+/// weights in cache-sized row blocks; below it (decode steps) by weight rows, so that each
+/// weight is read from memory once per step.
+const TOKEN_SPLIT_MIN: usize = 64;
+/// Tokens per task of the token split (a whole number of tiles).
+const TOKEN_BLOCK: usize = 8 * TILE;
+/// Weight rows whose blocks stay in L1/L2 while a token block passes over them.
+const ROW_BLOCK: usize = 64;
+
+/// One group's input in every form a kernel may ask for.
+struct Input<'a> {
+    x_f32: &'a [f32],
+    acts: Acts<'a>,
+    scales: Vec<[f32; 2 * TILE]>,
+    cols: usize,
+}
+
+impl Input<'_> {
+    /// The kernels' view of tokens `t0..t0 + nt` (`t0` a multiple of [`TILE`], so tile
+    /// indices stay aligned with [`tile_scales`]). Forms the group does not use are empty.
+    fn tokens(&self, t0: usize, nt: usize) -> (&[f32], Acts<'_>, &[[f32; 2 * TILE]]) {
+        let nb = self.cols / QK;
+        let nbk = self.cols / gguf::QK_K;
+        let x = self
+            .x_f32
+            .get(t0 * self.cols..(t0 + nt) * self.cols)
+            .unwrap_or(&[]);
+        let acts = Acts {
+            q8_1: self.acts.q8_1.get(t0 * nb..(t0 + nt) * nb).unwrap_or(&[]),
+            q8_k: self.acts.q8_k.get(t0 * nbk..(t0 + nt) * nbk).unwrap_or(&[]),
+        };
+        let scales = self.scales.get(t0 / TILE * nb..).unwrap_or(&[]);
+        (x, acts, scales)
+    }
+}
+
+/// Each task owns a contiguous run of tokens of one output (token-major, so a plain slice
+/// of it) and computes it row block by row block; the kernel's row-major result for the
+/// block is transposed while it is still in L1.
+fn by_token_blocks(ws: &[&Matrix], input: &Input<'_>, outs: &mut [&mut [f32]]) {
+    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    for (m, out) in outs.iter_mut().enumerate() {
+        let rows = ws[m].rows();
+        for (b, chunk) in out.chunks_mut(TOKEN_BLOCK * rows).enumerate() {
+            tasks.push((m, b * TOKEN_BLOCK, chunk));
+        }
+    }
+    tasks.into_par_iter().for_each(|(m, t0, chunk)| {
+        let w = ws[m];
+        let rows = w.rows();
+        let nt = chunk.len() / rows;
+        let (x, acts, scales) = input.tokens(t0, nt);
+        let mut block = vec![0f32; ROW_BLOCK * nt];
+        for r0 in (0..rows).step_by(ROW_BLOCK) {
+            let nr = ROW_BLOCK.min(rows - r0);
+            let block = &mut block[..nr * nt];
+            rows_kernel(w, r0, nr, x, &acts, scales, nt, block);
+            for (t, out_row) in chunk.chunks_exact_mut(rows).enumerate() {
+                for (r, o) in out_row[r0..r0 + nr].iter_mut().enumerate() {
+                    *o = block[r * nt + t];
+                }
+            }
+        }
+    });
+}
+
+/// Tasks own runs of weight rows across every token (one token needs no transposition).
+fn by_row_blocks(ws: &[&Matrix], input: &Input<'_>, n: usize, outs: &mut [&mut [f32]]) {
     let threads = rayon::current_num_threads().max(1);
     let total_rows: usize = ws.iter().map(|w| w.rows()).sum();
     let rows_per_task = (total_rows / (threads * 8)).clamp(8, 512);
-    // Row-major by weight row, so each task owns a contiguous slice; one token needs no
-    // transposition.
     let mut by_row: Vec<Vec<f32>> = ws
         .iter()
         .map(|w| {
@@ -63,34 +165,18 @@ pub fn matmul_group(
             tasks.push((m, c * rows_per_task, chunk));
         }
     }
-    // Only the Q4_1 kernel reads them.
-    let scales = if ws.iter().any(|w| matches!(w, Matrix::Q4_1 { .. })) {
-        tile_scales(x_q8, n, ws[0].cols() / QK)
-    } else {
-        Vec::new()
-    };
-    // The k-quants take the input as Q8_K super-blocks, quantized once for the group.
-    let q8_k = match ws.iter().find(|w| w.wants_q8_k()) {
-        Some(w) => {
-            let cols = w.cols();
-            let mut q = vec![BlockQ8K::default(); n * cols / gguf::QK_K];
-            for (row, o) in x_f32
-                .chunks_exact(cols)
-                .zip(q.chunks_exact_mut(cols / gguf::QK_K))
-            {
-                quantize_row_q8_k(row, o);
-            }
-            q
-        }
-        None => Vec::new(),
-    };
-    let acts = Acts {
-        q8_1: x_q8,
-        q8_k: &q8_k,
-    };
     tasks.into_par_iter().for_each(|(m, r0, chunk)| {
         let nr = chunk.len() / n;
-        rows_kernel(ws[m], r0, nr, x_f32, &acts, &scales, n, chunk);
+        rows_kernel(
+            ws[m],
+            r0,
+            nr,
+            input.x_f32,
+            &input.acts,
+            &input.scales,
+            n,
+            chunk,
+        );
     });
     if n != 1 {
         for ((w, buf), out) in ws.iter().zip(&by_row).zip(outs.iter_mut()) {
@@ -149,10 +235,30 @@ fn rows_kernel(
         Matrix::Q4_0 { data, .. } => tiled(nr, n, nb, x_q8, out, |r, acts, _, res| {
             dot_q4_0(&data[(r0 + r) * nb..(r0 + r + 1) * nb], acts, res)
         }),
-        Matrix::Q4_1 { data, .. } => tiled(nr, n, nb, x_q8, out, |r, acts, tile, res| {
-            let sc = tile.and_then(|k| scales.get(k * nb..(k + 1) * nb));
-            dot_q4_1(&data[(r0 + r) * nb..(r0 + r + 1) * nb], acts, sc, res)
-        }),
+        Matrix::Q4_1 { data, .. } => {
+            let rows = &data[r0 * nb..(r0 + nr) * nb];
+            #[cfg(target_arch = "x86_64")]
+            if n >= TILE && scales.len() >= n / TILE * nb && x86_512::available() {
+                // SAFETY: the CPU has the features `available` checks, the function's only
+                // requirement; it bounds-checks its slices.
+                unsafe { x86_512::q4_1_tiles(rows, nb, x_q8, scales, n, out) };
+                let whole = n / TILE * TILE;
+                let rest = &x_q8[whole * nb..n * nb];
+                let mut acts: [&[BlockQ8_1]; TILE] = [&[]; TILE];
+                for (a, chunk) in acts.iter_mut().zip(rest.chunks_exact(nb)) {
+                    *a = chunk;
+                }
+                let k = n - whole;
+                for (r, row) in rows.chunks_exact(nb).enumerate() {
+                    dot_q4_1(row, &acts[..k], None, &mut out[r * n + whole..(r + 1) * n]);
+                }
+                return;
+            }
+            tiled(nr, n, nb, x_q8, out, |r, acts, tile, res| {
+                let sc = tile.and_then(|k| scales.get(k * nb..(k + 1) * nb));
+                dot_q4_1(&rows[r * nb..(r + 1) * nb], acts, sc, res)
+            })
+        }
         Matrix::Q8_0 { data, .. } => tiled(nr, n, nb, x_q8, out, |r, acts, _, res| {
             dot_q8_0(&data[(r0 + r) * nb..(r0 + r + 1) * nb], acts, res)
         }),
@@ -226,6 +332,8 @@ mod attention;
 mod quant_dot;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_512;
 
 pub use activation::{ggml_expf, silu, swiglu};
 pub use attention::{dot_f16_ggml, KvElem};

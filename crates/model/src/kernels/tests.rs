@@ -235,36 +235,96 @@ fn ggml_expf_is_accurate_and_saturates() {
     assert_eq!(gate.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
 }
 
+/// Batch invariance across both work splits (by rows below `TOKEN_SPLIT_MIN` tokens, by
+/// token blocks from it on, with partial tiles, token blocks and row blocks) for every
+/// weight type: a token's row of the product is the same alone and in any batch.
 #[test]
 fn matmul_rows_do_not_depend_on_batch() {
-    let (rows, cols) = (37, 64);
-    let (m, _) = matrix(GgmlType::Q4_1, rows, cols, 3);
-    let mut s = 5u64;
-    let n = 9;
-    let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
-    let mut xq = vec![BlockQ8_1::default(); n * cols / QK];
-    for t in 0..n {
-        quantize_row_q8_1(
-            &x[t * cols..(t + 1) * cols],
-            &mut xq[t * cols / QK..(t + 1) * cols / QK],
-        );
+    let cols = 256;
+    for ty in [
+        GgmlType::Q4_1,
+        GgmlType::Q4_0,
+        GgmlType::Q8_0,
+        GgmlType::F32,
+        GgmlType::Q4_K,
+    ] {
+        for (rows, n) in [(37, 9), (ROW_BLOCK + 13, TOKEN_SPLIT_MIN + TOKEN_BLOCK + 5)] {
+            let (m, _) = matrix(ty, rows, cols, 3);
+            let mut s = 5u64;
+            let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
+            let mut xq = vec![BlockQ8_1::default(); n * cols / QK];
+            for t in 0..n {
+                quantize_row_q8_1(
+                    &x[t * cols..(t + 1) * cols],
+                    &mut xq[t * cols / QK..(t + 1) * cols / QK],
+                );
+            }
+            let mut all = vec![0f32; n * rows];
+            matmul(&m, &x, &xq, n, &mut all);
+            for t in 0..n {
+                let mut one = vec![0f32; rows];
+                let nb = cols / QK;
+                matmul(
+                    &m,
+                    &x[t * cols..(t + 1) * cols],
+                    &xq[t * nb..(t + 1) * nb],
+                    1,
+                    &mut one,
+                );
+                assert_eq!(
+                    one,
+                    all[t * rows..(t + 1) * rows],
+                    "{ty:?}: token {t} of {n} differs alone vs batched"
+                );
+            }
+        }
     }
-    let mut all = vec![0f32; n * rows];
-    matmul(&m, &x, &xq, n, &mut all);
+}
+
+/// The register-tiled 512-bit Q4_1 product against the 256-bit kernel, row by row and token
+/// by token, bit for bit: whole micro-tiles, leftover rows and several tiles of tokens.
+/// Ignored like the test above, and run by `scripts/test.sh` where the CPU has the features.
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
+fn wide_q4_1_tiles_match_the_256_bit_kernel_bit_for_bit() {
+    assert!(
+        x86_512::available(),
+        "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
+    );
+    let (rows, cols, n) = (x86_512::ROWS * 2 + 3, 256, 3 * TILE);
+    let nb = cols / QK;
+    let mut s = 11u64;
+    let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 4.0).collect();
+    let mut xq = vec![BlockQ8_1::default(); n * nb];
     for t in 0..n {
-        let mut one = vec![0f32; rows];
-        let nb = cols / QK;
-        matmul(
-            &m,
-            &x[t * cols..(t + 1) * cols],
-            &xq[t * nb..(t + 1) * nb],
-            1,
-            &mut one,
-        );
-        assert_eq!(
-            one,
-            all[t * rows..(t + 1) * rows],
-            "token {t} differs alone vs batched"
-        );
+        quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
+    }
+    let (m, _) = matrix(GgmlType::Q4_1, rows, cols, 17);
+    let Matrix::Q4_1 { data, .. } = &m else {
+        unreachable!("a Q4_1 matrix")
+    };
+    let scales = tile_scales(&xq, n, nb);
+    let mut wide = vec![0f32; rows * n];
+    // SAFETY: the features are present (checked above).
+    unsafe { x86_512::q4_1_tiles(data, nb, &xq, &scales, n, &mut wide) };
+    for r in 0..rows {
+        for t in 0..n {
+            let mut one = [0f32; 1];
+            // SAFETY: AVX2 and FMA are present (implied by the check above).
+            unsafe {
+                x86::avx2::q4_1(
+                    &data[r * nb..(r + 1) * nb],
+                    &[&xq[t * nb..(t + 1) * nb]],
+                    None,
+                    &mut one,
+                )
+            };
+            assert_eq!(
+                wide[r * n + t].to_bits(),
+                one[0].to_bits(),
+                "row {r} token {t}"
+            );
+        }
     }
 }
