@@ -238,20 +238,10 @@ fn rows_kernel(
         Matrix::Q4_1 { data, .. } => {
             let rows = &data[r0 * nb..(r0 + nr) * nb];
             #[cfg(target_arch = "x86_64")]
-            if n >= TILE && scales.len() >= n / TILE * nb && x86_512::available() {
+            if n >= TILE && x86_512::available() {
                 // SAFETY: the CPU has the features `available` checks, the function's only
                 // requirement; it bounds-checks its slices.
-                unsafe { x86_512::q4_1_tiles(rows, nb, x_q8, scales, n, out) };
-                let whole = n / TILE * TILE;
-                let rest = &x_q8[whole * nb..n * nb];
-                let mut acts: [&[BlockQ8_1]; TILE] = [&[]; TILE];
-                for (a, chunk) in acts.iter_mut().zip(rest.chunks_exact(nb)) {
-                    *a = chunk;
-                }
-                let k = n - whole;
-                for (r, row) in rows.chunks_exact(nb).enumerate() {
-                    dot_q4_1(row, &acts[..k], None, &mut out[r * n + whole..(r + 1) * n]);
-                }
+                unsafe { x86_512::q4_1_rows(rows, nb, x_q8, scales, n, out) };
                 return;
             }
             tiled(nr, n, nb, x_q8, out, |r, acts, tile, res| {

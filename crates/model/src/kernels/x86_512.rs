@@ -1,5 +1,5 @@
-//! Register-tiled Q4_1 product for CPUs with AVX-512 VNNI: a micro-tile of [`ROWS`] weight
-//! rows × one tile of 4 tokens, two tokens per 512-bit register (token `2k` in the low
+//! Register-tiled Q4_1 product for CPUs with AVX-512 VNNI. Prefill: a micro-tile of [`ROWS`]
+//! weight rows × one tile of 4 tokens, two tokens per 512-bit register (token `2k` in the low
 //! half, `2k + 1` in the high half). Each weight block is unpacked once for four tokens and
 //! each activation pair loaded once for [`ROWS`] rows.
 //!
@@ -18,7 +18,7 @@ use crate::weights::{BlockQ4_1, BlockQ8_1};
 /// vector registers.
 pub const ROWS: usize = 4;
 
-/// Whether this CPU runs [`q4_1_tiles`].
+/// Whether this CPU runs [`q4_1_rows`].
 pub fn available() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512bw")
@@ -29,14 +29,14 @@ pub fn available() -> bool {
         && std::arch::is_x86_feature_detected!("fma")
 }
 
-/// `out[r * n + t] = dot(w[r], x[t])` for the `nr` rows of `w` (`nb` blocks each) and the
-/// whole tiles of tokens (`n / TILE * TILE` of them); `scales` are the tiles'
-/// [`super::tile_scales`]. Rows past the last whole micro-tile go one at a time.
+/// `out[r * n + t] = dot(w[r], x[t])` for the `nr` rows of `w` (`nb` blocks each) and all
+/// `n` tokens; `scales` are the tiles' [`super::tile_scales`] (empty when `n < TILE`).
+/// Whole tiles of tokens go through [`micro_tile`].
 ///
 /// # Safety
 /// The CPU must support the features [`available`] checks. Slices are bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-pub unsafe fn q4_1_tiles(
+pub unsafe fn q4_1_rows(
     w: &[BlockQ4_1],
     nb: usize,
     x: &[BlockQ8_1],
@@ -45,7 +45,11 @@ pub unsafe fn q4_1_tiles(
     out: &mut [f32],
 ) {
     let nr = w.len() / nb;
-    let tiles = n / TILE;
+    let tiles = if scales.len() >= n / TILE * nb {
+        n / TILE
+    } else {
+        0
+    };
     // Lane indices that spread tile scales [d0 d1 d2 d3] into [d0 x8, d1 x8] and [d2 x8, d3 x8].
     let pair01 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     let pair23 = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
@@ -68,6 +72,22 @@ pub unsafe fn q4_1_tiles(
             let res = micro_tile::<1>([&w[r * nb..(r + 1) * nb]], acts, sc, pair01, pair23);
             out[r * n + t0..r * n + t0 + TILE].copy_from_slice(&res[0]);
             r += 1;
+        }
+    }
+    // Tokens after the last whole tile: the 256-bit kernel, one row at a time (two rows
+    // per 512-bit register measured slower here than this).
+    let whole = tiles * TILE;
+    let mut acts: [&[BlockQ8_1]; TILE] = [&[]; TILE];
+    for (a, chunk) in acts.iter_mut().zip(x[whole * nb..n * nb].chunks_exact(nb)) {
+        *a = chunk;
+    }
+    let k = n - whole;
+    if k > 0 {
+        for (r, row) in w.chunks_exact(nb).enumerate() {
+            // SAFETY: AVX2 and FMA are among this function's features.
+            unsafe {
+                super::x86::vnni::q4_1(row, &acts[..k], None, &mut out[r * n + whole..(r + 1) * n])
+            };
         }
     }
 }
