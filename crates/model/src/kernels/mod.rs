@@ -300,21 +300,46 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// The instruction sets the kernels use, detected once: the products ask per row, and
+/// even cached detection showed as a few percent of a decode step when asked per row.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Features {
+    avx2: bool,
+    f16c: bool,
+    vnni: bool,
+    wide: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+fn features() -> Features {
+    static FEATURES: std::sync::OnceLock<Features> = std::sync::OnceLock::new();
+    *FEATURES.get_or_init(|| {
+        use std::arch::is_x86_feature_detected as has;
+        let avx2 = has!("avx2") && has!("fma");
+        let vnni = avx2 && has!("avx512vnni") && has!("avx512vl");
+        Features {
+            avx2,
+            f16c: avx2 && has!("f16c"),
+            vnni,
+            wide: vnni && has!("avx512f") && has!("avx512bw") && has!("avx512dq"),
+        }
+    })
+}
+
 #[cfg(target_arch = "x86_64")]
 fn has_f16c() -> bool {
-    has_avx2() && std::arch::is_x86_feature_detected!("f16c")
+    features().f16c
 }
 
 #[cfg(target_arch = "x86_64")]
 fn has_avx2() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    features().avx2
 }
 
 #[cfg(target_arch = "x86_64")]
 fn has_vnni() -> bool {
-    has_avx2()
-        && std::arch::is_x86_feature_detected!("avx512vnni")
-        && std::arch::is_x86_feature_detected!("avx512vl")
+    features().vnni
 }
 
 mod activation;

@@ -20,13 +20,7 @@ pub const ROWS: usize = 4;
 
 /// Whether this CPU runs [`q4_1_rows`].
 pub fn available() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
-        && std::arch::is_x86_feature_detected!("avx512dq")
-        && std::arch::is_x86_feature_detected!("avx512vl")
-        && std::arch::is_x86_feature_detected!("avx512vnni")
-        && std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
+    super::features().wide
 }
 
 /// `out[r * n + t] = dot(w[r], x[t])` for the `nr` rows of `w` (`nb` blocks each) and all
