@@ -20,6 +20,52 @@ pub trait KvElem: Copy + Send + Sync {
     fn acc_mad(acc: &mut [Self::Acc], v: &[Self], w: f32);
     /// `out[i] = acc[i] * inv`.
     fn acc_finish(acc: &[Self::Acc], inv: f32, out: &mut [f32]);
+
+    /// One query head over its visible positions (`k[j]`, `v[j]` for each), as llama.cpp's
+    /// CPU flash-attention kernel computes it: one pass in position order with a running
+    /// maximum, the V sum accumulated in [`Self::Acc`] with a rounding after every update,
+    /// normalized at the end. The order is fixed, so the result does not depend on the batch.
+    fn attend(
+        q: &[f32],
+        k: &[&[Self]],
+        v: &[&[Self]],
+        scale: f32,
+        acc: &mut [Self::Acc],
+        out: &mut [f32],
+    ) {
+        attend_portable(q, k, v, scale, acc, out);
+    }
+}
+
+/// [`KvElem::attend`] through the element type's operations, one call per step.
+pub fn attend_portable<T: KvElem>(
+    q: &[f32],
+    k: &[&[T]],
+    v: &[&[T]],
+    scale: f32,
+    acc: &mut [T::Acc],
+    out: &mut [f32],
+) {
+    T::acc_clear(acc);
+    let mut max = f32::NEG_INFINITY;
+    let mut sum = 0f32;
+    for (kr, vr) in k.iter().zip(v) {
+        let s = T::dot(q, kr) * scale;
+        let mut ms = 1.0f32;
+        let mut vs = 1.0f32;
+        if s > max {
+            let old = max;
+            max = s;
+            ms = (old - max).exp();
+            T::acc_scale(acc, ms);
+        } else {
+            vs = (s - max).exp();
+        }
+        T::acc_mad(acc, vr, vs);
+        sum = sum.mul_add(ms, vs);
+    }
+    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+    T::acc_finish(acc, inv, out);
 }
 
 impl KvElem for f32 {
@@ -95,6 +141,31 @@ impl KvElem for half::f16 {
             *o = a.to_f32() * inv;
         }
     }
+
+    fn attend(
+        q: &[f32],
+        k: &[&[half::f16]],
+        v: &[&[half::f16]],
+        scale: f32,
+        acc: &mut [half::f16],
+        out: &mut [f32],
+    ) {
+        let hd = q.len();
+        #[cfg(target_arch = "x86_64")]
+        if has_f16c()
+            && hd > 0
+            && hd.is_multiple_of(64)
+            && acc.len() == hd
+            && out.len() == hd
+            && k.iter().chain(v).all(|r| r.len() == hd)
+        {
+            // SAFETY: AVX2, FMA and F16C are present (checked); every row, the accumulator
+            // and the output have the head's length, a multiple of 64, as required.
+            unsafe { x86::attend_f16(q, k, v, scale, acc, out) };
+            return;
+        }
+        attend_portable(q, k, v, scale, acc, out);
+    }
 }
 
 /// `Σ q[i] * k[i]` for f16-valued `q` and `k`, in exactly the order of ggml's AVX-512
@@ -160,6 +231,7 @@ mod x86 {
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `q.len() == k.len()`, a multiple of 64.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_f16_ggml_steps(q: &[f32], k: &[half::f16]) -> f32 {
         let mut acc = [_mm256_setzero_ps(); 8]; // [j * 2 + half]
@@ -186,6 +258,7 @@ mod x86 {
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `acc.len() == v.len()`, a multiple of 8.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn mad_f16(acc: &mut [half::f16], v: &[half::f16], w: f32) {
         let wv = _mm256_set1_ps(w);
@@ -196,6 +269,69 @@ mod x86 {
                 let x = _mm256_cvtph_ps(_mm_loadu_si128(vc.as_ptr() as *const __m128i));
                 let a = _mm256_cvtph_ps(_mm_loadu_si128(ac.as_ptr() as *const __m128i));
                 let r = _mm256_cvtps_ph(_mm256_fmadd_ps(x, wv, a), _MM_FROUND_TO_NEAREST_INT);
+                _mm_storeu_si128(ac.as_mut_ptr() as *mut __m128i, r);
+            }
+        }
+    }
+
+    /// [`super::attend_portable`] for f16 rows whose length is a multiple of 64, in one
+    /// function so the per-position products inline instead of being dispatched per call:
+    /// the same operations in the same order (the K·Q steps of [`dot_f16_ggml_steps`], the
+    /// same `exp`, the rounding `acc * s` and [`mad_f16`] updates), so the same bits.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `q`, `acc`, `out` and every row of `k` and
+    /// `v` have the same length, a multiple of 64.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn attend_f16(
+        q: &[f32],
+        k: &[&[half::f16]],
+        v: &[&[half::f16]],
+        scale: f32,
+        acc: &mut [half::f16],
+        out: &mut [f32],
+    ) {
+        acc.fill(half::f16::ZERO);
+        let mut max = f32::NEG_INFINITY;
+        let mut sum = 0f32;
+        for (kr, vr) in k.iter().zip(v) {
+            // SAFETY: the lengths are equal multiples of 64 (the caller's contract).
+            let s = unsafe { dot_f16_ggml_steps(q, kr) } * scale;
+            let mut ms = 1.0f32;
+            let mut vs = 1.0f32;
+            if s > max {
+                let old = max;
+                max = s;
+                ms = (old - max).exp();
+                // SAFETY: as above; `acc.len()` is a multiple of 8.
+                unsafe { scale_f16(acc, ms) };
+            } else {
+                vs = (s - max).exp();
+            }
+            // SAFETY: as above.
+            unsafe { mad_f16(acc, vr, vs) };
+            sum = sum.mul_add(ms, vs);
+        }
+        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+        for (o, &a) in out.iter_mut().zip(acc.iter()) {
+            *o = a.to_f32() * inv;
+        }
+    }
+
+    /// `acc[i] = f16(acc[i] * s)`: one rounding to f16, to nearest even, as the scalar path.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `acc.len()` is a multiple of 8.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scale_f16(acc: &mut [half::f16], s: f32) {
+        let sv = _mm256_set1_ps(s);
+        for ac in acc.chunks_exact_mut(8) {
+            // SAFETY: each chunk is 8 f16 values (16 bytes) in bounds; unaligned loads and
+            // stores are allowed.
+            unsafe {
+                let a = _mm256_cvtph_ps(_mm_loadu_si128(ac.as_ptr() as *const __m128i));
+                let r = _mm256_cvtps_ph(_mm256_mul_ps(a, sv), _MM_FROUND_TO_NEAREST_INT);
                 _mm_storeu_si128(ac.as_mut_ptr() as *mut __m128i, r);
             }
         }

@@ -329,3 +329,42 @@ fn wide_q4_1_tiles_match_the_256_bit_kernel_bit_for_bit() {
         }
     }
 }
+
+/// The fused f16 attention (one function per head, products inlined) against the portable
+/// one step by step, bit for bit: heads of 64 and 128, keys whose scores rise (rescaling the
+/// accumulator) and fall, values large enough that f16 rounding matters.
+#[test]
+fn fused_f16_attention_matches_the_portable_path_bit_for_bit() {
+    use half::f16;
+    let mut s = 41u64;
+    for hd in [64usize, 128] {
+        for positions in [1usize, 7, 70] {
+            let q: Vec<f32> = (0..hd)
+                .map(|_| f16::from_f32(lcg(&mut s) * 2.0).to_f32())
+                .collect();
+            let rows = |s: &mut u64, amp: f32| -> Vec<Vec<f16>> {
+                (0..positions)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|_| f16::from_f32(lcg(s) * amp * (1.0 + j as f32 * 0.05)))
+                            .collect()
+                    })
+                    .collect()
+            };
+            let k = rows(&mut s, 1.5);
+            let v = rows(&mut s, 40.0);
+            let kr: Vec<&[f16]> = k.iter().map(|r| r.as_slice()).collect();
+            let vr: Vec<&[f16]> = v.iter().map(|r| r.as_slice()).collect();
+            let scale = 1.0 / (hd as f32).sqrt();
+            let (mut acc_a, mut acc_b) = (vec![f16::ZERO; hd], vec![f16::ZERO; hd]);
+            let (mut fused, mut portable) = (vec![0f32; hd], vec![0f32; hd]);
+            <f16 as KvElem>::attend(&q, &kr, &vr, scale, &mut acc_a, &mut fused);
+            attention::attend_portable::<f16>(&q, &kr, &vr, scale, &mut acc_b, &mut portable);
+            assert_eq!(
+                fused.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                portable.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "head {hd}, {positions} positions"
+            );
+        }
+    }
+}
