@@ -232,9 +232,9 @@ fn rows_kernel(
                 }
             }
         }
-        Matrix::Q4_0 { data, .. } => tiled(nr, n, nb, x_q8, out, |r, acts, _, res| {
-            dot_q4_0(&data[(r0 + r) * nb..(r0 + r + 1) * nb], acts, res)
-        }),
+        Matrix::Q4_0 { data, .. } => {
+            rows_q4_0(&data[r0 * nb..(r0 + nr) * nb], nb, x_q8, n, out);
+        }
         Matrix::Q4_1 { data, .. } => {
             let rows = &data[r0 * nb..(r0 + nr) * nb];
             #[cfg(target_arch = "x86_64")]
@@ -244,42 +244,12 @@ fn rows_kernel(
                 unsafe { x86_512::q4_1_rows(rows, nb, x_q8, scales, n, out) };
                 return;
             }
-            tiled(nr, n, nb, x_q8, out, |r, acts, tile, res| {
-                let sc = tile.and_then(|k| scales.get(k * nb..(k + 1) * nb));
-                dot_q4_1(&rows[r * nb..(r + 1) * nb], acts, sc, res)
-            })
+            rows_q4_1(rows, nb, x_q8, scales, n, out);
         }
-        Matrix::Q8_0 { data, .. } => tiled(nr, n, nb, x_q8, out, |r, acts, _, res| {
-            dot_q8_0(&data[(r0 + r) * nb..(r0 + r + 1) * nb], acts, res)
-        }),
+        Matrix::Q8_0 { data, .. } => {
+            rows_q8_0(&data[r0 * nb..(r0 + nr) * nb], nb, x_q8, n, out);
+        }
         Matrix::Blocks(m) => m.rows_kernel(r0, nr, acts, n, out),
-    }
-}
-
-/// Runs `dot(row, tile of up to TILE activation rows)` over all rows and tokens.
-fn tiled(
-    nr: usize,
-    n: usize,
-    nb: usize,
-    x: &[BlockQ8_1],
-    out: &mut [f32],
-    dot: impl Fn(usize, &[&[BlockQ8_1]], Option<usize>, &mut [f32]),
-) {
-    let mut acts: [&[BlockQ8_1]; TILE] = [&[]; TILE];
-    let mut res = [0f32; TILE];
-    for r in 0..nr {
-        let mut t = 0;
-        while t < n {
-            let k = (n - t).min(TILE);
-            for (j, a) in acts.iter_mut().enumerate().take(k) {
-                *a = &x[(t + j) * nb..(t + j + 1) * nb];
-            }
-            // Whole tiles start at multiples of TILE, so their index is t / TILE.
-            let tile = (k == TILE).then_some(t / TILE);
-            dot(r, &acts[..k], tile, &mut res[..k]);
-            out[r * n + t..r * n + t + k].copy_from_slice(&res[..k]);
-            t += k;
-        }
     }
 }
 
@@ -352,7 +322,7 @@ mod x86_512;
 
 pub use activation::{ggml_expf, silu, swiglu};
 pub use attention::{dot_f16_ggml, KvElem};
-pub use quant_dot::{dot_q4_0, dot_q4_1, dot_q8_0, scalar};
+pub use quant_dot::{dot_q4_0, dot_q4_1, dot_q8_0, rows_q4_0, rows_q4_1, rows_q8_0, scalar};
 
 #[cfg(test)]
 mod tests;

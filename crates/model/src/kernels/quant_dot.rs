@@ -63,6 +63,66 @@ pub fn dot_q4_1(
 dispatch!(dot_q4_0, BlockQ4_0, scalar::q4_0, q4_0);
 dispatch!(dot_q8_0, BlockQ8_0, scalar::q8_0, q8_0);
 
+macro_rules! rows_dispatch {
+    ($name:ident, $wt:ty, $scalar:path, $simd:ident) => {
+        /// Every row of `w` (`nb` blocks each) against every token of `x`:
+        /// `out[r * n + t]`, with one choice of instruction set for the whole product.
+        pub fn $name(w: &[$wt], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
+            #[cfg(target_arch = "x86_64")]
+            if has_vnni() {
+                // SAFETY: the CPU supports AVX2, FMA, AVX-512 VNNI and VL (checked), the only
+                // requirement; slices are bounds-checked inside.
+                unsafe { x86::vnni::$simd(w, nb, x, n, out) };
+                return;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if has_avx2() {
+                // SAFETY: the CPU supports AVX2 and FMA (checked), the only requirement;
+                // slices are bounds-checked inside.
+                unsafe { x86::avx2::$simd(w, nb, x, n, out) };
+                return;
+            }
+            for (r, row) in w.chunks_exact(nb).enumerate() {
+                for t in 0..n {
+                    out[r * n + t] = $scalar(row, &x[t * nb..(t + 1) * nb]);
+                }
+            }
+        }
+    };
+}
+rows_dispatch!(rows_q4_0, BlockQ4_0, scalar::q4_0, q4_0_rows);
+rows_dispatch!(rows_q8_0, BlockQ8_0, scalar::q8_0, q8_0_rows);
+
+/// [`rows_q4_0`] for Q4_1, with the tiles' gathered scales ([`super::tile_scales`], or
+/// empty).
+pub fn rows_q4_1(
+    w: &[BlockQ4_1],
+    nb: usize,
+    x: &[BlockQ8_1],
+    scales: &[[f32; 2 * TILE]],
+    n: usize,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if has_vnni() {
+        // SAFETY: as in `rows_q4_0`.
+        unsafe { x86::vnni::q4_1_rows(w, nb, x, scales, n, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: as in `rows_q4_0`.
+        unsafe { x86::avx2::q4_1_rows(w, nb, x, scales, n, out) };
+        return;
+    }
+    let _ = scales;
+    for (r, row) in w.chunks_exact(nb).enumerate() {
+        for t in 0..n {
+            out[r * n + t] = scalar::q4_1(row, &x[t * nb..(t + 1) * nb]);
+        }
+    }
+}
+
 /// Portable reference kernels: the definition the SIMD kernels are tested against.
 pub mod scalar {
     use super::*;

@@ -164,6 +164,53 @@ macro_rules! quant_kernels {
             quant_kernels!(@entry q4_1_tile, q4_1_n, BlockQ4_1, $features);
             quant_kernels!(@entry q4_0, q4_0_n, BlockQ4_0, $features);
             quant_kernels!(@entry q8_0, q8_0_n, BlockQ8_0, $features);
+            quant_kernels!(@rows q4_0_rows, q4_0, BlockQ4_0, $features);
+            quant_kernels!(@rows q8_0_rows, q8_0, BlockQ8_0, $features);
+
+            /// Every row of `w` (`nb` blocks each) against every token of `x`, in tiles:
+            /// `out[r * n + t]`. `scales` are the tiles' gathered scales (or empty). One call
+            /// per product, so the tile kernels inline instead of being dispatched per row.
+            ///
+            /// # Safety
+            /// The CPU must support the features this module is compiled for.
+            #[target_feature(enable = $features)]
+            pub unsafe fn q4_1_rows(w: &[BlockQ4_1], nb: usize, x: &[BlockQ8_1], scales: &[[f32; 8]], n: usize, out: &mut [f32]) {
+                let mut acts: [&[BlockQ8_1]; 4] = [&[]; 4];
+                for (r, row) in w.chunks_exact(nb).enumerate() {
+                    let mut t = 0;
+                    while t < n {
+                        let k = (n - t).min(4);
+                        for (j, a) in acts.iter_mut().enumerate().take(k) {
+                            *a = &x[(t + j) * nb..(t + j + 1) * nb];
+                        }
+                        let sc = if k == 4 { scales.get(t / 4 * nb..(t / 4 + 1) * nb) } else { None };
+                        // SAFETY: same features as this function, the only requirement.
+                        unsafe { q4_1(row, &acts[..k], sc, &mut out[r * n + t..r * n + t + k]) };
+                        t += k;
+                    }
+                }
+            }
+        }
+    };
+    // Every row against every token, in tiles (see `q4_1_rows`).
+    (@rows $name:ident, $entry:ident, $wt:ty, $features:literal) => {
+        /// # Safety
+        /// The CPU must support the features this module is compiled for.
+        #[target_feature(enable = $features)]
+        pub unsafe fn $name(w: &[$wt], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
+            let mut acts: [&[BlockQ8_1]; 4] = [&[]; 4];
+            for (r, row) in w.chunks_exact(nb).enumerate() {
+                let mut t = 0;
+                while t < n {
+                    let k = (n - t).min(4);
+                    for (j, a) in acts.iter_mut().enumerate().take(k) {
+                        *a = &x[(t + j) * nb..(t + j + 1) * nb];
+                    }
+                    // SAFETY: same features as this function, the only requirement.
+                    unsafe { $entry(row, &acts[..k], &mut out[r * n + t..r * n + t + k]) };
+                    t += k;
+                }
+            }
         }
     };
     // The public entry: the tile's size picks a fully unrolled instance.
