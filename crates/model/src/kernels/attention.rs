@@ -159,6 +159,12 @@ impl KvElem for half::f16 {
             && out.len() == hd
             && k.iter().chain(v).all(|r| r.len() == hd)
         {
+            if super::features().wide {
+                // SAFETY: AVX-512 F, BW, DQ, VL with F16C and FMA are present (checked); the
+                // lengths are as required (checked).
+                unsafe { x86::attend_f16_wide(q, k, v, scale, acc, out) };
+                return;
+            }
             // SAFETY: AVX2, FMA and F16C are present (checked); every row, the accumulator
             // and the output have the head's length, a multiple of 64, as required.
             unsafe { x86::attend_f16(q, k, v, scale, acc, out) };
@@ -221,7 +227,7 @@ pub(super) fn tail_f64(head: f32, q: &[f32], k: &[half::f16]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::x86::hsum;
@@ -333,6 +339,96 @@ mod x86 {
                 let a = _mm256_cvtph_ps(_mm_loadu_si128(ac.as_ptr() as *const __m128i));
                 let r = _mm256_cvtps_ph(_mm256_mul_ps(a, sv), _MM_FROUND_TO_NEAREST_INT);
                 _mm_storeu_si128(ac.as_mut_ptr() as *mut __m128i, r);
+            }
+        }
+    }
+
+    /// [`attend_f16`] with 16-lane registers: ggml's K·Q order is defined on 16-lane
+    /// accumulators (the 256-bit path holds each as two halves), and the V updates are
+    /// lane-wise, so this is the same arithmetic in half the instructions.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F, BW, DQ and VL, FMA and F16C; lengths as for
+    /// [`attend_f16`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn attend_f16_wide(
+        q: &[f32],
+        k: &[&[half::f16]],
+        v: &[&[half::f16]],
+        scale: f32,
+        acc: &mut [half::f16],
+        out: &mut [f32],
+    ) {
+        acc.fill(half::f16::ZERO);
+        let mut max = f32::NEG_INFINITY;
+        let mut sum = 0f32;
+        for (kr, vr) in k.iter().zip(v) {
+            let s = dot_wide(q, kr) * scale;
+            let mut ms = 1.0f32;
+            let mut vs = 1.0f32;
+            if s > max {
+                let old = max;
+                max = s;
+                ms = (old - max).exp();
+                update_wide(acc, None, ms);
+            } else {
+                vs = (s - max).exp();
+            }
+            update_wide(acc, Some(vr), vs);
+            sum = sum.mul_add(ms, vs);
+        }
+        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+        for (o, &a) in out.iter_mut().zip(acc.iter()) {
+            *o = a.to_f32() * inv;
+        }
+    }
+
+    /// [`dot_f16_ggml_steps`] on 16-lane registers (lengths equal multiples of 64).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+    fn dot_wide(q: &[f32], k: &[half::f16]) -> f32 {
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for (qc, kc) in q.chunks_exact(64).zip(k.chunks_exact(64)) {
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: 16 elements at offset 16*j lie within the 64-element chunks;
+                // unaligned loads are allowed.
+                unsafe {
+                    let qv = _mm512_loadu_ps(qc.as_ptr().add(j * 16));
+                    let kv = _mm512_cvtph_ps(_mm256_loadu_si256(
+                        kc.as_ptr().add(j * 16) as *const __m256i
+                    ));
+                    *a = _mm512_fmadd_ps(qv, kv, *a);
+                }
+            }
+        }
+        let v = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
+        let lo = _mm512_castps512_ps256(v);
+        let hi = _mm512_extractf32x8_ps(v, 1);
+        hsum(_mm256_add_ps(hi, lo))
+    }
+
+    /// `acc[i] = f16(fma(v[i], w, acc[i]))` with `v`, or `acc[i] = f16(acc[i] * w)` without:
+    /// the scalar path's single rounding per element, 16 lanes at a time.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+    fn update_wide(acc: &mut [half::f16], v: Option<&[half::f16]>, w: f32) {
+        let wv = _mm512_set1_ps(w);
+        for (c, ac) in acc.chunks_exact_mut(16).enumerate() {
+            // SAFETY: each chunk is 16 f16 values (32 bytes) in bounds of `acc` and, at the
+            // same offset, of `v` (equal lengths); unaligned loads and stores are allowed.
+            unsafe {
+                let a = _mm512_cvtph_ps(_mm256_loadu_si256(ac.as_ptr() as *const __m256i));
+                let r = match v {
+                    Some(v) => {
+                        let x = _mm512_cvtph_ps(_mm256_loadu_si256(
+                            v.as_ptr().add(c * 16) as *const __m256i
+                        ));
+                        _mm512_fmadd_ps(x, wv, a)
+                    }
+                    None => _mm512_mul_ps(a, wv),
+                };
+                let h = _mm512_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT);
+                _mm256_storeu_si256(ac.as_mut_ptr() as *mut __m256i, h);
             }
         }
     }

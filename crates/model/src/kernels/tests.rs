@@ -330,8 +330,8 @@ fn wide_q4_1_tiles_match_the_256_bit_kernel_bit_for_bit() {
     }
 }
 
-/// The fused f16 attention (one function per head, products inlined) against the portable
-/// one step by step, bit for bit: heads of 64 and 128, keys whose scores rise (rescaling the
+/// The fused f16 attention (one function per head, products inlined; 512-bit where the CPU
+/// has it, and the 256-bit one as well) against the portable one, bit for bit: heads of 64 and 128, keys whose scores rise (rescaling the
 /// accumulator) and fall, values large enough that f16 rounding matters.
 #[test]
 fn fused_f16_attention_matches_the_portable_path_bit_for_bit() {
@@ -360,11 +360,21 @@ fn fused_f16_attention_matches_the_portable_path_bit_for_bit() {
             let (mut fused, mut portable) = (vec![0f32; hd], vec![0f32; hd]);
             <f16 as KvElem>::attend(&q, &kr, &vr, scale, &mut acc_a, &mut fused);
             attention::attend_portable::<f16>(&q, &kr, &vr, scale, &mut acc_b, &mut portable);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(
-                fused.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                portable.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                bits(&fused),
+                bits(&portable),
                 "head {hd}, {positions} positions"
             );
+            // Where the CPU has several vector widths, each one against the portable path.
+            #[cfg(target_arch = "x86_64")]
+            if has_f16c() {
+                let mut narrow = vec![0f32; hd];
+                // SAFETY: AVX2, FMA and F16C are present (checked); lengths are equal
+                // multiples of 64.
+                unsafe { attention::x86::attend_f16(&q, &kr, &vr, scale, &mut acc_b, &mut narrow) };
+                assert_eq!(bits(&narrow), bits(&portable), "256-bit, head {hd}");
+            }
         }
     }
 }
