@@ -378,3 +378,56 @@ fn fused_f16_attention_matches_the_portable_path_bit_for_bit() {
         }
     }
 }
+
+/// The 256-bit per-product Q4_1 loop (two rows × a tile of four tokens, leftover rows and
+/// tokens) against the same kernel one row and one token at a time, bit for bit.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn q4_1_row_pairs_match_single_rows_bit_for_bit() {
+    assert!(has_avx2(), "this test needs AVX2 and FMA");
+    let (rows, cols, n) = (5, 256, 2 * TILE + 3);
+    let nb = cols / QK;
+    let mut s = 31u64;
+    let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 4.0).collect();
+    let mut xq = vec![BlockQ8_1::default(); n * nb];
+    for t in 0..n {
+        quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
+    }
+    let (m, _) = matrix(GgmlType::Q4_1, rows, cols, 37);
+    let Matrix::Q4_1 { data, .. } = &m else {
+        unreachable!("a Q4_1 matrix")
+    };
+    let scales = tile_scales(&xq, n, nb);
+    let mut tiled = vec![0f32; rows * n];
+    // SAFETY: AVX2 and FMA are present (checked above).
+    unsafe { x86::avx2::q4_1_rows(data, nb, &xq, &scales, n, &mut tiled) };
+    let mut wide_vnni = tiled.clone();
+    if has_vnni() {
+        // SAFETY: VNNI is present (checked).
+        unsafe { x86::vnni::q4_1_rows(data, nb, &xq, &scales, n, &mut wide_vnni) };
+    }
+    for r in 0..rows {
+        for t in 0..n {
+            let mut one = [0f32; 1];
+            // SAFETY: as above.
+            unsafe {
+                x86::avx2::q4_1(
+                    &data[r * nb..(r + 1) * nb],
+                    &[&xq[t * nb..(t + 1) * nb]],
+                    None,
+                    &mut one,
+                )
+            };
+            assert_eq!(
+                tiled[r * n + t].to_bits(),
+                one[0].to_bits(),
+                "avx2 row {r} token {t}"
+            );
+            assert_eq!(
+                wide_vnni[r * n + t].to_bits(),
+                one[0].to_bits(),
+                "vnni row {r} token {t}"
+            );
+        }
+    }
+}

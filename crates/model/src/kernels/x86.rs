@@ -116,38 +116,51 @@ macro_rules! quant_kernels {
                 }
             }
 
-            /// A whole tile of 4 with its scales gathered ([`crate::kernels::tile_scales`]):
-            /// the four `d_w * d_a` and `m_w * s_a` products are one vector multiply
-            /// each, lane for lane the scalar products of [`q4_1_n`].
+            /// `R` weight rows × a whole tile of 4 tokens with their scales gathered
+            /// ([`crate::kernels::tile_scales`]): the four `d_w * d_a` and `m_w * s_a`
+            /// products are one vector multiply each, lane for lane the scalar products of
+            /// [`q4_1_n`]; each activation block is loaded once for the `R` rows.
             #[inline]
             #[target_feature(enable = $features)]
-            fn q4_1_scaled(w: &[BlockQ4_1], acts: [&[BlockQ8_1]; 4], scales: &[[f32; 8]], out: &mut [f32]) {
-                let mut acc = [_mm256_setzero_ps(); 4];
-                let mut summs = _mm_setzero_ps();
+            fn q4_1_scaled<const R: usize>(w: [&[BlockQ4_1]; R], acts: [&[BlockQ8_1]; 4], scales: &[[f32; 8]]) -> [[f32; 4]; R] {
+                let mut acc = [[_mm256_setzero_ps(); 4]; R];
+                let mut summs = [_mm_setzero_ps(); R];
                 let lane = [
                     _mm256_set1_epi32(0),
                     _mm256_set1_epi32(1),
                     _mm256_set1_epi32(2),
                     _mm256_set1_epi32(3),
                 ];
-                for ((i, wb), sc) in w.iter().enumerate().zip(scales) {
+                for (i, sc) in scales.iter().enumerate() {
                     // SAFETY: `sc` is 8 readable f32; unaligned loads are allowed.
                     let (dv, sv) = unsafe { (_mm_loadu_ps(sc.as_ptr()), _mm_loadu_ps(sc.as_ptr().add(4))) };
-                    summs = _mm_add_ps(summs, _mm_mul_ps(_mm_set1_ps(wb.m), sv));
-                    let dd = _mm_mul_ps(_mm_set1_ps(wb.d), dv);
-                    let dd = _mm256_set_m128(dd, dd);
-                    let wq = unpack_nibbles(&wb.qs);
+                    let mut dd = [_mm256_setzero_ps(); R];
+                    let mut wq = [_mm256_setzero_si256(); R];
+                    for r in 0..R {
+                        let wb = &w[r][i];
+                        summs[r] = _mm_add_ps(summs[r], _mm_mul_ps(_mm_set1_ps(wb.m), sv));
+                        let d = _mm_mul_ps(_mm_set1_ps(wb.d), dv);
+                        dd[r] = _mm256_set_m128(d, d);
+                        wq[r] = unpack_nibbles(&wb.qs);
+                    }
                     for t in 0..4 {
-                        let xy = dot_u8_i8(wq, load_act(&acts[t][i]));
-                        acc[t] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(dd, lane[t]), xy, acc[t]);
+                        let a = load_act(&acts[t][i]);
+                        for r in 0..R {
+                            let xy = dot_u8_i8(wq[r], a);
+                            acc[r][t] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(dd[r], lane[t]), xy, acc[r][t]);
+                        }
                     }
                 }
-                let mut s = [0f32; 4];
-                // SAFETY: `s` is 4 writable f32.
-                unsafe { _mm_storeu_ps(s.as_mut_ptr(), summs) };
-                for t in 0..4 {
-                    out[t] = hsum(acc[t]) + s[t];
+                let mut out = [[0f32; 4]; R];
+                for r in 0..R {
+                    let mut s = [0f32; 4];
+                    // SAFETY: `s` is 4 writable f32.
+                    unsafe { _mm_storeu_ps(s.as_mut_ptr(), summs[r]) };
+                    for t in 0..4 {
+                        out[r][t] = hsum(acc[r][t]) + s[t];
+                    }
                 }
+                out
             }
 
             /// # Safety
@@ -155,7 +168,9 @@ macro_rules! quant_kernels {
             #[target_feature(enable = $features)]
             pub unsafe fn q4_1(w: &[BlockQ4_1], acts: &[&[BlockQ8_1]], scales: Option<&[[f32; 8]]>, out: &mut [f32]) {
                 match (acts, scales) {
-                    (&[a, b, c, d], Some(sc)) if sc.len() == w.len() => q4_1_scaled(w, [a, b, c, d], sc, out),
+                    (&[a, b, c, d], Some(sc)) if sc.len() == w.len() => {
+                        out[..4].copy_from_slice(&q4_1_scaled::<1>([w], [a, b, c, d], sc)[0]);
+                    }
                     // SAFETY: same features as this function, the only requirement.
                     _ => unsafe { q4_1_tile(w, acts, out) },
                 }
@@ -175,18 +190,36 @@ macro_rules! quant_kernels {
             /// The CPU must support the features this module is compiled for.
             #[target_feature(enable = $features)]
             pub unsafe fn q4_1_rows(w: &[BlockQ4_1], nb: usize, x: &[BlockQ8_1], scales: &[[f32; 8]], n: usize, out: &mut [f32]) {
-                let mut acts: [&[BlockQ8_1]; 4] = [&[]; 4];
-                for (r, row) in w.chunks_exact(nb).enumerate() {
-                    let mut t = 0;
-                    while t < n {
-                        let k = (n - t).min(4);
-                        for (j, a) in acts.iter_mut().enumerate().take(k) {
-                            *a = &x[(t + j) * nb..(t + j + 1) * nb];
+                let nr = w.len() / nb;
+                let row = |r: usize| &w[r * nb..(r + 1) * nb];
+                let tiles = if scales.len() >= n / 4 * nb { n / 4 } else { 0 };
+                for tile in 0..tiles {
+                    let t0 = tile * 4;
+                    let acts: [&[BlockQ8_1]; 4] = std::array::from_fn(|j| &x[(t0 + j) * nb..(t0 + j + 1) * nb]);
+                    let sc = &scales[tile * nb..(tile + 1) * nb];
+                    let mut r = 0;
+                    while r + 2 <= nr {
+                        let res = q4_1_scaled::<2>([row(r), row(r + 1)], acts, sc);
+                        for (i, v) in res.iter().enumerate() {
+                            out[(r + i) * n + t0..(r + i) * n + t0 + 4].copy_from_slice(v);
                         }
-                        let sc = if k == 4 { scales.get(t / 4 * nb..(t / 4 + 1) * nb) } else { None };
+                        r += 2;
+                    }
+                    if r < nr {
+                        let res = q4_1_scaled::<1>([row(r)], acts, sc);
+                        out[r * n + t0..r * n + t0 + 4].copy_from_slice(&res[0]);
+                    }
+                }
+                let whole = tiles * 4;
+                let mut acts: [&[BlockQ8_1]; 4] = [&[]; 4];
+                for (a, chunk) in acts.iter_mut().zip(x[whole * nb..n * nb].chunks_exact(nb)) {
+                    *a = chunk;
+                }
+                let k = n - whole;
+                if k > 0 {
+                    for r in 0..nr {
                         // SAFETY: same features as this function, the only requirement.
-                        unsafe { q4_1(row, &acts[..k], sc, &mut out[r * n + t..r * n + t + k]) };
-                        t += k;
+                        unsafe { q4_1_tile(row(r), &acts[..k], &mut out[r * n + whole..(r + 1) * n]) };
                     }
                 }
             }
