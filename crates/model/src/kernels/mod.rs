@@ -315,6 +315,7 @@ fn has_vnni() -> bool {
 mod activation;
 mod attention;
 mod quant_dot;
+mod quantize;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 #[cfg(target_arch = "x86_64")]
@@ -323,6 +324,7 @@ mod x86_512;
 pub use activation::{ggml_expf, silu, swiglu};
 pub use attention::{dot_f16_ggml, KvElem};
 pub use quant_dot::{dot_q4_0, dot_q4_1, dot_q8_0, rows_q4_0, rows_q4_1, rows_q8_0, scalar};
+pub use quantize::quantize_blocks_q8_1;
 
 #[cfg(test)]
 mod tests;

@@ -431,3 +431,28 @@ fn q4_1_row_pairs_match_single_rows_bit_for_bit() {
         }
     }
 }
+
+/// Vectorized Q8_1 quantization against the scalar definition, bit for bit: random blocks,
+/// ties at exactly .5 after scaling, an all-zero block, a block with a NaN (left to the
+/// scalar path) and blocks after it.
+#[test]
+fn simd_q8_1_quantization_matches_the_scalar_definition() {
+    use crate::weights::{quantize_row_q8_1, quantize_row_q8_1_scalar};
+    let mut s = 53u64;
+    let mut x: Vec<f32> = (0..QK * 40).map(|_| lcg(&mut s) * 7.0).collect();
+    // amax 127 makes the scale exactly 1, so these elements land on .5 ties.
+    for (i, v) in x[QK..2 * QK].iter_mut().enumerate() {
+        *v = if i == 0 { 127.0 } else { i as f32 - 0.5 - 16.0 };
+    }
+    x[2 * QK..3 * QK].fill(0.0);
+    x[30 * QK + 3] = f32::NAN;
+    let mut a = vec![BlockQ8_1::default(); 40];
+    let mut b = vec![BlockQ8_1::default(); 40];
+    quantize_row_q8_1(&x, &mut a);
+    quantize_row_q8_1_scalar(&x, &mut b);
+    for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(p.qs, q.qs, "block {i}");
+        assert_eq!(p.d.to_bits(), q.d.to_bits(), "block {i} d");
+        assert_eq!(p.s.to_bits(), q.s.to_bits(), "block {i} s");
+    }
+}
