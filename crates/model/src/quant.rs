@@ -165,19 +165,10 @@ impl QuantFormat for Q5_0 {
     /// scalar definition's float expression on its exact integer sum, so its bits.
     fn dot_tile(w: &[u8], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2() && !acts.is_empty() {
-            let pick = padded(acts);
-            let mut acc = [0f32; TILE];
-            for (i, wb) in w.chunks_exact(22).enumerate() {
-                let a = pick.map(|t| &acts[t][i].qs);
-                // SAFETY: AVX2 is present (checked above); the function checks the slice
-                // lengths it reads.
-                let sums = unsafe { simd::five_bit_sumi_tile(&wb[2..6], &wb[6..22], true, a) };
-                for (t, x) in acts.iter().enumerate() {
-                    acc[t] += f16_at(wb, 0) * x[i].d * sums[t] as f32;
-                }
-            }
-            out[..acts.len()].copy_from_slice(&acc[..acts.len()]);
+        if simd::has_avx2_f16c() && !acts.is_empty() {
+            // SAFETY: AVX2 and F16C are present (checked above); the function checks the
+            // slice lengths it reads.
+            unsafe { simd::five_bit_rows(w, acts, false, out) };
             return;
         }
         for (a, o) in acts.iter().zip(out.iter_mut()) {
@@ -214,20 +205,10 @@ impl QuantFormat for Q5_1 {
     /// As [`Q5_0`]'s.
     fn dot_tile(w: &[u8], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2() && !acts.is_empty() {
-            let pick = padded(acts);
-            let mut acc = [0f32; TILE];
-            for (i, wb) in w.chunks_exact(24).enumerate() {
-                let a = pick.map(|t| &acts[t][i].qs);
-                // SAFETY: AVX2 is present (checked above); the function checks the slice
-                // lengths it reads.
-                let sums = unsafe { simd::five_bit_sumi_tile(&wb[4..8], &wb[8..24], false, a) };
-                for (t, x) in acts.iter().enumerate() {
-                    let ab = &x[i];
-                    acc[t] += f16_at(wb, 0) * ab.d * sums[t] as f32 + f16_at(wb, 2) * ab.s;
-                }
-            }
-            out[..acts.len()].copy_from_slice(&acc[..acts.len()]);
+        if simd::has_avx2_f16c() && !acts.is_empty() {
+            // SAFETY: AVX2 and F16C are present (checked above); the function checks the
+            // slice lengths it reads.
+            unsafe { simd::five_bit_rows(w, acts, true, out) };
             return;
         }
         for (a, o) in acts.iter().zip(out.iter_mut()) {
@@ -515,6 +496,43 @@ mod simd {
         std::arch::is_x86_feature_detected!("avx2")
     }
 
+    pub fn has_avx2_f16c() -> bool {
+        has_avx2() && std::arch::is_x86_feature_detected!("f16c")
+    }
+
+    /// One Q5_0 or Q5_1 (`with_min`) weight row against up to [`super::TILE`] activation
+    /// rows, `out[t]`: per block the values are unpacked once ([`five_bit_sumi_tile`]),
+    /// then each token gets the portable definition's float expression on its exact
+    /// integer sum (scales widened from f16 exactly), so its bits.
+    #[target_feature(enable = "avx2,f16c")]
+    pub fn five_bit_rows(w: &[u8], acts: &[&[super::BlockQ8_1]], with_min: bool, out: &mut [f32]) {
+        let k = acts.len().min(super::TILE);
+        if k == 0 {
+            return;
+        }
+        let (bytes, qh_at) = if with_min { (24, 4) } else { (22, 2) };
+        let mut acc = [0f32; super::TILE];
+        for (i, wb) in w.chunks_exact(bytes).enumerate() {
+            let a: [&[i8; 32]; super::TILE] = std::array::from_fn(|t| &acts[t.min(k - 1)][i].qs);
+            let sums =
+                five_bit_sumi_tile(&wb[qh_at..qh_at + 4], &wb[qh_at + 4..bytes], !with_min, a);
+            let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
+                wb[0], wb[1], wb[2], wb[3],
+            ])));
+            let d = _mm_cvtss_f32(scales);
+            let m = _mm_cvtss_f32(_mm_movehdup_ps(scales));
+            for t in 0..k {
+                let ab = &acts[t][i];
+                acc[t] += if with_min {
+                    d * ab.d * sums[t] as f32 + m * ab.s
+                } else {
+                    d * ab.d * sums[t] as f32
+                };
+            }
+        }
+        out[..k].copy_from_slice(&acc[..k]);
+    }
+
     /// Sum of the eight `i32` lanes.
     #[target_feature(enable = "avx2")]
     fn hsum(v: __m256i) -> i32 {
@@ -741,8 +759,9 @@ mod simd {
     /// a tile of Q8 blocks: `qh` the 32 fifth bits, `qs` 16 bytes of nibbles (elements
     /// 0..16 low, 16..32 high). Exact `i32` sums, so equal to the portable code's. `|q − 16|`
     /// is at most 16 and `q` at most 31, so `maddubs` never saturates.
+    #[inline]
     #[target_feature(enable = "avx2")]
-    pub fn five_bit_sumi_tile(
+    fn five_bit_sumi_tile(
         qh: &[u8],
         qs: &[u8],
         centered: bool,
