@@ -511,26 +511,35 @@ mod simd {
             return;
         }
         let (bytes, qh_at) = if with_min { (24, 4) } else { (22, 2) };
-        let mut acc = [0f32; super::TILE];
+        // Lane t is token t: the same multiplies and adds in the same order as the scalar
+        // expression `acc += d * d_a * isum (+ m * s_a)`, four tokens side by side.
+        let mut acc = _mm_setzero_ps();
         for (i, wb) in w.chunks_exact(bytes).enumerate() {
-            let a: [&[i8; 32]; super::TILE] = std::array::from_fn(|t| &acts[t.min(k - 1)][i].qs);
-            let sums =
-                five_bit_sumi_tile(&wb[qh_at..qh_at + 4], &wb[qh_at + 4..bytes], !with_min, a);
+            let pick = |t: usize| &acts[t.min(k - 1)][i];
+            let a: [&[i8; 32]; super::TILE] = std::array::from_fn(|t| &pick(t).qs);
+            let sums = _mm_cvtepi32_ps(five_bit_sumi_tile(
+                &wb[qh_at..qh_at + 4],
+                &wb[qh_at + 4..bytes],
+                !with_min,
+                a,
+            ));
             let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
                 wb[0], wb[1], wb[2], wb[3],
             ])));
-            let d = _mm_cvtss_f32(scales);
-            let m = _mm_cvtss_f32(_mm_movehdup_ps(scales));
-            for t in 0..k {
-                let ab = &acts[t][i];
-                acc[t] += if with_min {
-                    d * ab.d * sums[t] as f32 + m * ab.s
-                } else {
-                    d * ab.d * sums[t] as f32
-                };
+            let d = _mm_shuffle_ps::<0>(scales, scales);
+            let da = _mm_setr_ps(pick(0).d, pick(1).d, pick(2).d, pick(3).d);
+            let mut term = _mm_mul_ps(_mm_mul_ps(d, da), sums);
+            if with_min {
+                let m = _mm_shuffle_ps::<0b01_01_01_01>(scales, scales);
+                let sa = _mm_setr_ps(pick(0).s, pick(1).s, pick(2).s, pick(3).s);
+                term = _mm_add_ps(term, _mm_mul_ps(m, sa));
             }
+            acc = _mm_add_ps(acc, term);
         }
-        out[..k].copy_from_slice(&acc[..k]);
+        let mut lanes = [0f32; super::TILE];
+        // SAFETY: `lanes` is 4 writable f32.
+        unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), acc) };
+        out[..k].copy_from_slice(&lanes[..k]);
     }
 
     /// Sum of the eight `i32` lanes.
@@ -757,7 +766,8 @@ mod simd {
 
     /// `Σ q·a` for one Q5_0 (`centered`: values `q − 16`) or Q5_1 (values `q`) block against
     /// a tile of Q8 blocks: `qh` the 32 fifth bits, `qs` 16 bytes of nibbles (elements
-    /// 0..16 low, 16..32 high). Exact `i32` sums, so equal to the portable code's. `|q − 16|`
+    /// 0..16 low, 16..32 high). Exact `i32` sums, lane `t` for token `t`, so equal to the
+    /// portable code's. `|q − 16|`
     /// is at most 16 and `q` at most 31, so `maddubs` never saturates.
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -766,7 +776,7 @@ mod simd {
         qs: &[u8],
         centered: bool,
         a: [&[i8; 32]; super::TILE],
-    ) -> [i32; super::TILE] {
+    ) -> __m128i {
         assert!(qh.len() >= 4 && qs.len() >= 16);
         let mask = _mm_set1_epi8(0x0f);
         // SAFETY: `qs` holds at least 16 bytes (asserted); the load is unaligned.
@@ -795,9 +805,12 @@ mod simd {
             } else {
                 _mm256_maddubs_epi16(values, x)
             };
-            hsum(_mm256_madd_epi16(p, ones))
+            _mm256_madd_epi16(p, ones)
         };
-        a.map(|x| sum(load(&x[..], 0)))
+        let v = a.map(|x| sum(load(&x[..], 0)));
+        // The four lane sums at once: pairwise horizontal adds, then the two halves.
+        let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
     }
 }
 
