@@ -1,6 +1,6 @@
 //! Single-stream throughput on the default model (or `BENCH_MODEL`), in llama-bench's terms: prompt processing
-//! of N tokens (pp) and generation of M tokens (tg). `bench/run.sh` runs it next to
-//! llama.cpp on the same file and reports the ratios.
+//! of N tokens (pp) and generation of M tokens (tg). `bench/serve.py` runs it next to
+//! llama.cpp's `llama-bench` on the same file and reports the ratios.
 use std::time::Instant;
 
 use kv::{IsolationDomain, KvDtype, KvPool, Owner, PoolConfig, RequestId, ScrubPolicy, SequenceKv};

@@ -511,6 +511,30 @@ mod simd {
             return;
         }
         let (bytes, qh_at) = if with_min { (24, 4) } else { (22, 2) };
+        if k == 1 {
+            // A decode step: one token, no lanes to fill.
+            let mut acc = 0f32;
+            for (wb, ab) in w.chunks_exact(bytes).zip(acts[0]) {
+                let [v] = five_bit_madd(
+                    &wb[qh_at..qh_at + 4],
+                    &wb[qh_at + 4..bytes],
+                    !with_min,
+                    [&ab.qs],
+                );
+                let isum = hsum(v);
+                let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
+                    wb[0], wb[1], wb[2], wb[3],
+                ])));
+                let d = _mm_cvtss_f32(scales);
+                acc += if with_min {
+                    d * ab.d * isum as f32 + _mm_cvtss_f32(_mm_movehdup_ps(scales)) * ab.s
+                } else {
+                    d * ab.d * isum as f32
+                };
+            }
+            out[0] = acc;
+            return;
+        }
         // Lane t is token t: the same multiplies and adds in the same order as the scalar
         // expression `acc += d * d_a * isum (+ m * s_a)`, four tokens side by side.
         let mut acc = _mm_setzero_ps();
@@ -764,19 +788,19 @@ mod simd {
         acc.map(|v| hsum(v))
     }
 
-    /// `Σ q·a` for one Q5_0 (`centered`: values `q − 16`) or Q5_1 (values `q`) block against
-    /// a tile of Q8 blocks: `qh` the 32 fifth bits, `qs` 16 bytes of nibbles (elements
+    /// The pairwise `Σ q·a` (eight `i32` lanes per token) for one Q5_0 (`centered`: values
+    /// `q − 16`) or Q5_1 (values `q`) block against `N` Q8 blocks: `qh` the 32 fifth bits, `qs` 16 bytes of nibbles (elements
     /// 0..16 low, 16..32 high). Exact `i32` sums, lane `t` for token `t`, so equal to the
     /// portable code's. `|q − 16|`
     /// is at most 16 and `q` at most 31, so `maddubs` never saturates.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn five_bit_sumi_tile(
+    fn five_bit_madd<const N: usize>(
         qh: &[u8],
         qs: &[u8],
         centered: bool,
-        a: [&[i8; 32]; super::TILE],
-    ) -> __m128i {
+        a: [&[i8; 32]; N],
+    ) -> [__m256i; N] {
         assert!(qh.len() >= 4 && qs.len() >= 16);
         let mask = _mm_set1_epi8(0x0f);
         // SAFETY: `qs` holds at least 16 bytes (asserted); the load is unaligned.
@@ -807,7 +831,19 @@ mod simd {
             };
             _mm256_madd_epi16(p, ones)
         };
-        let v = a.map(|x| sum(load(&x[..], 0)));
+        a.map(|x| sum(load(&x[..], 0)))
+    }
+
+    /// [`five_bit_madd`] for a whole tile, reduced: lane `t` is token `t`'s exact sum.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn five_bit_sumi_tile(
+        qh: &[u8],
+        qs: &[u8],
+        centered: bool,
+        a: [&[i8; 32]; super::TILE],
+    ) -> __m128i {
+        let v = five_bit_madd(qh, qs, centered, a);
         // The four lane sums at once: pairwise horizontal adds, then the two halves.
         let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
         _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
