@@ -58,7 +58,7 @@ pub fn prompts(spec: &PromptSpec, n: usize, seed: u64) -> Vec<Prompt> {
                 let mut s = format!("{i}:");
                 for _ in 0..*len {
                     s.push(' ');
-                    s.push_str(*rng.pick(WORDS));
+                    s.push_str(rng.pick::<&str>(WORDS));
                 }
                 Prompt::Text(s)
             }
