@@ -77,3 +77,13 @@ def test_an_unreachable_server_is_a_clear_error():
     code, r, err = bench(Nowhere, "--num-requests", 1)
     assert code != 0 and r is None
     assert "cannot reach http://127.0.0.1:9" in err and "panicked" not in err
+
+
+def test_a_wrong_key_is_a_clear_error_before_any_load(tenant_server):
+    class WrongKey:
+        url = tenant_server.url
+        api_key = "sk-not-a-tenant"
+
+    code, r, err = bench(WrongKey, "--num-requests", 1)
+    assert code != 0 and r is None
+    assert "refused the request with HTTP 401" in err and "panicked" not in err
