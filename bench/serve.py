@@ -186,10 +186,8 @@ def kernels(name, llama_bench):
     """pp/tg tok/s of the kernels alone (no server), or None where it cannot be measured."""
     pp, tg = KERNEL
     if name == "kvwarden":
-        if MODEL != DEFAULT_MODEL:
-            # crates/model/benches/throughput.rs reads only the default model.
-            return None
-        env = dict(os.environ, RAYON_NUM_THREADS=str(THREADS), BENCH_PP=str(pp), BENCH_TG=str(tg))
+        env = dict(os.environ, RAYON_NUM_THREADS=str(THREADS), BENCH_PP=str(pp), BENCH_TG=str(tg),
+                   BENCH_MODEL=str(MODEL))
         line = run(["cargo", "bench", "-q", "-p", "model", "--bench", "throughput"], env=env).strip().splitlines()[-1]
         fields = dict(f.split("=") for f in line.split()[1:])
         return {PP: float(fields[PP]), TG: float(fields[TG])}
@@ -265,8 +263,6 @@ def main():
     print(f"kvwarden vs llama.cpp {PEER_VERSION}: {MODEL.name}, {THREADS} threads, {SLOTS} slots, "
           f"{KV_TOKENS}-token KV, {ROUNDS} rounds{' (QUICK: tiny workloads, figures meaningless)' if QUICK else ''}")
     print(table(rows))
-    if MODEL != DEFAULT_MODEL:
-        print("kvwarden's kernel bench reads only the default model: no pp/tg for it here.")
     out = ROOT / "bench" / "results" / time.strftime("serve-%Y%m%dT%H%M%SZ.json", time.gmtime())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
