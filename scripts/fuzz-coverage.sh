@@ -46,7 +46,7 @@ for t in "${targets[@]}"; do
   echo "fuzz-coverage.sh: $t: replaying $inputs inputs" >&2
   "${fuzz[@]}" coverage "${common[@]}" "$t" "$corpus" >/dev/null 2>&1
   rm -rf "$corpus"
-  bin="target/fuzz-cov/x86_64-unknown-linux-gnu/coverage/x86_64-unknown-linux-gnu/release/$t"
+  bin="target/fuzz-cov/x86_64-unknown-linux-gnu/release/$t"
   profile="fuzz/coverage/$t/coverage.profdata"
   files=$(sources_of "$t")
   if [ -z "$files" ]; then
@@ -57,5 +57,5 @@ for t in "${targets[@]}"; do
   "$llvm_cov" report "$bin" -instr-profile="$profile" $files |
     awk -v t="$t" -v n="$inputs" '
       /^TOTAL/ { printf "%-14s %6d inputs  lines %s covered of %s (%s)\n", t, n, $8 - $9, $8, $10 }
-      /^crates\// { printf "    %-46s lines %5s  missed %5s  %s\n", $1, $8, $9, $10 }'
+      $1 ~ /\.rs$/ { printf "    %-46s lines %5s  missed %5s  %s\n", $1, $8, $9, $10 }'
 done
