@@ -103,6 +103,7 @@ def main():
             decisive = next((i for i, m in enumerate(margins) if m < 0.05), len(margins))
             out["completions"].append({
                 "text": text, "prompt": prompt, "tokens": [s["id"] for s in steps],
+                "content": r["content"],
                 "top_logprobs": top, "decisive_prefix": decisive})
         out["chat"] = {
             "messages": CHAT,
