@@ -70,14 +70,14 @@ fn reference(file: &GgufFile, spec: &SynthSpec, arch: SynthArch, toks: &[u32]) -
     let neox = arch != SynthArch::Llama && arch != SynthArch::Llama3;
     let gemma = arch == SynthArch::Gemma3;
     let layer_base = |l: usize| {
-        if gemma && l % 2 == 0 {
+        if gemma && l.is_multiple_of(2) {
             10_000.0
         } else {
             arch.rope_base() as f64
         }
     };
     let window = |l: usize| {
-        if gemma && l % 2 == 0 {
+        if gemma && l.is_multiple_of(2) {
             GEMMA3_WINDOW
         } else {
             usize::MAX

@@ -36,7 +36,10 @@ fn references() -> serde_json::Value {
 fn gemma3_tokenizes_as_llama_cpp() {
     let tok = gemma3();
     assert_eq!(tok.vocab_size(), 262_144);
-    assert_eq!((tok.bos_id(), tok.eos_id(), tok.add_bos()), (Some(2), Some(1), true));
+    assert_eq!(
+        (tok.bos_id(), tok.eos_id(), tok.add_bos()),
+        (Some(2), Some(1), true)
+    );
     let refs = references();
     let cases = refs["tokenize"].as_array().unwrap();
     assert!(cases.len() >= 5);
@@ -74,7 +77,10 @@ fn the_gemma_turn_template_renders_as_llama_cpp_renders_it() {
     // first (its tokenizer adds the BOS back); kvwarden keeps it and does not add another.
     let theirs = chat["prompt"].as_str().unwrap();
     assert_eq!(ours, format!("<bos>{theirs}"));
-    assert_eq!(tok.with_bos(tok.encode(&ours)), tok.with_bos(tok.encode(theirs)));
+    assert_eq!(
+        tok.with_bos(tok.encode(&ours)),
+        tok.with_bos(tok.encode(theirs))
+    );
     // A system message goes to the start of the first user turn; other roles are refused.
     let sys = [
         ChatMessage::new("system", "Be brief."),
