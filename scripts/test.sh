@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 
 ./scripts/check-repo.sh
 ./scripts/fetch-model.sh
+# Gemma 3 270M (the gemma3 tests in crates/model, crates/tokenizer and tests/python).
+./scripts/fetch-gemma3.sh
 python=$(./scripts/python-env.sh)
 
 cargo fmt --all -- --check
@@ -44,5 +46,6 @@ target/debug/kvwarden --threads 2 audit --scenario incident
 # Every fixture becomes router + prefill node + decode node: the router must answer exactly
 # as `serve` does.
 # (test_cluster.py and the fault suite test_faults.py start their own clusters and ran above.)
+# (test_gemma3.py always starts its own `serve`: it ran above.)
 KVWARDEN_DEPLOYMENT=cluster "$python" -m pytest tests/python -q --ignore tests/python/test_cluster.py \
-  --ignore tests/python/test_faults.py
+  --ignore tests/python/test_faults.py --ignore tests/python/test_gemma3.py

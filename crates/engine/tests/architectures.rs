@@ -1,5 +1,6 @@
 //! The engine's invariants over a synthetic model of every supported architecture (llama
-//! with Llama 3's RoPE factors, qwen2, qwen3): batching, chunked prefill and preemption never
+//! with Llama 3's RoPE factors, qwen2, qwen3, gemma3 with a sliding window shorter than the
+//! prompts): batching, chunked prefill and preemption never
 //! change a request's tokens, the prefix cache stays within a domain and reproduces the
 //! uncached tokens, and every page comes back. `engine.rs` covers the plain llama model.
 
@@ -14,7 +15,12 @@ use gguf::GgmlType;
 use kv::ScrubPolicy;
 use model::synth::{SynthArch, SynthSpec};
 
-const ARCHS: [SynthArch; 3] = [SynthArch::Llama3, SynthArch::Qwen2, SynthArch::Qwen3];
+const ARCHS: [SynthArch; 4] = [
+    SynthArch::Llama3,
+    SynthArch::Qwen2,
+    SynthArch::Qwen3,
+    SynthArch::Gemma3,
+];
 
 fn start(arch: SynthArch, config: EngineConfig) -> EngineHandle {
     let spec = SynthSpec {

@@ -22,6 +22,16 @@ impl GgufWriter {
         self
     }
 
+    /// Sets `key`, replacing its value if the file already has one (a file must not
+    /// repeat a key).
+    pub fn set_meta(&mut self, key: &str, value: MetaValue) -> &mut Self {
+        match self.metadata.iter_mut().find(|(k, _)| k == key) {
+            Some((_, v)) => *v = value,
+            None => self.metadata.push((key.to_string(), value)),
+        }
+        self
+    }
+
     /// Adds a tensor from f32 values, quantized to `ty`. `dims` in ggml order (row length
     /// first).
     pub fn tensor_f32(

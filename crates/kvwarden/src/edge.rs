@@ -50,9 +50,32 @@ pub struct EdgeArgs {
     /// Unlimited if unset.
     #[arg(long)]
     pub tenant_max_tokens: Option<usize>,
+    /// A Jinja chat template file to use instead of the GGUF's `tokenizer.chat_template`
+    /// (for a file that has none, such as Gemma 3 270M; without either, chat requests are
+    /// refused).
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
 }
 
 impl EdgeArgs {
+    /// The chat template: `--chat-template`'s file if given, else the GGUF's own, if any.
+    pub fn chat_template(
+        &self,
+        tok: &tokenizer::Tokenizer,
+    ) -> Result<Option<tokenizer::ChatTemplate>> {
+        match &self.chat_template {
+            None => Ok(tok.compile_chat_template()?),
+            Some(path) => {
+                let source = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading --chat-template {}", path.display()))?;
+                let t = tok
+                    .compile_template_source(&source)
+                    .with_context(|| format!("--chat-template {}", path.display()))?;
+                Ok(Some(t))
+            }
+        }
+    }
+
     /// Checked before the model loads, so a bad key file fails fast.
     pub fn auth(&self) -> Result<server::Auth> {
         Ok(match &self.api_keys {

@@ -124,7 +124,8 @@ struct SynthArgs {
     /// q5_k, q6_k (the k-quants need dim and ffn multiples of 256).
     #[arg(long, default_value = "q8_0")]
     weight_type: String,
-    /// Architecture: llama, llama3 (llama with Llama 3's RoPE factors and BOS), qwen2, qwen3.
+    /// Architecture: llama, llama3 (llama with Llama 3's RoPE factors and BOS), qwen2, qwen3,
+    /// gemma3 (with a sliding window of 8 positions on every second layer).
     #[arg(long, default_value = "llama")]
     arch: String,
     #[arg(short = 'o', long)]

@@ -42,7 +42,7 @@ pub fn run(args: RouterArgs) -> Result<()> {
     let tls = args.tls.load()?;
     let file = open_model(&args.model)?;
     let tok = tokenizer::Tokenizer::from_gguf(&file)?;
-    let template = tok.compile_chat_template()?;
+    let template = args.edge.chat_template(&tok)?;
     let vocab_size = model::LlamaConfig::from_gguf(&file)?.vocab_size;
     drop(file);
     let model_checksum = crate::serve::model_checksum(&args.model)?;

@@ -125,7 +125,7 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
     let auth = args.edge.auth()?;
     let file = open_model(&args.model)?;
     let tok = tokenizer::Tokenizer::from_gguf(&file)?;
-    let template = tok.compile_chat_template()?;
+    let template = args.edge.chat_template(&tok)?;
     let public_prefixes = match &args.public_prefixes {
         None => Vec::new(),
         Some(path) => {

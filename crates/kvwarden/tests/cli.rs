@@ -177,6 +177,7 @@ fn synth_model_writes_every_architecture() {
         ("llama3", "q8_0"),
         ("qwen2", "q5_0"),
         ("qwen3", "q4_k"),
+        ("gemma3", "q6_k"),
     ] {
         let path = dir.join(format!("{arch}.gguf"));
         let path = path.to_string_lossy();
@@ -211,9 +212,9 @@ fn synth_model_writes_every_architecture() {
     }
     let out = dir.join("x.gguf");
     let out = out.to_string_lossy();
-    let (code, _, stderr) = kvwarden(&["synth-model", "--arch", "gemma3", "-o", &out]);
+    let (code, _, stderr) = kvwarden(&["synth-model", "--arch", "gemma4", "-o", &out]);
     assert_ne!(code, Some(0));
-    assert!(stderr.contains("\"gemma3\""), "{stderr}");
+    assert!(stderr.contains("\"gemma4\""), "{stderr}");
     let (code, _, stderr) = kvwarden(&["synth-model", "--weight-type", "q6_k", "-o", &out]);
     assert_ne!(code, Some(0));
     assert!(stderr.contains("256"), "{stderr}");

@@ -4,7 +4,7 @@ use crate::ModelError;
 
 /// The GGUF `general.architecture` values this forward pass implements. Each is the llama
 /// block (RMSNorm, rotary attention with grouped KV heads, SwiGLU) with its own additions,
-/// as llama.cpp's `src/models/{llama,qwen2,qwen3}.cpp` build them.
+/// as llama.cpp's `src/models/{llama,qwen2,qwen3,gemma3}.cpp` build them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     /// Llama 1/2/3, Mistral, SmolLM: rotary pairs of adjacent dimensions, optional
@@ -14,16 +14,20 @@ pub enum Arch {
     Qwen2,
     /// Qwen 3: an RMSNorm over each Q and K head before the rotation; rotary halves.
     Qwen3,
+    /// Gemma 3: Qwen 3's head norms plus post-attention and post-FFN norms, GeGLU, scaled
+    /// embeddings and sliding-window layers (`crate::gemma3`).
+    Gemma3,
 }
 
 impl Arch {
-    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3";
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, gemma3";
 
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
             "llama" => Some(Arch::Llama),
             "qwen2" => Some(Arch::Qwen2),
             "qwen3" => Some(Arch::Qwen3),
+            "gemma3" => Some(Arch::Gemma3),
             _ => None,
         }
     }
@@ -34,14 +38,35 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
         }
     }
 
     /// Whether rotary pairs are `(i, i + n/2)` (ggml's NEOX mode, which llama.cpp uses for
-    /// the Qwen families) rather than adjacent `(2i, 2i + 1)` (NORMAL, llama).
+    /// the Qwen and Gemma families) rather than adjacent `(2i, 2i + 1)` (NORMAL, llama).
     pub fn rope_neox(self) -> bool {
         !matches!(self, Arch::Llama)
     }
+}
+
+/// The feed-forward's gated activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnAct {
+    /// SwiGLU: `silu(gate) * up`.
+    Silu,
+    /// GeGLU with ggml's tanh-approximated GELU: `gelu(gate) * up`.
+    GeluTanh,
+}
+
+/// How one layer attends: which past positions, and the rotation of its Q and K.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerAttention {
+    /// `Some(w)`: a query at position `p` sees only positions `p - w + 1 ..= p` (llama.cpp's
+    /// standard sliding window); `None`: every earlier position.
+    pub window: Option<usize>,
+    pub rope_base: f32,
+    /// ggml's `freq_scale`: 1 / `rope.scaling.factor` for linear scaling, else 1.
+    pub rope_freq_scale: f32,
 }
 
 /// Hyperparameters of a llama-family model, every one read from the GGUF metadata.
@@ -65,6 +90,14 @@ pub struct LlamaConfig {
     pub rms_eps: f32,
     /// End-of-sequence token from the tokenizer metadata, if the file names one.
     pub eos_token: Option<u32>,
+    /// Per layer: window and RoPE (all alike but in Gemma 3).
+    pub layers: Vec<LayerAttention>,
+    /// Factor applied to token embeddings before the first layer (Gemma: `sqrt(dim)`).
+    pub embed_scale: Option<f32>,
+    /// Factor applied to Q before attention, whose scores are then not scaled again
+    /// (Gemma's `query_pre_attn_scalar`); `None`: scores scaled by `1 / sqrt(head_dim)`.
+    pub q_scale: Option<f32>,
+    pub ffn_act: FfnAct,
 }
 
 impl LlamaConfig {
@@ -194,7 +227,36 @@ impl LlamaConfig {
                 "rms eps {rms_eps}, rope base {rope_base}"
             )));
         }
+        let gemma = match arch {
+            Arch::Gemma3 => Some(crate::gemma3::read(
+                f,
+                &crate::gemma3::Dims {
+                    n_layers,
+                    dim,
+                    n_heads,
+                    head_dim,
+                    rope_base,
+                    rope_freq_scale,
+                },
+            )?),
+            _ => None,
+        };
+        let layers = match &gemma {
+            Some(g) => g.layers.clone(),
+            None => vec![
+                LayerAttention {
+                    window: None,
+                    rope_base,
+                    rope_freq_scale,
+                };
+                n_layers
+            ],
+        };
         Ok(Self {
+            layers,
+            embed_scale: gemma.as_ref().map(|g| g.embed_scale),
+            q_scale: gemma.as_ref().map(|g| g.q_scale),
+            ffn_act: gemma.as_ref().map_or(FfnAct::Silu, |g| g.ffn_act),
             arch,
             n_layers,
             dim,

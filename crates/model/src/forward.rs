@@ -1,10 +1,9 @@
 use gguf::GgufFile;
-use half::f16;
-use kv::{KvRun, KvSlice, SequenceKv};
-use rayon::prelude::*;
+use kv::SequenceKv;
 
-use crate::config::Arch;
-use crate::kernels::{matmul, matmul_group, KvElem};
+use crate::attention::attention;
+use crate::config::{Arch, FfnAct, LayerAttention};
+use crate::kernels::{matmul, matmul_group};
 use crate::weights::{load_vector, quantize_row_q8_1, BlockQ8_1, Matrix, QK};
 use crate::{LlamaConfig, ModelError};
 
@@ -22,9 +21,13 @@ struct Layer {
     bq: Option<Vec<f32>>,
     bk: Option<Vec<f32>>,
     bv: Option<Vec<f32>>,
-    /// Per-head RMSNorm weights of Q and K, applied before the rotation (qwen3).
+    /// Per-head RMSNorm weights of Q and K, applied before the rotation (qwen3, gemma3).
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
+    /// RMSNorms of the attention output and of the FFN output before each residual add
+    /// (gemma3).
+    post_attn_norm: Option<Vec<f32>>,
+    post_ffn_norm: Option<Vec<f32>>,
 }
 
 /// A loaded llama-family model.
@@ -95,7 +98,12 @@ impl Model {
             None => Ok(None),
         };
         let (kv_dim, q_dim, hd) = (c.kv_dim(), c.q_dim(), c.head_dim);
-        let qk_norms = c.arch == Arch::Qwen3;
+        let qk_norms = matches!(c.arch, Arch::Qwen3 | Arch::Gemma3);
+        let post_norms = c.arch == Arch::Gemma3;
+        let needed = |on: bool, name: String, len: usize| match on {
+            true => vec(&name, len).map(Some),
+            false => Ok(None),
+        };
         let mut layers = Vec::with_capacity(c.n_layers);
         for i in 0..c.n_layers {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
@@ -113,16 +121,10 @@ impl Model {
                 bq: opt_vec(&b("attn_q"), q_dim)?,
                 bk: opt_vec(&b("attn_k"), kv_dim)?,
                 bv: opt_vec(&b("attn_v"), kv_dim)?,
-                q_norm: if qk_norms {
-                    Some(vec(&p("attn_q_norm"), hd)?)
-                } else {
-                    None
-                },
-                k_norm: if qk_norms {
-                    Some(vec(&p("attn_k_norm"), hd)?)
-                } else {
-                    None
-                },
+                q_norm: needed(qk_norms, p("attn_q_norm"), hd)?,
+                k_norm: needed(qk_norms, p("attn_k_norm"), hd)?,
+                post_attn_norm: needed(post_norms, p("post_attention_norm"), c.dim)?,
+                post_ffn_norm: needed(post_norms, p("post_ffw_norm"), c.dim)?,
             });
         }
         let embed = mat("token_embd.weight", c.vocab_size, c.dim)?;
@@ -229,11 +231,30 @@ impl Model {
             }
             for (t, &tok) in it.tokens.iter().enumerate() {
                 let r = starts[i] + t;
-                self.embed
-                    .row_f32(tok as usize, &mut x[r * dim..(r + 1) * dim]);
+                let row = &mut x[r * dim..(r + 1) * dim];
+                self.embed.row_f32(tok as usize, row);
+                if let Some(s) = c.embed_scale {
+                    row.iter_mut().for_each(|v| *v *= s);
+                }
             }
         }
-        let rope = RopeTable::new(c, self.rope_freqs.as_deref(), rows.iter().map(|&(_, p)| p));
+        // One table per distinct rotation (Gemma's local and global layers differ).
+        let mut keys: Vec<(f32, f32)> = Vec::new();
+        let mut ropes: Vec<RopeTable> = Vec::new();
+        let mut rope_of = Vec::with_capacity(c.layers.len());
+        for l in &c.layers {
+            let key = (l.rope_base, l.rope_freq_scale);
+            let at = match keys.iter().position(|k| *k == key) {
+                Some(at) => at,
+                None => {
+                    let positions = rows.iter().map(|&(_, p)| p);
+                    ropes.push(RopeTable::new(c, l, self.rope_freqs.as_deref(), positions));
+                    keys.push(key);
+                    keys.len() - 1
+                }
+            };
+            rope_of.push(at);
+        }
 
         let mut xn = vec![0f32; n * dim];
         let mut xq = vec![BlockQ8_1::default(); n * dim / QK];
@@ -248,6 +269,7 @@ impl Model {
         let mut hq = vec![BlockQ8_1::default(); n * c.ffn_dim / QK];
 
         for (li, layer) in self.layers.iter().enumerate() {
+            let rope = &ropes[rope_of[li]];
             rms_norm_rows(&x, &layer.attn_norm, c.rms_eps, dim, &mut xn);
             quantize_rows(&xn, dim, &mut xq);
             matmul_group(
@@ -279,6 +301,9 @@ impl Model {
                 rope.apply(r, &mut q[r * q_dim..(r + 1) * q_dim], hd);
                 rope.apply(r, &mut k[r * kv_dim..(r + 1) * kv_dim], hd);
             }
+            if let Some(s) = c.q_scale {
+                q.iter_mut().for_each(|v| *v *= s);
+            }
             for (i, it) in items.iter_mut().enumerate() {
                 if status[i].is_err() {
                     continue;
@@ -297,9 +322,10 @@ impl Model {
                     }
                 }
             }
-            self.attention(li, items, &starts, &mut status, &q, &mut attn);
+            attention(c, li, items, &starts, &mut status, &q, &mut attn);
             quantize_rows(&attn, q_dim, &mut aq);
             matmul(&layer.wo, &attn, &aq, n, &mut proj);
+            post_norm(&mut proj, &layer.post_attn_norm, c.rms_eps, dim);
             add_in_place(&mut x, &proj);
 
             rms_norm_rows(&x, &layer.ffn_norm, c.rms_eps, dim, &mut xn);
@@ -311,9 +337,13 @@ impl Model {
                 n,
                 &mut [&mut gate, &mut up],
             );
-            crate::kernels::swiglu(&mut gate, &up);
+            match c.ffn_act {
+                FfnAct::Silu => crate::kernels::swiglu(&mut gate, &up),
+                FfnAct::GeluTanh => crate::gemma3::geglu(&mut gate, &up),
+            }
             quantize_rows(&gate, c.ffn_dim, &mut hq);
             matmul(&layer.w_down, &gate, &hq, n, &mut proj);
+            post_norm(&mut proj, &layer.post_ffn_norm, c.rms_eps, dim);
             add_in_place(&mut x, &proj);
         }
 
@@ -371,182 +401,14 @@ impl Model {
             })
             .collect()
     }
-
-    /// Causal attention of each item's new rows over its own KV view (pages leased to it and
-    /// its domain's shared prefix pages; nothing else is reachable from `SequenceKv`).
-    fn attention(
-        &self,
-        layer: usize,
-        items: &[BatchItem<'_>],
-        starts: &[usize],
-        status: &mut [Result<(), ModelError>],
-        q: &[f32],
-        attn: &mut [f32],
-    ) {
-        let c = &self.config;
-        // Rows of `q` and `attn` are the concatenated query heads.
-        let (dim, hd) = (c.q_dim(), c.head_dim);
-        let group = c.n_heads / c.n_kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
-
-        let mut views: Vec<Option<Vec<KvRun<'_>>>> = Vec::with_capacity(items.len());
-        for (i, it) in items.iter().enumerate() {
-            if status[i].is_err() {
-                views.push(None);
-                continue;
-            }
-            let upto = it.kv.len() + it.tokens.len();
-            match it.kv.runs(layer, upto) {
-                Ok(runs) => views.push(Some(runs)),
-                Err(e) => {
-                    status[i] = Err(e.into());
-                    views.push(None);
-                }
-            }
-        }
-        // Tasks: (item, KV head, block of new rows). Rows are independent, so splitting a long
-        // prompt's rows keeps both cores busy without changing any row's arithmetic.
-        const ROWS_PER_TASK: usize = 16;
-        let tasks: Vec<(usize, usize, usize, usize)> = (0..items.len())
-            .filter(|&i| views[i].is_some())
-            .flat_map(|i| {
-                let n = items[i].tokens.len();
-                (0..c.n_kv_heads).flat_map(move |g| {
-                    (0..n)
-                        .step_by(ROWS_PER_TASK)
-                        .map(move |t0| (i, g, t0, (t0 + ROWS_PER_TASK).min(n)))
-                })
-            })
-            .collect();
-        let results: Vec<(usize, usize, usize, Vec<f32>)> = tasks
-            .par_iter()
-            .map(|&(i, g, t0, t1)| {
-                let runs = views[i].as_deref().unwrap_or(&[]);
-                let it = &items[i];
-                let shape = HeadShape {
-                    g,
-                    group,
-                    hd,
-                    kv_dim: c.kv_dim(),
-                    scale,
-                };
-                let rows = &q[(starts[i] + t0) * dim..(starts[i] + t1) * dim];
-                // Position of row t0 in the sequence.
-                let first = it.kv.len() + t0;
-                let out = match runs.first().map(|r| r.k) {
-                    Some(KvSlice::F32(_)) => {
-                        let typed: Vec<_> = runs
-                            .iter()
-                            .filter_map(|r| match (r.k, r.v) {
-                                (KvSlice::F32(k), KvSlice::F32(v)) => Some((k, v, r.tokens)),
-                                _ => None,
-                            })
-                            .collect();
-                        attend_group::<f32>(&typed, rows, first, dim, &shape)
-                    }
-                    _ => {
-                        let typed: Vec<_> = runs
-                            .iter()
-                            .filter_map(|r| match (r.k, r.v) {
-                                (KvSlice::F16(k), KvSlice::F16(v)) => Some((k, v, r.tokens)),
-                                _ => None,
-                            })
-                            .collect();
-                        attend_group::<f16>(&typed, rows, first, dim, &shape)
-                    }
-                };
-                (i, g, t0, out)
-            })
-            .collect();
-        for (i, g, t0, out) in results {
-            for (t, row) in out.chunks_exact(group * hd).enumerate() {
-                let r = starts[i] + t0 + t;
-                attn[r * dim + g * group * hd..r * dim + (g + 1) * group * hd].copy_from_slice(row);
-            }
-        }
-    }
 }
 
-struct HeadShape {
-    /// The KV head this task serves.
-    g: usize,
-    /// Query heads per KV head.
-    group: usize,
-    hd: usize,
-    kv_dim: usize,
-    scale: f32,
-}
-
-/// Causal attention of the query heads that share KV head `shape.g`, for each of the new
-/// rows in `q_rows` (which sit at the end of the cached positions).
-/// `q_rows` are consecutive new rows, the first at sequence position `first`.
-fn attend_group<T: KvElem>(
-    runs: &[(&[T], &[T], usize)],
-    q_rows: &[f32],
-    first: usize,
-    dim: usize,
-    shape: &HeadShape,
-) -> Vec<f32> {
-    let HeadShape {
-        g,
-        group,
-        hd,
-        kv_dim,
-        scale,
-    } = *shape;
-    let mut k_rows: Vec<&[T]> = Vec::new();
-    let mut v_rows: Vec<&[T]> = Vec::new();
-    for (k, v, n) in runs {
-        for j in 0..*n {
-            let at = j * kv_dim + g * hd;
-            k_rows.push(&k[at..at + hd]);
-            v_rows.push(&v[at..at + hd]);
-        }
+/// Gemma's norm of a sublayer's output before it joins the residual stream.
+fn post_norm(out: &mut [f32], weight: &Option<Vec<f32>>, eps: f32, width: usize) {
+    if let Some(w) = weight {
+        let raw = out.to_vec();
+        rms_norm_rows(&raw, w, eps, width, out);
     }
-    let n_new = q_rows.len() / dim;
-    let mut out = vec![0f32; n_new * group * hd];
-    let mut acc = vec![T::Acc::default(); hd];
-    let mut qh = vec![0f32; hd];
-    for t in 0..n_new {
-        let visible = first + t + 1;
-        for h in 0..group {
-            let head = g * group + h;
-            for (qv, &x) in qh
-                .iter_mut()
-                .zip(&q_rows[t * dim + head * hd..t * dim + (head + 1) * hd])
-            {
-                // llama.cpp converts Q to the cache's element type before the product.
-                *qv = T::round_query(x);
-            }
-            let o = &mut out[(t * group + h) * hd..(t * group + h + 1) * hd];
-            attend_head(
-                &qh,
-                &k_rows[..visible],
-                &v_rows[..visible],
-                scale,
-                &mut acc,
-                o,
-            );
-        }
-    }
-    out
-}
-
-/// One query head over its visible positions, computed as llama.cpp's CPU flash-attention
-/// kernel does (the reference our goldens come from): one pass in position order with a
-/// running maximum, the V sum accumulated in the cache's element type (f16 for an f16
-/// cache, rounding after every update), normalized at the end. Matching its roundings keeps
-/// greedy output within llama.cpp's near-tie margins; the order is fixed, so the result does
-/// not depend on the batch.
-fn attend_head<T: KvElem>(
-    q: &[f32],
-    k: &[&[T]],
-    v: &[&[T]],
-    scale: f32,
-    acc: &mut [T::Acc],
-    out: &mut [f32],
-) {
-    T::attend(q, k, v, scale, acc, out);
 }
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {
@@ -586,9 +448,14 @@ struct RopeTable {
 }
 
 impl RopeTable {
-    fn new(c: &LlamaConfig, freqs: Option<&[f32]>, positions: impl Iterator<Item = usize>) -> Self {
+    fn new(
+        c: &LlamaConfig,
+        layer: &LayerAttention,
+        freqs: Option<&[f32]>,
+        positions: impl Iterator<Item = usize>,
+    ) -> Self {
         let half = c.rope_dims / 2;
-        let theta_scale = c.rope_base.powf(-2.0 / c.rope_dims as f32);
+        let theta_scale = layer.rope_base.powf(-2.0 / c.rope_dims as f32);
         let mut cos = Vec::new();
         let mut sin = Vec::new();
         for p in positions {
@@ -597,7 +464,7 @@ impl RopeTable {
                 // With no factors and no scaling both operations are exact (x / 1, 1 * x),
                 // so llama's original path keeps its bits.
                 let ff = freqs.map_or(1.0, |f| f[i]);
-                let t = c.rope_freq_scale * (theta / ff);
+                let t = layer.rope_freq_scale * (theta / ff);
                 cos.push(t.cos());
                 sin.push(t.sin());
                 theta *= theta_scale;

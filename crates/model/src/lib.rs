@@ -1,12 +1,14 @@
-//! A llama-family forward pass on CPU: GGUF weights kept quantized, integer dot-product
+//! A llama-family forward pass on CPU (llama, qwen2, qwen3, gemma3): GGUF weights kept quantized, integer dot-product
 //! kernels, batched prompt processing, attention over the paged KV pool.
 //!
 //! Every output row is computed by the same sequence of floating-point operations whatever
 //! else is in the batch (kernels split work across threads by output row only, never
 //! across a reduction), so a greedy request gives the same tokens alone or batched.
 
+mod attention;
 pub mod config;
 pub mod forward;
+pub mod gemma3;
 pub mod kernels;
 pub mod quant;
 pub mod sampling;

@@ -32,10 +32,18 @@ pub enum SynthArch {
     /// as `dim / heads` (`attention.key_length`), as Qwen 3's query width exceeds its model
     /// width.
     Qwen3,
+    /// gemma3: Qwen 3's head norms and wide heads, post-attention and post-FFN norms,
+    /// GeGLU, scaled embeddings, and a sliding window of [`GEMMA3_WINDOW`] positions on
+    /// every layer but each second one (`sliding_window_pattern` 2), whose RoPE base is
+    /// llama.cpp's default 10,000.
+    Gemma3,
 }
 
+/// The sliding window of synthetic gemma3 files: short, so that short prompts cross it.
+pub const GEMMA3_WINDOW: usize = 8;
+
 impl SynthArch {
-    pub const NAMES: &'static str = "llama, llama3, qwen2, qwen3";
+    pub const NAMES: &'static str = "llama, llama3, qwen2, qwen3, gemma3";
 
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
@@ -43,6 +51,7 @@ impl SynthArch {
             "llama3" => Some(SynthArch::Llama3),
             "qwen2" => Some(SynthArch::Qwen2),
             "qwen3" => Some(SynthArch::Qwen3),
+            "gemma3" => Some(SynthArch::Gemma3),
             _ => None,
         }
     }
@@ -53,6 +62,7 @@ impl SynthArch {
             SynthArch::Llama | SynthArch::Llama3 => "llama",
             SynthArch::Qwen2 => "qwen2",
             SynthArch::Qwen3 => "qwen3",
+            SynthArch::Gemma3 => "gemma3",
         }
     }
 
@@ -60,7 +70,7 @@ impl SynthArch {
         match self {
             SynthArch::Llama => 10_000.0,
             SynthArch::Llama3 => 500_000.0,
-            SynthArch::Qwen2 | SynthArch::Qwen3 => 1_000_000.0,
+            SynthArch::Qwen2 | SynthArch::Qwen3 | SynthArch::Gemma3 => 1_000_000.0,
         }
     }
 }
@@ -180,7 +190,7 @@ impl SynthSpec {
     /// Width of one attention head of `arch`'s file.
     pub fn head_dim(&self, arch: SynthArch) -> usize {
         match arch {
-            SynthArch::Qwen3 => 2 * self.dim / self.heads,
+            SynthArch::Qwen3 | SynthArch::Gemma3 => 2 * self.dim / self.heads,
             _ => self.dim / self.heads,
         }
     }
@@ -224,9 +234,13 @@ impl SynthSpec {
         w.meta(&k("rope.freq_base"), MetaValue::F32(arch.rope_base()));
         w.meta(&k("attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-5));
         w.meta(&k("vocab_size"), u(self.vocab));
-        if arch == SynthArch::Qwen3 {
+        if matches!(arch, SynthArch::Qwen3 | SynthArch::Gemma3) {
             w.meta(&k("attention.key_length"), u(hd));
             w.meta(&k("attention.value_length"), u(hd));
+        }
+        if arch == SynthArch::Gemma3 {
+            w.meta(&k("attention.sliding_window"), u(GEMMA3_WINDOW));
+            w.meta(&k("attention.sliding_window_pattern"), u(2));
         }
 
         let bytes = byte_to_unicode();
@@ -247,7 +261,7 @@ impl SynthSpec {
         let pre = match arch {
             SynthArch::Llama => "smollm",
             SynthArch::Llama3 => "llama-bpe",
-            SynthArch::Qwen2 | SynthArch::Qwen3 => "qwen2",
+            SynthArch::Qwen2 | SynthArch::Qwen3 | SynthArch::Gemma3 => "qwen2",
         };
         w.meta("tokenizer.ggml.model", s("gpt2"));
         w.meta("tokenizer.ggml.pre", s(pre));
@@ -303,11 +317,17 @@ impl SynthSpec {
                     w.tensor_f32(&name, &[len as u64], GgmlType::F32, &bias);
                 }
             }
-            if arch == SynthArch::Qwen3 {
+            if matches!(arch, SynthArch::Qwen3 | SynthArch::Gemma3) {
                 for n in ["attn_q_norm", "attn_k_norm"] {
                     // Around 1, varied so that a norm applied to the wrong axis shows.
                     let g: Vec<f32> = (0..hd).map(|_| 1.0 + extra.uniform() * 0.4).collect();
                     w.tensor_f32(&p(n), &[hd as u64], GgmlType::F32, &g);
+                }
+            }
+            if arch == SynthArch::Gemma3 {
+                for n in ["post_attention_norm", "post_ffw_norm"] {
+                    let g: Vec<f32> = (0..self.dim).map(|_| 1.0 + extra.uniform() * 0.4).collect();
+                    w.tensor_f32(&p(n), &[self.dim as u64], GgmlType::F32, &g);
                 }
             }
             matrix(&mut w, &p("ffn_gate"), self.ffn_dim, self.dim, ty);

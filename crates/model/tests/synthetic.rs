@@ -4,7 +4,7 @@
 
 use gguf::{GgmlType, GgufFile};
 use kv::{IsolationDomain, KvDtype, KvPool, Owner, PoolConfig, RequestId, ScrubPolicy, SequenceKv};
-use model::synth::{SynthArch, SynthSpec};
+use model::synth::{SynthArch, SynthSpec, GEMMA3_WINDOW};
 use model::{BatchItem, LogitsWanted, Model};
 
 fn spec(dim: usize, heads: usize, kv_heads: usize, ty: GgmlType) -> SynthSpec {
@@ -58,16 +58,31 @@ fn tokens(n: usize, seed: u32) -> Vec<u32> {
 }
 
 /// Logits for every position, from the straightforward f32 definition of a llama block
-/// with each architecture's additions (llama.cpp's `src/models/{llama,qwen2,qwen3}.cpp`):
+/// with each architecture's additions (llama.cpp's `src/models/{llama,qwen2,qwen3,gemma3}.cpp`):
 /// optional Q/K/V biases, per-head Q/K RMSNorm, adjacent or NeoX rotary pairs, frequency
-/// factors.
+/// factors; for gemma3 scaled embeddings, post-attention and post-FFN norms, GeGLU, and
+/// sliding-window layers (every second layer global) with RoPE base 10,000.
 fn reference(file: &GgufFile, spec: &SynthSpec, arch: SynthArch, toks: &[u32]) -> Vec<Vec<f32>> {
     let t = |name: &str| file.tensor_f32(file.tensor(name).unwrap());
     let opt = |name: &str| file.tensor(name).map(|i| file.tensor_f32(i));
     let (d, hd) = (spec.dim, spec.head_dim(arch));
     let (kvd, qd) = (hd * spec.kv_heads, hd * spec.heads);
     let neox = arch != SynthArch::Llama && arch != SynthArch::Llama3;
-    let base = arch.rope_base() as f64;
+    let gemma = arch == SynthArch::Gemma3;
+    let layer_base = |l: usize| {
+        if gemma && l.is_multiple_of(2) {
+            10_000.0
+        } else {
+            arch.rope_base() as f64
+        }
+    };
+    let window = |l: usize| {
+        if gemma && l.is_multiple_of(2) {
+            GEMMA3_WINDOW
+        } else {
+            usize::MAX
+        }
+    };
     let factors = opt("rope_freqs.weight");
     let linear = file
         .get(&format!("{}.rope.scaling.factor", arch.gguf_name()))
@@ -92,7 +107,7 @@ fn reference(file: &GgufFile, spec: &SynthSpec, arch: SynthArch, toks: &[u32]) -
             .map(|(v, w)| (*v as f64 * s) as f32 * w)
             .collect()
     };
-    let rope = |x: &mut [f32], pos: usize| {
+    let rope = |x: &mut [f32], pos: usize, base: f64| {
         for head in x.chunks_exact_mut(hd) {
             for i in 0..hd / 2 {
                 let ff = factors.as_ref().map_or(1.0, |f| f[i] as f64);
@@ -121,7 +136,11 @@ fn reference(file: &GgufFile, spec: &SynthSpec, arch: SynthArch, toks: &[u32]) -
     let embed = t("token_embd.weight");
     let mut xs: Vec<Vec<f32>> = toks
         .iter()
-        .map(|&id| embed[id as usize * d..(id as usize + 1) * d].to_vec())
+        .map(|&id| {
+            let row = &embed[id as usize * d..(id as usize + 1) * d];
+            let s = if gemma { (d as f32).sqrt() } else { 1.0 };
+            row.iter().map(|v| v * s).collect()
+        })
         .collect();
     for l in 0..spec.layers {
         let w = |n: &str| t(&format!("blk.{l}.{n}.weight"));
@@ -132,6 +151,11 @@ fn reference(file: &GgufFile, spec: &SynthSpec, arch: SynthArch, toks: &[u32]) -
         let (bq, bk, bv) = (b("attn_q"), b("attn_k"), b("attn_v"));
         let hn = |n: &str| opt(&format!("blk.{l}.{n}.weight"));
         let (qn, kn) = (hn("attn_q_norm"), hn("attn_k_norm"));
+        let (pan, pfn) = (hn("post_attention_norm"), hn("post_ffw_norm"));
+        let post = |x: Vec<f32>, w: &Option<Vec<f32>>| match w {
+            Some(w) => norm(&x, w),
+            None => x,
+        };
         let mut ks = Vec::new();
         let mut vs = Vec::new();
         let mut qs = Vec::new();
@@ -145,8 +169,8 @@ fn reference(file: &GgufFile, spec: &SynthSpec, arch: SynthArch, toks: &[u32]) -
             add(&mut v, &bv);
             head_norm(&mut q, &qn);
             head_norm(&mut k, &kn);
-            rope(&mut q, pos);
-            rope(&mut k, pos);
+            rope(&mut q, pos, layer_base(l));
+            rope(&mut k, pos, layer_base(l));
             qs.push(q);
             ks.push(k);
             vs.push(v);
@@ -156,7 +180,8 @@ fn reference(file: &GgufFile, spec: &SynthSpec, arch: SynthArch, toks: &[u32]) -
             for h in 0..spec.heads {
                 let g = h / (spec.heads / spec.kv_heads);
                 let q = &qs[pos][h * hd..(h + 1) * hd];
-                let scores: Vec<f64> = (0..=pos)
+                let from = (pos + 1).saturating_sub(window(l));
+                let scores: Vec<f64> = (from..=pos)
                     .map(|j| {
                         q.iter()
                             .zip(&ks[j][g * hd..(g + 1) * hd])
@@ -168,13 +193,13 @@ fn reference(file: &GgufFile, spec: &SynthSpec, arch: SynthArch, toks: &[u32]) -
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
                 let z: f64 = e.iter().sum();
-                for (j, w) in e.iter().enumerate() {
+                for (j, w) in (from..=pos).zip(&e) {
                     for i in 0..hd {
                         att[h * hd + i] += (w / z * vs[j][g * hd + i] as f64) as f32;
                     }
                 }
             }
-            let o = matvec(&wo, &att, d);
+            let o = post(matvec(&wo, &att, d), &pan);
             for (a, b) in xs[pos].iter_mut().zip(o) {
                 *a += b;
             }
@@ -184,9 +209,12 @@ fn reference(file: &GgufFile, spec: &SynthSpec, arch: SynthArch, toks: &[u32]) -
             let h: Vec<f32> = gate
                 .iter()
                 .zip(&up)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .map(|(g, u)| match gemma {
+                    true => model::gemma3::gelu_tanh(*g) * u,
+                    false => g / (1.0 + (-g).exp()) * u,
+                })
                 .collect();
-            for (a, b) in xs[pos].iter_mut().zip(matvec(&wd, &h, d)) {
+            for (a, b) in xs[pos].iter_mut().zip(post(matvec(&wd, &h, d), &pfn)) {
                 *a += b;
             }
         }
@@ -360,7 +388,12 @@ fn worst_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn every_architecture_matches_its_f32_definition() {
-    for arch in [SynthArch::Llama3, SynthArch::Qwen2, SynthArch::Qwen3] {
+    for arch in [
+        SynthArch::Llama3,
+        SynthArch::Qwen2,
+        SynthArch::Qwen3,
+        SynthArch::Gemma3,
+    ] {
         for (dim, heads, kv_heads) in [(96, 3, 1), (128, 8, 2), (64, 2, 2)] {
             let spec = spec(dim, heads, kv_heads, GgmlType::F32);
             let (file, model) = load_arch(&spec, arch);
@@ -388,7 +421,12 @@ fn each_architectures_additions_change_the_output() {
     let toks = tokens(20, 5);
     let (_, llama) = load_arch(&spec, SynthArch::Llama);
     let base = all_logits(&llama, KvDtype::F32, &toks);
-    for arch in [SynthArch::Llama3, SynthArch::Qwen2, SynthArch::Qwen3] {
+    for arch in [
+        SynthArch::Llama3,
+        SynthArch::Qwen2,
+        SynthArch::Qwen3,
+        SynthArch::Gemma3,
+    ] {
         let (_, m) = load_arch(&spec, arch);
         let other = all_logits(&m, KvDtype::F32, &toks);
         assert!(
@@ -400,7 +438,12 @@ fn each_architectures_additions_change_the_output() {
 
 #[test]
 fn chunking_and_batching_never_change_a_row_in_any_architecture() {
-    for arch in [SynthArch::Llama3, SynthArch::Qwen2, SynthArch::Qwen3] {
+    for arch in [
+        SynthArch::Llama3,
+        SynthArch::Qwen2,
+        SynthArch::Qwen3,
+        SynthArch::Gemma3,
+    ] {
         for (ty, dtype, dim, heads) in [
             (GgmlType::Q4_1, KvDtype::F16, 96, 6),
             (GgmlType::Q8_0, KvDtype::F32, 96, 6),
@@ -468,10 +511,10 @@ fn unsupported_architectures_and_tensors_are_refused_by_name() {
     let mut w = gguf::GgufWriter::new();
     w.meta(
         "general.architecture",
-        gguf::MetaValue::String("gemma3".into()),
+        gguf::MetaValue::String("gemma4".into()),
     );
     let e = load_err(&w);
-    assert!(e.contains("\"gemma3\"") && e.contains("qwen3"), "{e}");
+    assert!(e.contains("\"gemma4\"") && e.contains("gemma3"), "{e}");
 
     // A tensor the forward pass would not read (here an output bias) is never ignored.
     let spec = spec(64, 4, 2, GgmlType::F32);

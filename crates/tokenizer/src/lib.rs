@@ -517,17 +517,21 @@ impl Tokenizer {
     /// Compiles the GGUF's chat template with `bos_token`/`eos_token` bound to this
     /// vocabulary's BOS and EOS text. `Ok(None)` when the GGUF has no template.
     pub fn compile_chat_template(&self) -> Result<Option<ChatTemplate>, TemplateError> {
-        let Some(source) = self.chat_template() else {
-            return Ok(None);
-        };
+        match self.chat_template() {
+            Some(source) => self.compile_template_source(source).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Compiles a chat template given by the operator (a file without one of its own, or one
+    /// to override it) with this vocabulary's BOS and EOS text, as the GGUF's own would be.
+    pub fn compile_template_source(&self, source: &str) -> Result<ChatTemplate, TemplateError> {
         let text_of = |id: Option<u32>| {
             id.and_then(|id| self.token_text(id))
                 .unwrap_or_default()
                 .to_owned()
         };
-        Ok(Some(
-            ChatTemplate::new(source)?.with_special_tokens(text_of(self.bos), text_of(self.eos)),
-        ))
+        Ok(ChatTemplate::new(source)?.with_special_tokens(text_of(self.bos), text_of(self.eos)))
     }
 
     /// The pre-tokenizer of a byte-level BPE vocabulary; `None` for SentencePiece.

@@ -30,3 +30,28 @@ pub fn golden(name: &str) -> serde_json::Value {
         .unwrap_or_else(|e| panic!("golden file {} is required: {e}", path.display()));
     serde_json::from_str(&text).expect("golden JSON")
 }
+
+/// Gemma 3 270M (Q4_K_M), fetched by `scripts/fetch-gemma3.sh` when missing. Fails loudly.
+pub fn gemma3_model() -> PathBuf {
+    let root = workspace_root();
+    let path = root.join("models/gemma-3-270m-q4_k_m.gguf");
+    if !path.exists() {
+        let status = std::process::Command::new("bash")
+            .arg(root.join("scripts/fetch-gemma3.sh"))
+            .status()
+            .expect("running scripts/fetch-gemma3.sh");
+        assert!(
+            status.success(),
+            "scripts/fetch-gemma3.sh failed; the Gemma 3 file is required"
+        );
+    }
+    path
+}
+
+/// llama.cpp's recorded answers on Gemma 3 270M (`tests/data/gemma3/`, see its README).
+pub fn gemma3_references() -> serde_json::Value {
+    let path = workspace_root().join("tests/data/gemma3/references.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{} is required: {e}", path.display()));
+    serde_json::from_str(&text).expect("references JSON")
+}
