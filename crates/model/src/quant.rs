@@ -135,19 +135,34 @@ fn isum(q: &[i32], a: &[i8]) -> i32 {
     q.iter().zip(a).map(|(&x, &y)| x * i32::from(y)).sum()
 }
 
+/// llama.cpp's accumulation for the 32-element formats (its AVX2 `vec_dot` of Q5_0/Q5_1,
+/// which our goldens come from): eight lanes, lane `l` holding the exact sum of elements
+/// `4l..4l + 4`, each fused into its own running f32 with the block's scale product.
+fn lanes_fma(acc: &mut [f32; 8], scale: f32, q: &[i32; 32], a: &[i8; 32]) {
+    for (l, acc) in acc.iter_mut().enumerate() {
+        let lane = isum(&q[4 * l..4 * l + 4], &a[4 * l..4 * l + 4]);
+        *acc = scale.mul_add(lane as f32, *acc);
+    }
+}
+
+/// The lane tree of ggml's `hsum_float_8`: halves, then pairs, then the last two.
+fn reduce8(acc: &[f32; 8]) -> f32 {
+    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+}
+
 #[allow(non_camel_case_types)]
 pub struct Q5_0;
 
 impl Q5_0 {
     /// The portable definition (the SIMD path is tested against it).
     pub fn dot_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
-        let mut acc = 0f32;
+        let mut acc = [0f32; 8];
         for (wb, ab) in w.chunks_exact(22).zip(a) {
             let mut q = five_bit(&wb[2..6], &wb[6..22]);
             q.iter_mut().for_each(|v| *v -= 16);
-            acc += f16_at(wb, 0) * ab.d * isum(&q, &ab.qs) as f32;
+            lanes_fma(&mut acc, f16_at(wb, 0) * ab.d, &q, &ab.qs);
         }
-        acc
+        reduce8(&acc)
     }
 }
 
@@ -183,12 +198,14 @@ pub struct Q5_1;
 impl Q5_1 {
     /// The portable definition (the SIMD path is tested against it).
     pub fn dot_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
-        let mut acc = 0f32;
+        let mut acc = [0f32; 8];
+        let mut summs = 0f32;
         for (wb, ab) in w.chunks_exact(24).zip(a) {
             let q = five_bit(&wb[4..8], &wb[8..24]);
-            acc += f16_at(wb, 0) * ab.d * isum(&q, &ab.qs) as f32 + f16_at(wb, 2) * ab.s;
+            summs += f16_at(wb, 2) * ab.s;
+            lanes_fma(&mut acc, f16_at(wb, 0) * ab.d, &q, &ab.qs);
         }
-        acc
+        reduce8(&acc) + summs
     }
 }
 
@@ -497,73 +514,54 @@ mod simd {
     }
 
     pub fn has_avx2_f16c() -> bool {
-        has_avx2() && std::arch::is_x86_feature_detected!("f16c")
+        has_avx2()
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
     }
 
     /// One Q5_0 or Q5_1 (`with_min`) weight row against up to [`super::TILE`] activation
-    /// rows, `out[t]`: per block the values are unpacked once ([`five_bit_sumi_tile`]),
-    /// then each token gets the portable definition's float expression on its exact
-    /// integer sum (scales widened from f16 exactly), so its bits.
-    #[target_feature(enable = "avx2,f16c")]
+    /// rows, `out[t]`: per block the values are unpacked once ([`five_bit_madd`]), then each
+    /// token's eight exact lane sums go into its own eight f32 lanes as the portable
+    /// definition (llama.cpp's order) does, so its bits.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub fn five_bit_rows(w: &[u8], acts: &[&[super::BlockQ8_1]], with_min: bool, out: &mut [f32]) {
         let k = acts.len().min(super::TILE);
         if k == 0 {
             return;
         }
         let (bytes, qh_at) = if with_min { (24, 4) } else { (22, 2) };
-        if k == 1 {
-            // A decode step: one token, no lanes to fill.
-            let mut acc = 0f32;
-            for (wb, ab) in w.chunks_exact(bytes).zip(acts[0]) {
-                let [v] = five_bit_madd(
-                    &wb[qh_at..qh_at + 4],
-                    &wb[qh_at + 4..bytes],
-                    !with_min,
-                    [&ab.qs],
-                );
-                let isum = hsum(v);
-                let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
-                    wb[0], wb[1], wb[2], wb[3],
-                ])));
-                let d = _mm_cvtss_f32(scales);
-                acc += if with_min {
-                    d * ab.d * isum as f32 + _mm_cvtss_f32(_mm_movehdup_ps(scales)) * ab.s
-                } else {
-                    d * ab.d * isum as f32
-                };
-            }
-            out[0] = acc;
-            return;
-        }
-        // Lane t is token t: the same multiplies and adds in the same order as the scalar
-        // expression `acc += d * d_a * isum (+ m * s_a)`, four tokens side by side.
-        let mut acc = _mm_setzero_ps();
+        let mut acc = [_mm256_setzero_ps(); super::TILE];
+        let mut summs = [0f32; super::TILE];
         for (i, wb) in w.chunks_exact(bytes).enumerate() {
             let pick = |t: usize| &acts[t.min(k - 1)][i];
             let a: [&[i8; 32]; super::TILE] = std::array::from_fn(|t| &pick(t).qs);
-            let sums = _mm_cvtepi32_ps(five_bit_sumi_tile(
-                &wb[qh_at..qh_at + 4],
-                &wb[qh_at + 4..bytes],
-                !with_min,
-                a,
-            ));
+            let lanes = five_bit_madd(&wb[qh_at..qh_at + 4], &wb[qh_at + 4..bytes], !with_min, a);
             let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
                 wb[0], wb[1], wb[2], wb[3],
             ])));
-            let d = _mm_shuffle_ps::<0>(scales, scales);
-            let da = _mm_setr_ps(pick(0).d, pick(1).d, pick(2).d, pick(3).d);
-            let mut term = _mm_mul_ps(_mm_mul_ps(d, da), sums);
-            if with_min {
-                let m = _mm_shuffle_ps::<0b01_01_01_01>(scales, scales);
-                let sa = _mm_setr_ps(pick(0).s, pick(1).s, pick(2).s, pick(3).s);
-                term = _mm_add_ps(term, _mm_mul_ps(m, sa));
+            let d = _mm_cvtss_f32(scales);
+            let m = _mm_cvtss_f32(_mm_movehdup_ps(scales));
+            for t in 0..k {
+                let ab = pick(t);
+                if with_min {
+                    summs[t] += m * ab.s;
+                }
+                let dd = _mm256_set1_ps(d * ab.d);
+                acc[t] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(lanes[t]), acc[t]);
             }
-            acc = _mm_add_ps(acc, term);
         }
-        let mut lanes = [0f32; super::TILE];
-        // SAFETY: `lanes` is 4 writable f32.
-        unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), acc) };
-        out[..k].copy_from_slice(&lanes[..k]);
+        for t in 0..k {
+            out[t] = hsum_f32(acc[t]) + summs[t];
+        }
+    }
+
+    /// ggml's `hsum_float_8`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn hsum_f32(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_extractf128_ps::<1>(v), _mm256_castps256_ps128(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
     }
 
     /// Sum of the eight `i32` lanes.
@@ -788,11 +786,11 @@ mod simd {
         acc.map(|v| hsum(v))
     }
 
-    /// The pairwise `Σ q·a` (eight `i32` lanes per token) for one Q5_0 (`centered`: values
-    /// `q − 16`) or Q5_1 (values `q`) block against `N` Q8 blocks: `qh` the 32 fifth bits, `qs` 16 bytes of nibbles (elements
-    /// 0..16 low, 16..32 high). Exact `i32` sums, lane `t` for token `t`, so equal to the
-    /// portable code's. `|q − 16|`
-    /// is at most 16 and `q` at most 31, so `maddubs` never saturates.
+    /// `Σ q·a` over each run of four elements (eight exact `i32` lanes per token, lane `l`
+    /// for elements `4l..4l + 4`, as ggml's `mul_sum_i8_pairs`) for one Q5_0 (`centered`:
+    /// values `q − 16`) or Q5_1 (values `q`) block against `N` Q8 blocks: `qh` the 32 fifth
+    /// bits, `qs` 16 bytes of nibbles (elements 0..16 low, 16..32 high). `|q − 16|` is at
+    /// most 16 and `q` at most 31, so `maddubs` never saturates.
     #[inline]
     #[target_feature(enable = "avx2")]
     fn five_bit_madd<const N: usize>(
@@ -832,21 +830,6 @@ mod simd {
             _mm256_madd_epi16(p, ones)
         };
         a.map(|x| sum(load(&x[..], 0)))
-    }
-
-    /// [`five_bit_madd`] for a whole tile, reduced: lane `t` is token `t`'s exact sum.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn five_bit_sumi_tile(
-        qh: &[u8],
-        qs: &[u8],
-        centered: bool,
-        a: [&[i8; 32]; super::TILE],
-    ) -> __m128i {
-        let v = five_bit_madd(qh, qs, centered, a);
-        // The four lane sums at once: pairwise horizontal adds, then the two halves.
-        let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-        _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
     }
 }
 
