@@ -8,6 +8,7 @@
 pub mod config;
 pub mod forward;
 pub mod kernels;
+pub mod low_kquants;
 pub mod quant;
 pub mod sampling;
 pub mod synth;

@@ -1,7 +1,7 @@
-//! Weight formats added after the original three (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): one
-//! [`QuantFormat`] implementation per ggml type, each defining its dot product against the
-//! activation quantization ggml pairs it with (Q8_1 blocks of 32, or Q8_K super-blocks of
-//! 256). Matrices keep ggml's bytes as they are in the file.
+//! Weight formats added after the original three (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K here; Q2_K
+//! and Q3_K in `low_kquants.rs`): one [`QuantFormat`] implementation per ggml type, each
+//! defining its dot product against the activation quantization ggml pairs it with (Q8_1
+//! blocks of 32, or Q8_K super-blocks of 256). Matrices keep ggml's bytes as they are in the file.
 //!
 //! The kernels compute exact integer sums per (sub-)block, then apply the block's float
 //! scales in a fixed order. Q4_K, Q5_K and Q6_K have AVX2 builds of the integer part (run-time
@@ -539,6 +539,8 @@ pub fn block_matrix(
     Some(match ty {
         GgmlType::Q5_0 => boxed::<Q5_0>(rows, cols, data),
         GgmlType::Q5_1 => boxed::<Q5_1>(rows, cols, data),
+        GgmlType::Q2_K => boxed::<crate::low_kquants::Q2K>(rows, cols, data),
+        GgmlType::Q3_K => boxed::<crate::low_kquants::Q3K>(rows, cols, data),
         GgmlType::Q4_K => boxed::<Q4K>(rows, cols, data),
         GgmlType::Q5_K => boxed::<Q5K>(rows, cols, data),
         GgmlType::Q6_K => boxed::<Q6K>(rows, cols, data),
@@ -601,6 +603,8 @@ mod tests {
         for ty in [
             GgmlType::Q5_0,
             GgmlType::Q5_1,
+            GgmlType::Q2_K,
+            GgmlType::Q3_K,
             GgmlType::Q4_K,
             GgmlType::Q5_K,
             GgmlType::Q6_K,
@@ -689,8 +693,8 @@ mod tests {
         );
         let e = gguf::GgufError::UnknownTensorType {
             name: "w".into(),
-            ty: 10,
+            ty: 20,
         };
-        assert!(e.to_string().contains("Q2_K"), "{e}");
+        assert!(e.to_string().contains("IQ4_NL"), "{e}");
     }
 }
