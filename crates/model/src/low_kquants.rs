@@ -7,7 +7,7 @@
 //! expression per super-block; integer sums do not depend on their order, so the SIMD and
 //! portable paths give the same bits.
 
-use gguf::{GgmlType, QK_K};
+use gguf::GgmlType;
 use half::f16;
 
 use crate::quant::{BlockQ8K, QuantFormat};
@@ -235,6 +235,7 @@ mod simd {
 mod tests {
     use super::*;
     use crate::quant::quantize_row_q8_k;
+    use gguf::QK_K;
 
     fn lcg(seed: &mut u64) -> f32 {
         *seed = seed
