@@ -50,7 +50,8 @@ class Server:
     # KV pools behind this URL (a cluster has one per node).
     pools = 1
 
-    def __init__(self, args, log_path: Path, api_key="unused", nofile=None, binary=None):
+    def __init__(self, args, log_path: Path, api_key="unused", nofile=None, binary=None,
+                 model=None):
         require_binary()
         self.log_path = log_path
         self.log = open(log_path, "wb")
@@ -60,7 +61,7 @@ class Server:
             "2",
             "serve",
             "--model",
-            str(MODEL),
+            str(model or MODEL),
             "--port",
             "0",
             "--served-model-name",
