@@ -15,9 +15,16 @@ fn main() {
     };
     let (np, ng) = (arg("BENCH_PP", 512), arg("BENCH_TG", 128));
     let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let path = root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let file = gguf::GgufFile::open(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (run scripts/fetch-model.sh)", path.display()));
+    // BENCH_MODEL: another file under models/ (bench/quants.sh measures the K-quant ones).
+    let name = std::env::var("BENCH_MODEL")
+        .unwrap_or_else(|_| "SmolLM2-135M-Instruct.Q4_1.gguf".into());
+    let path = root.join("models").join(name);
+    let file = gguf::GgufFile::open(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (run scripts/fetch-model.sh or scripts/fetch-quant-models.sh)",
+            path.display()
+        )
+    });
     let model = Model::load(&file).expect("model");
     let pool = KvPool::new(PoolConfig {
         layout: model.kv_layout(16, KvDtype::F16),
