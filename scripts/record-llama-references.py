@@ -72,6 +72,10 @@ PROMPTS = [
 # prompt was batched; kvwarden's does not (it reproduces the one-row arithmetic everywhere).
 SERVER_FLAGS = ["-t", "2", "-np", "1", "-c", "2048", "-ub", "32", "-fa", "on", "--no-repack",
                 "--no-webui"]
+# Likewise, from 8 prompt rows on, this ggml multiplies K-quant weights with a tiled kernel
+# (ggml-cpu/tiled/) instead of its vec_dot one, which moves the logprobs by up to 0.4 nats per
+# K-quant tensor on these files; its decode path, and kvwarden, use the vec_dot arithmetic.
+SERVER_ENV = {"GGML_CPU_TILED_MM": "0"}
 
 GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
               10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 20: "IQ4_NL",
@@ -137,7 +141,8 @@ def start_server(binary, model):
     cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
            *SERVER_FLAGS]
     log = open(ROOT / "target" / "llama-references-server.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **SERVER_ENV})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -214,7 +219,8 @@ def record(name, fetch, binary):
             "tensor_types": tensor_types(model),
             "reference": f"llama.cpp llama-server from the llama-cpp-python=={VERSION} sdist "
                          "(bench/build-llama-server.sh)",
-            "server": " ".join(["llama-server", "-m", f"models/{name}.gguf", *SERVER_FLAGS]),
+            "server": " ".join([*(f"{k}={v}" for k, v in SERVER_ENV.items()), "llama-server", "-m",
+                                f"models/{name}.gguf", *SERVER_FLAGS]),
             "request": {"n_predict": N_PREDICT, "temperature": 0, "n_probs": N_PROBS,
                         "post_sampling_probs": False, "cache_prompt": False},
             "recorded_by": "scripts/record-llama-references.py",

@@ -1,9 +1,10 @@
 """The real requantized files (scripts/fetch-quant-models.sh) served end to end: one chat
 request each, through the file's own template, with the official client.
 
-Every file must load and answer; those that keep the model's quality must answer "Paris"
-(the others were checked to lose it in llama.cpp as well: its greedy answer on the same file
-does not name Paris, tests/data/llama-refs/).
+Every file must load and answer; those that keep the model's quality must answer "Paris".
+Q4_K_M and Q2_K-pure lose it in llama.cpp as well: its greedy answer to the same chat on the
+same file (case 4 of tests/data/llama-refs/<file>.json) does not name Paris either; on Q4_K_M
+both answer "La femme de France, le Grand Croix ...", token for token.
 """
 
 import pytest
@@ -20,14 +21,28 @@ FILES = {
     "SmolLM2-135M-Instruct.Q8_0": True,
     "SmolLM2-135M-Instruct.Q6_K": True,
     "SmolLM2-135M-Instruct.Q5_K_M": True,
-    "SmolLM2-135M-Instruct.Q4_K_M": True,
+    "SmolLM2-135M-Instruct.Q4_K_M": False,
     "SmolLM2-135M-Instruct.Q3_K_M": True,
     "SmolLM2-135M-Instruct.Q2_K": True,
-    "SmolLM2-135M-Instruct.Q2_K-pure": True,
+    "SmolLM2-135M-Instruct.Q2_K-pure": False,
 }
+# llama.cpp names Paris on Q5_K_M; kvwarden's answer leaves its greedy path at the fourth
+# token (llama.cpp's top-2 margin there: 0.17 nats), because the 5-bit and K-quant kernels do
+# not sum in llama.cpp's float order yet (crates/model/tests/llama_references.rs). Strict: a
+# fix makes this test fail until the mark is removed.
+NOT_YET = {"SmolLM2-135M-Instruct.Q5_K_M"}
+PARAMS = [
+    pytest.param(
+        name,
+        marks=pytest.mark.xfail(strict=True, reason="float order differs from llama.cpp's"),
+    )
+    if name in NOT_YET
+    else name
+    for name in FILES
+]
 
 
-@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("name", PARAMS)
 def test_requantized_file_answers_through_its_template(name, tmp_path):
     path = ROOT / "models" / f"{name}.gguf"
     if not path.is_file():

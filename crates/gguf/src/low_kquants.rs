@@ -344,7 +344,9 @@ mod tests {
 
     #[test]
     fn q3_k_scales_round_trip() {
-        let sc: [i8; 16] = [-32, 31, 0, -1, 5, -17, 16, 15, -16, 7, -8, 30, -31, 1, 2, -3];
+        let sc: [i8; 16] = [
+            -32, 31, 0, -1, 5, -17, 16, 15, -16, 7, -8, 30, -31, 1, 2, -3,
+        ];
         assert_eq!(q3_k_scales(&pack_q3_k_scales(&sc)), sc);
     }
 }

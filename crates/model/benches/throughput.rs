@@ -16,8 +16,8 @@ fn main() {
     let (np, ng) = (arg("BENCH_PP", 512), arg("BENCH_TG", 128));
     let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     // BENCH_MODEL: another file under models/ (bench/quants.sh measures the K-quant ones).
-    let name = std::env::var("BENCH_MODEL")
-        .unwrap_or_else(|_| "SmolLM2-135M-Instruct.Q4_1.gguf".into());
+    let name =
+        std::env::var("BENCH_MODEL").unwrap_or_else(|_| "SmolLM2-135M-Instruct.Q4_1.gguf".into());
     let path = root.join("models").join(name);
     let file = gguf::GgufFile::open(&path).unwrap_or_else(|e| {
         panic!(
