@@ -38,11 +38,11 @@ impl Q2K {
         for (wb, ab) in w.chunks_exact(Q2_K_BYTES).zip(a) {
             let qs = &wb[16..80];
             let mut sumi = 0i32;
-            for g in 0..16 {
+            for (g, &sc) in wb[..16].iter().enumerate() {
                 let s: i32 = (16 * g..16 * g + 16)
                     .map(|e| i32::from(gguf::q2_bits(qs, e)) * i32::from(ab.qs[e]))
                     .sum();
-                sumi += i32::from(wb[g] & 0x0f) * s;
+                sumi += i32::from(sc & 0x0f) * s;
             }
             let summ = group_offsets(wb[..16].iter().map(|&s| i32::from(s >> 4)), ab);
             acc += f16_at(wb, 80) * ab.d * sumi as f32 - f16_at(wb, 82) * ab.d * summ as f32;
@@ -264,7 +264,7 @@ mod tests {
     /// quants, scales and masks reached), each scale field set to a finite f16.
     fn weights(ty: GgmlType, blocks: usize, trial: usize, seed: &mut u64) -> Vec<u8> {
         let cols = blocks * QK_K;
-        if trial % 2 == 0 {
+        if trial.is_multiple_of(2) {
             let amp = 1.0 + trial as f32;
             let vals: Vec<f32> = (0..cols).map(|_| lcg(seed) * amp).collect();
             return ty.quantize(&vals);
