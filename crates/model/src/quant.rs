@@ -269,57 +269,69 @@ impl QuantFormat for Q6K {
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() {
-            let mut acc = 0f32;
-            for (wb, ab) in w.chunks_exact(210).zip(a) {
-                let mut sc = [0i8; 16];
-                for (s, &b) in sc.iter_mut().zip(&wb[192..208]) {
-                    *s = b as i8;
-                }
-                // Σ (q − 32)·a = Σ q·a − 32·Σ a, the last sum per group from `bsums`.
-                let offset: i32 = sc
-                    .iter()
-                    .zip(&ab.bsums)
-                    .map(|(&s, &b)| i32::from(s) * i32::from(b))
-                    .sum();
-                // SAFETY: AVX2 is present (checked above), the only requirement of the
-                // target-feature function; it checks the slice lengths it reads.
-                let unsigned = unsafe { simd::q6_k_sumi(&wb[..128], &wb[128..192], &ab.qs, &sc) };
-                let sumi = unsigned - 32 * offset;
-                // The same float expression as `dot_scalar`, on the same integer.
-                acc += f16_at(wb, 208) * ab.d * sumi as f32;
-            }
-            return acc;
+            // SAFETY: AVX2 is present (checked above), the only requirement of the
+            // target-feature function; it checks the slice lengths it reads.
+            return Self::dot_with(w, a, |wb, ab, sc| unsafe {
+                simd::q6_k_lanes(&wb[..128], &wb[128..192], &ab.qs, sc)
+            });
         }
         Self::dot_scalar(w, a)
     }
 }
 
 impl Q6K {
-    /// Sixteen groups of 16 with signed 8-bit scales: `d·da·Σ_g sc_g Σ (q − 32)·a`. The
+    /// Sixteen groups of 16 with signed 8-bit scales: `d·da·Σ_g sc_g Σ (q − 32)·a`, in
+    /// llama.cpp's AVX2 float order (`ggml_vec_dot_q6_K_q8_K`): eight integer lanes per
+    /// super-block, lane `i` holding elements `4i..4i+4` (mod 32) of every 32-element chunk
+    /// scaled by its group, minus `32·Σ sc·bsums` of groups `2i` and `2i + 1`; each lane
+    /// accumulated across super-blocks by a fused multiply-add, then summed as its
+    /// `hsum_float_8`. This is what makes the logits equal llama.cpp's bit for bit. The
     /// portable definition (the SIMD path is tested against it).
     pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-        let mut acc = 0f32;
-        for (wb, ab) in w.chunks_exact(210).zip(a) {
-            let mut groups = [0i32; 16];
+        Self::dot_with(w, a, |wb, ab, sc| {
+            let mut lanes = [0i32; 8];
             for half in 0..2 {
                 let ql = &wb[64 * half..64 * half + 64];
                 let qh = &wb[128 + 32 * half..128 + 32 * half + 32];
-                for l in 0..32 {
-                    for k in 0..4 {
-                        let e = 128 * half + l + 32 * k;
-                        let q = i32::from(gguf::q6_at(ql, qh, l, k));
-                        groups[e / 16] += q * i32::from(ab.qs[e]);
+                for k in 0..4 {
+                    for (i, lane) in lanes.iter_mut().enumerate() {
+                        let s: i32 = (4 * i..4 * i + 4)
+                            .map(|l| {
+                                let q = i32::from(gguf::q6_at(ql, qh, l, k)) + 32;
+                                q * i32::from(ab.qs[128 * half + 32 * k + l])
+                            })
+                            .sum();
+                        *lane += i32::from(sc[8 * half + 2 * k + usize::from(i >= 4)]) * s;
                     }
                 }
             }
-            let sumi: i32 = groups
-                .iter()
-                .enumerate()
-                .map(|(g, &s)| i32::from(wb[192 + g] as i8) * s)
-                .sum();
-            acc += f16_at(wb, 208) * ab.d * sumi as f32;
+            lanes
+        })
+    }
+
+    /// The float part shared by both paths: `lanes` gives a super-block's eight unsigned
+    /// lane sums (values taken as 0..63).
+    fn dot_with(
+        w: &[u8],
+        a: &[BlockQ8K],
+        lanes: impl Fn(&[u8], &BlockQ8K, &[i8; 16]) -> [i32; 8],
+    ) -> f32 {
+        let mut acc = [0f32; 8];
+        for (wb, ab) in w.chunks_exact(210).zip(a) {
+            let mut sc = [0i8; 16];
+            for (s, &b) in sc.iter_mut().zip(&wb[192..208]) {
+                *s = b as i8;
+            }
+            let d = ab.d * f16_at(wb, 208);
+            for (i, (acc, lane)) in acc.iter_mut().zip(lanes(wb, ab, &sc)).enumerate() {
+                // Σ (q − 32)·a = Σ q·a − 32·Σ a, the last sums per group from `bsums`.
+                let offset = i32::from(ab.bsums[2 * i]) * i32::from(sc[2 * i])
+                    + i32::from(ab.bsums[2 * i + 1]) * i32::from(sc[2 * i + 1]);
+                *acc = d.mul_add((lane - (offset << 5)) as f32, *acc);
+            }
         }
-        acc
+        let r: [f32; 4] = std::array::from_fn(|j| acc[4 + j] + acc[j]);
+        (r[0] + r[2]) + (r[1] + r[3])
     }
 }
 
@@ -403,12 +415,12 @@ mod simd {
         hsum(acc)
     }
 
-    /// `Σ_g sc[g] · Σ_{e in g} q[e] · a[e]` for one Q6_K super-block with the 6-bit values
-    /// taken unsigned (0..63; the caller subtracts the offset of 32): `ql` 128 bytes of low
-    /// nibbles, `qh` 64 bytes of high bit pairs, groups of 16. Products are at most
-    /// 63 · 127, so `maddubs` never saturates.
+    /// The eight lane sums of one Q6_K super-block as llama.cpp's AVX2 kernel forms them
+    /// (see `Q6K::dot_scalar`), with the 6-bit values taken unsigned (0..63; the caller
+    /// subtracts the offset of 32): `ql` 128 bytes of low nibbles, `qh` 64 bytes of high bit
+    /// pairs, groups of 16. Products are at most 63 · 127, so `maddubs` never saturates.
     #[target_feature(enable = "avx2")]
-    pub fn q6_k_sumi(ql: &[u8], qh: &[u8], a: &[i8; 256], sc: &[i8; 16]) -> i32 {
+    pub fn q6_k_lanes(ql: &[u8], qh: &[u8], a: &[i8; 256], sc: &[i8; 16]) -> [i32; 8] {
         assert!(ql.len() >= 128 && qh.len() >= 64);
         let m4 = _mm256_set1_epi8(0x0f);
         let m2 = _mm256_set1_epi8(0x03);
@@ -444,7 +456,10 @@ mod simd {
                 acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scales));
             }
         }
-        hsum(acc)
+        let mut lanes = [0i32; 8];
+        // SAFETY: `lanes` is 32 writable bytes; the store is unaligned.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
+        lanes
     }
 }
 

@@ -80,12 +80,7 @@ macro_rules! reference_test {
 // those kernels.
 reference_test!(default_q4_1, "SmolLM2-135M-Instruct.Q4_1", EXACT);
 reference_test!(requantized_q8_0, "SmolLM2-135M-Instruct.Q8_0", EXACT);
-reference_test!(
-    requantized_q6_k,
-    "SmolLM2-135M-Instruct.Q6_K",
-    REORDERED,
-    not_yet
-);
+reference_test!(requantized_q6_k, "SmolLM2-135M-Instruct.Q6_K", EXACT);
 reference_test!(
     requantized_q5_k_m,
     "SmolLM2-135M-Instruct.Q5_K_M",
