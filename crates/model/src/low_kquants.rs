@@ -7,7 +7,7 @@
 //! expression per super-block; integer sums do not depend on their order, so the SIMD and
 //! portable paths give the same bits.
 
-use gguf::GgmlType;
+use gguf::{GgmlType, QK_K};
 use half::f16;
 
 use crate::quant::{BlockQ8K, QuantFormat};
@@ -21,33 +21,71 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
-/// `Σ_g m_g · Σ_{e in g} a_e` over a super-block's sixteen groups, from the activations'
-/// `bsums`: the offset term of both formats.
-fn group_offsets(m: impl Iterator<Item = i32>, ab: &BlockQ8K) -> i32 {
-    m.zip(&ab.bsums).map(|(m, &s)| m * i32::from(s)).sum()
+/// llama.cpp's `hsum_float_8`: the order in which its AVX2 kernels add their eight lanes.
+fn hsum8(acc: [f32; 8]) -> f32 {
+    let r: [f32; 4] = std::array::from_fn(|j| acc[4 + j] + acc[j]);
+    (r[0] + r[2]) + (r[1] + r[3])
+}
+
+/// The eight lane sums of a super-block as llama.cpp's AVX2 kernels form them: lane `i` holds
+/// elements `4i..4i+4` (mod 32) of every 32-element chunk `c` (element `32c + 4i + ...`),
+/// each chunk's share multiplied by the scale of its group (`2c + (i >= 4)`). `value(e)` is
+/// element `e`'s quant, `scale(g)` group `g`'s integer scale.
+fn lanes(value: impl Fn(usize) -> i32, scale: impl Fn(usize) -> i32, a: &[i8; QK_K]) -> [i32; 8] {
+    let mut lanes = [0i32; 8];
+    for c in 0..8 {
+        for (i, lane) in lanes.iter_mut().enumerate() {
+            let s: i32 = (32 * c + 4 * i..32 * c + 4 * i + 4)
+                .map(|e| value(e) * i32::from(a[e]))
+                .sum();
+            *lane += scale(2 * c + usize::from(i >= 4)) * s;
+        }
+    }
+    lanes
 }
 
 /// Q2_K: `x = d·(sc_g & 15)·q − dmin·(sc_g >> 4)` with `q` in 0..4, so
-/// `Σ x·a = d·da·Σ_g sc_g Σ q·a − dmin·da·Σ_g m_g Σ a`.
+/// `Σ x·a = d·da·Σ_g sc_g Σ q·a − dmin·da·Σ_g m_g Σ a`, in llama.cpp's AVX2 float order
+/// (`ggml_vec_dot_q2_K_q8_K`): per super-block, eight lanes of the min term (groups `2i`,
+/// `2i + 1` from `bsums`) and eight of the scaled sums, each added to its lane accumulator by
+/// a fused multiply-add, then [`hsum8`]. So the logits are llama.cpp's bit for bit.
 pub struct Q2K;
 
 impl Q2K {
     /// The portable definition (the SIMD path is tested against it).
     pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-        let mut acc = 0f32;
-        for (wb, ab) in w.chunks_exact(Q2_K_BYTES).zip(a) {
+        Self::dot_with(w, a, |wb, ab, sc| {
             let qs = &wb[16..80];
-            let mut sumi = 0i32;
-            for (g, &sc) in wb[..16].iter().enumerate() {
-                let s: i32 = (16 * g..16 * g + 16)
-                    .map(|e| i32::from(gguf::q2_bits(qs, e)) * i32::from(ab.qs[e]))
-                    .sum();
-                sumi += i32::from(sc & 0x0f) * s;
+            lanes(
+                |e| i32::from(gguf::q2_bits(qs, e)),
+                |g| i32::from(sc[g]),
+                &ab.qs,
+            )
+        })
+    }
+
+    /// The float part shared by both paths; `lanes` gives a super-block's scaled sums.
+    fn dot_with(
+        w: &[u8],
+        a: &[BlockQ8K],
+        lanes: impl Fn(&[u8], &BlockQ8K, &[u8; 16]) -> [i32; 8],
+    ) -> f32 {
+        let mut acc = [0f32; 8];
+        for (wb, ab) in w.chunks_exact(Q2_K_BYTES).zip(a) {
+            let d = ab.d * f16_at(wb, 80);
+            let dmin = -ab.d * f16_at(wb, 82);
+            let sc: [u8; 16] = std::array::from_fn(|g| wb[g] & 0x0f);
+            let m = |g: usize| i32::from(wb[g] >> 4);
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let mins = m(2 * i) * i32::from(ab.bsums[2 * i])
+                    + m(2 * i + 1) * i32::from(ab.bsums[2 * i + 1]);
+                *acc = dmin.mul_add(mins as f32, *acc);
             }
-            let summ = group_offsets(wb[..16].iter().map(|&s| i32::from(s >> 4)), ab);
-            acc += f16_at(wb, 80) * ab.d * sumi as f32 - f16_at(wb, 82) * ab.d * summ as f32;
+            for (acc, lane) in acc.iter_mut().zip(lanes(wb, ab, &sc)) {
+                *acc = d.mul_add(lane as f32, *acc);
+            }
         }
-        acc
+        hsum8(acc)
     }
 }
 
@@ -58,49 +96,50 @@ impl QuantFormat for Q2K {
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() {
-            let mut acc = 0f32;
-            for (wb, ab) in w.chunks_exact(Q2_K_BYTES).zip(a) {
-                let mut sc = [0u8; 16];
-                for (s, &b) in sc.iter_mut().zip(&wb[..16]) {
-                    *s = b & 0x0f;
-                }
-                let summ = group_offsets(wb[..16].iter().map(|&s| i32::from(s >> 4)), ab);
-                // SAFETY: AVX2 is present (checked above), the only requirement of the
-                // target-feature function; it checks the slice lengths it reads.
-                let sumi = unsafe { simd::q2_k_sumi(&wb[16..80], &ab.qs, &sc) };
-                // The same float expression as `dot_scalar`, on the same integers.
-                acc += f16_at(wb, 80) * ab.d * sumi as f32 - f16_at(wb, 82) * ab.d * summ as f32;
-            }
-            return acc;
+            // SAFETY: AVX2 is present (checked above), the only requirement of the
+            // target-feature function; it checks the slice lengths it reads.
+            return Self::dot_with(w, a, |wb, ab, sc| unsafe {
+                simd::q2_k_lanes(&wb[16..80], &ab.qs, sc)
+            });
         }
         Self::dot_scalar(w, a)
     }
 }
 
 /// Q3_K: `x = d·sc_g·(q − 4)` with `q` in 0..8 (two low bits and a high bit) and signed
-/// 6-bit `sc_g`, so `Σ x·a = d·da·(Σ_g sc_g Σ q·a − 4·Σ_g sc_g Σ a)`.
+/// 6-bit `sc_g`, so `Σ x·a = d·da·Σ_g sc_g Σ (q − 4)·a`, in llama.cpp's AVX2 float order
+/// (`ggml_vec_dot_q3_K_q8_K`): eight lanes of scaled signed sums per super-block, each
+/// added to its lane accumulator by a fused multiply-add, then [`hsum8`].
 pub struct Q3K;
 
 impl Q3K {
     /// The portable definition (the SIMD path is tested against it).
     pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-        let mut acc = 0f32;
-        for (wb, ab) in w.chunks_exact(Q3_K_BYTES).zip(a) {
+        Self::dot_with(w, a, |wb, ab, sc| {
             let (hmask, qs) = (&wb[..32], &wb[32..96]);
+            lanes(
+                |e| i32::from(gguf::q2_bits(qs, e) | (gguf::q3_high_bit(hmask, e) << 2)) - 4,
+                |g| i32::from(sc[g]),
+                &ab.qs,
+            )
+        })
+    }
+
+    /// The float part shared by both paths; `lanes` gives a super-block's scaled sums.
+    fn dot_with(
+        w: &[u8],
+        a: &[BlockQ8K],
+        lanes: impl Fn(&[u8], &BlockQ8K, &[i8; 16]) -> [i32; 8],
+    ) -> f32 {
+        let mut acc = [0f32; 8];
+        for (wb, ab) in w.chunks_exact(Q3_K_BYTES).zip(a) {
+            let d = ab.d * f16_at(wb, 108);
             let sc = gguf::q3_k_scales(&wb[96..108]);
-            let mut sumi = 0i32;
-            for (g, &s) in sc.iter().enumerate() {
-                let dot: i32 = (16 * g..16 * g + 16)
-                    .map(|e| {
-                        let q = gguf::q2_bits(qs, e) | (gguf::q3_high_bit(hmask, e) << 2);
-                        (i32::from(q) - 4) * i32::from(ab.qs[e])
-                    })
-                    .sum();
-                sumi += i32::from(s) * dot;
+            for (acc, lane) in acc.iter_mut().zip(lanes(wb, ab, &sc)) {
+                *acc = d.mul_add(lane as f32, *acc);
             }
-            acc += f16_at(wb, 108) * ab.d * sumi as f32;
         }
-        acc
+        hsum8(acc)
     }
 }
 
@@ -111,40 +150,25 @@ impl QuantFormat for Q3K {
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() {
-            let mut acc = 0f32;
-            for (wb, ab) in w.chunks_exact(Q3_K_BYTES).zip(a) {
-                let sc = gguf::q3_k_scales(&wb[96..108]);
-                let offset = group_offsets(sc.iter().map(|&s| i32::from(s)), ab);
-                // SAFETY: AVX2 is present (checked above), the only requirement of the
-                // target-feature function; it checks the slice lengths it reads.
-                let unsigned = unsafe { simd::q3_k_sumi(&wb[..32], &wb[32..96], &ab.qs, &sc) };
-                let sumi = unsigned - 4 * offset;
-                // The same float expression as `dot_scalar`, on the same integer.
-                acc += f16_at(wb, 108) * ab.d * sumi as f32;
-            }
-            return acc;
+            // SAFETY: AVX2 is present (checked above), the only requirement of the
+            // target-feature function; it checks the slice lengths it reads.
+            return Self::dot_with(w, a, |wb, ab, sc| unsafe {
+                simd::q3_k_lanes(&wb[..32], &wb[32..96], &ab.qs, sc)
+            });
         }
         Self::dot_scalar(w, a)
     }
 }
 
-/// AVX2 integer sums of Q2_K and Q3_K. Each returns an exact `i32`: quants are at most 7,
-/// activations at most 127 in magnitude, scales at most 32, so no lane comes near overflow.
+/// AVX2 lane sums of Q2_K and Q3_K, as llama.cpp's kernels form them (see [`lanes`]). Each
+/// lane is an exact `i32`: quants are at most 7 in magnitude, activations at most 127,
+/// scales at most 32, so no lane comes near overflow.
 #[cfg(target_arch = "x86_64")]
 mod simd {
     use std::arch::x86_64::*;
 
     pub fn has_avx2() -> bool {
         std::arch::is_x86_feature_detected!("avx2")
-    }
-
-    /// Sum of the eight `i32` lanes.
-    #[target_feature(enable = "avx2")]
-    fn hsum(v: __m256i) -> i32 {
-        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-        _mm_cvtsi128_si32(s)
     }
 
     /// 32 bytes from `b[at..at + 32]`.
@@ -156,78 +180,85 @@ mod simd {
         unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
     }
 
-    /// `Σ_e q[e] · a[e]` for 32 consecutive elements (groups `g` and `g + 1`), each group's
-    /// sum multiplied by its scale: `q` holds unsigned values below 8, so the pairwise i16
-    /// sums of `maddubs` (at most 2 · 7 · 127) never saturate.
     #[target_feature(enable = "avx2")]
-    fn scaled_pair(q: __m256i, a: __m256i, lo: i16, hi: i16) -> __m256i {
-        let p = _mm256_maddubs_epi16(q, a);
-        // The low 128 bits hold group g's 16 products, the high ones group g + 1's.
+    fn store(v: __m256i) -> [i32; 8] {
+        let mut out = [0i32; 8];
+        // SAFETY: `out` is 32 writable bytes; the store is unaligned.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), v) };
+        out
+    }
+
+    /// Pairwise i16 sums of 32 products (from `maddubs`), each group's 16 multiplied by its
+    /// scale: the low 128 bits hold group g, the high ones group g + 1; i32 lane `i` ends up
+    /// with elements `4i..4i+4`.
+    #[target_feature(enable = "avx2")]
+    fn scaled(p: __m256i, lo: i16, hi: i16) -> __m256i {
         let scales = _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
         _mm256_madd_epi16(p, scales)
     }
 
-    /// `Σ_g sc[g] · Σ_{e in g} q[e] · a[e]` for one Q2_K super-block: `qs` its 64 bytes of
-    /// 2-bit quants (element `128h + 32j + l` at bits `2j..` of `qs[32h + l]`), `a` the Q8_K
-    /// quants, `sc` the sixteen 4-bit group scales.
+    /// The four 2-bit fields of each byte of `q`, lowest first. A 16-bit shift moves the
+    /// upper byte's bits into the lower byte's top, which the mask drops.
     #[target_feature(enable = "avx2")]
-    pub fn q2_k_sumi(qs: &[u8], a: &[i8; 256], sc: &[u8; 16]) -> i32 {
-        assert!(qs.len() >= 64);
+    fn two_bit_fields(q: __m256i) -> [__m256i; 4] {
         let m3 = _mm256_set1_epi8(3);
+        [
+            _mm256_and_si256(q, m3),
+            _mm256_and_si256(_mm256_srli_epi16::<2>(q), m3),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(q), m3),
+            _mm256_and_si256(_mm256_srli_epi16::<6>(q), m3),
+        ]
+    }
+
+    /// Q2_K's lanes: `qs` its 64 bytes of 2-bit quants (element `128h + 32j + l` at bits
+    /// `2j..` of `qs[32h + l]`), `a` the Q8_K quants, `sc` the sixteen 4-bit group scales.
+    /// Products of `maddubs` are at most 2 · 3 · 127, so it never saturates.
+    #[target_feature(enable = "avx2")]
+    pub fn q2_k_lanes(qs: &[u8], a: &[i8; 256], sc: &[u8; 16]) -> [i32; 8] {
+        assert!(qs.len() >= 64);
         let mut acc = _mm256_setzero_si256();
         for h in 0..2 {
-            let q = load(qs, 32 * h);
-            // A 16-bit shift moves the upper byte's bits into the lower byte's top, which
-            // the mask drops: each byte keeps its own bits 2j and 2j + 1.
-            let parts = [
-                _mm256_and_si256(q, m3),
-                _mm256_and_si256(_mm256_srli_epi16::<2>(q), m3),
-                _mm256_and_si256(_mm256_srli_epi16::<4>(q), m3),
-                _mm256_and_si256(_mm256_srli_epi16::<6>(q), m3),
-            ];
-            for (j, &v) in parts.iter().enumerate() {
+            for (j, &v) in two_bit_fields(load(qs, 32 * h)).iter().enumerate() {
                 let e = 128 * h + 32 * j;
+                let p = _mm256_maddubs_epi16(v, load(a, e));
                 let g = e / 16;
-                let s = scaled_pair(v, load(a, e), i16::from(sc[g]), i16::from(sc[g + 1]));
+                let s = scaled(p, i16::from(sc[g]), i16::from(sc[g + 1]));
                 acc = _mm256_add_epi32(acc, s);
             }
         }
-        hsum(acc)
+        store(acc)
     }
 
-    /// `Σ_g sc[g] · Σ_{e in g} q[e] · a[e]` for one Q3_K super-block with the 3-bit values
-    /// taken unsigned (0..8; the caller subtracts the offset of 4): `hmask` 32 bytes of high
-    /// bits (element `e`'s at bit `e / 32` of `hmask[e % 32]`), `qs` 64 bytes of low bits
-    /// laid out as Q2_K's, `sc` the sixteen signed group scales.
+    /// Q3_K's lanes of signed values (`q − 4`): `hmask` 32 bytes of high bits (element
+    /// `e`'s at bit `e / 32` of `hmask[e % 32]`), `qs` 64 bytes of low bits laid out as
+    /// Q2_K's, `sc` the sixteen signed group scales. As llama.cpp, the low bits and the 4
+    /// a missing high bit subtracts go through `maddubs` separately (at most 2 · 4 · 127
+    /// each, never saturating) and are subtracted in i16.
     #[target_feature(enable = "avx2")]
-    pub fn q3_k_sumi(hmask: &[u8], qs: &[u8], a: &[i8; 256], sc: &[i8; 16]) -> i32 {
+    pub fn q3_k_lanes(hmask: &[u8], qs: &[u8], a: &[i8; 256], sc: &[i8; 16]) -> [i32; 8] {
         assert!(hmask.len() >= 32 && qs.len() >= 64);
-        let m3 = _mm256_set1_epi8(3);
         let four = _mm256_set1_epi8(4);
         let hm = load(hmask, 0);
-        // 4 where bit `b` of `hmask[l]` is set.
-        let high = |b: usize| {
+        // 4 where bit `b` of `hmask[l]` is clear.
+        let missing = |b: usize| {
             let bit = _mm256_set1_epi8((1u8 << b) as i8);
-            _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit), four)
+            _mm256_andnot_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit), four)
         };
         let mut acc = _mm256_setzero_si256();
         for h in 0..2 {
-            let q = load(qs, 32 * h);
-            let parts = [
-                _mm256_and_si256(q, m3),
-                _mm256_and_si256(_mm256_srli_epi16::<2>(q), m3),
-                _mm256_and_si256(_mm256_srli_epi16::<4>(q), m3),
-                _mm256_and_si256(_mm256_srli_epi16::<6>(q), m3),
-            ];
-            for (j, &low) in parts.iter().enumerate() {
-                let v = _mm256_or_si256(low, high(4 * h + j));
+            for (j, &low) in two_bit_fields(load(qs, 32 * h)).iter().enumerate() {
                 let e = 128 * h + 32 * j;
+                let x = load(a, e);
+                let p = _mm256_sub_epi16(
+                    _mm256_maddubs_epi16(low, x),
+                    _mm256_maddubs_epi16(missing(4 * h + j), x),
+                );
                 let g = e / 16;
-                let s = scaled_pair(v, load(a, e), i16::from(sc[g]), i16::from(sc[g + 1]));
+                let s = scaled(p, i16::from(sc[g]), i16::from(sc[g + 1]));
                 acc = _mm256_add_epi32(acc, s);
             }
         }
-        hsum(acc)
+        store(acc)
     }
 }
 
@@ -235,7 +266,6 @@ mod simd {
 mod tests {
     use super::*;
     use crate::quant::quantize_row_q8_k;
-    use gguf::QK_K;
 
     fn lcg(seed: &mut u64) -> f32 {
         *seed = seed
@@ -308,13 +338,14 @@ mod tests {
         }
     }
 
-    /// The AVX2 integer sums equal a plain loop over gguf's dequantization layout (so a
-    /// wrong lane or scale in the SIMD code fails here even if the scalar code shared it).
+    /// The AVX2 lanes equal the portable ones, and the lanes add up to a plain loop over
+    /// gguf's dequantization layout (so a wrong lane, element or scale fails here even if the
+    /// scalar code shared it).
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn avx2_integer_sums_follow_the_layout() {
+    fn avx2_lanes_follow_the_layout() {
         if !simd::has_avx2() {
-            eprintln!("avx2_integer_sums_follow_the_layout: NOT RUN (no AVX2 on this CPU)");
+            eprintln!("avx2_lanes_follow_the_layout: NOT RUN (no AVX2 on this CPU)");
             return;
         }
         let mut s = 17u64;
@@ -322,27 +353,29 @@ mod tests {
             let a = acts(QK_K, 3.0, &mut s)[0];
             let w2 = random_bytes(84, &mut s);
             let sc2: [u8; 16] = std::array::from_fn(|g| w2[g] & 0x0f);
+            let q2 = |e: usize| i32::from(gguf::q2_bits(&w2[16..80], e));
             let want: i32 = (0..QK_K)
-                .map(|e| {
-                    let q = i32::from(gguf::q2_bits(&w2[16..80], e));
-                    i32::from(sc2[e / 16]) * q * i32::from(a.qs[e])
-                })
+                .map(|e| i32::from(sc2[e / 16]) * q2(e) * i32::from(a.qs[e]))
                 .sum();
+            let portable = lanes(q2, |g| i32::from(sc2[g]), &a.qs);
             // SAFETY: AVX2 is present (checked above).
-            let got = unsafe { simd::q2_k_sumi(&w2[16..80], &a.qs, &sc2) };
-            assert_eq!(got, want, "Q2_K trial {trial}");
+            let got = unsafe { simd::q2_k_lanes(&w2[16..80], &a.qs, &sc2) };
+            assert_eq!(got, portable, "Q2_K trial {trial}");
+            assert_eq!(got.iter().sum::<i32>(), want, "Q2_K trial {trial}");
 
             let w3 = random_bytes(110, &mut s);
             let sc3 = gguf::q3_k_scales(&w3[96..108]);
+            let q3 = |e: usize| {
+                i32::from(gguf::q2_bits(&w3[32..96], e) | (gguf::q3_high_bit(&w3, e) << 2)) - 4
+            };
             let want: i32 = (0..QK_K)
-                .map(|e| {
-                    let q = gguf::q2_bits(&w3[32..96], e) | (gguf::q3_high_bit(&w3, e) << 2);
-                    i32::from(sc3[e / 16]) * i32::from(q) * i32::from(a.qs[e])
-                })
+                .map(|e| i32::from(sc3[e / 16]) * q3(e) * i32::from(a.qs[e]))
                 .sum();
+            let portable = lanes(q3, |g| i32::from(sc3[g]), &a.qs);
             // SAFETY: AVX2 is present (checked above).
-            let got = unsafe { simd::q3_k_sumi(&w3[..32], &w3[32..96], &a.qs, &sc3) };
-            assert_eq!(got, want, "Q3_K trial {trial}");
+            let got = unsafe { simd::q3_k_lanes(&w3[..32], &w3[32..96], &a.qs, &sc3) };
+            assert_eq!(got, portable, "Q3_K trial {trial}");
+            assert_eq!(got.iter().sum::<i32>(), want, "Q3_K trial {trial}");
         }
     }
 

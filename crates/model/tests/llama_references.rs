@@ -99,17 +99,11 @@ reference_test!(
     REORDERED,
     not_yet
 );
-reference_test!(
-    requantized_q2_k,
-    "SmolLM2-135M-Instruct.Q2_K",
-    REORDERED,
-    not_yet
-);
+reference_test!(requantized_q2_k, "SmolLM2-135M-Instruct.Q2_K", EXACT);
 reference_test!(
     requantized_q2_k_pure,
     "SmolLM2-135M-Instruct.Q2_K-pure",
-    REORDERED,
-    not_yet
+    EXACT
 );
 
 /// What one file's replay found.
