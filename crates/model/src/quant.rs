@@ -1,14 +1,16 @@
 //! Weight formats added after the original three (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K here; Q2_K
 //! and Q3_K in `low_kquants.rs`): one [`QuantFormat`] implementation per ggml type, each
 //! defining its dot product against the activation quantization ggml pairs it with (Q8_1
-//! blocks of 32, or Q8_K super-blocks of 256). Matrices keep ggml's bytes as they are in the file.
+//! blocks of 32, or Q8_K super-blocks of 256). Matrices keep ggml's bytes as in the file.
 //!
-//! The kernels compute exact integer sums per (sub-)block, then apply the block's float
-//! scales in a fixed order. Q4_K, Q5_K and Q6_K have AVX2 builds of the integer part (run-time
-//! dispatch, as in `kernels.rs`); integer sums do not depend on their order, so the SIMD
-//! and portable paths give the same bits. That float order is not yet llama.cpp's AVX2
-//! order, so greedy output on these types is not claimed to match llama.cpp bit for bit
-//! (unlike the Q4_0/Q4_1/Q8_0 kernels in `kernels.rs`).
+//! The kernels compute exact integer sums, then apply the blocks' float scales in a fixed
+//! order; the k-quants have AVX2 builds of the integer part (run-time dispatch, as in
+//! `kernels/`), and integer sums do not depend on their order, so the SIMD and portable paths
+//! give the same bits. Q6_K, Q2_K and Q3_K take llama.cpp's AVX2 float order (eight integer
+//! lanes, one fused multiply-add per lane and super-block, its final lane sum), so their
+//! logits equal llama.cpp's bit for bit (`tests/llama_references.rs`). Q5_0, Q5_1, Q4_K and
+//! Q5_K do not yet: their results are the same products in another order, which this small
+//! model amplifies to tenths of a nat on some prompts.
 
 use std::marker::PhantomData;
 
