@@ -26,23 +26,9 @@ FILES = {
     "SmolLM2-135M-Instruct.Q2_K": True,
     "SmolLM2-135M-Instruct.Q2_K-pure": False,
 }
-# llama.cpp names Paris on Q5_K_M; kvwarden's answer leaves its greedy path at the fourth
-# token (llama.cpp's top-2 margin there: 0.17 nats), because the 5-bit and K-quant kernels do
-# not sum in llama.cpp's float order yet (crates/model/tests/llama_references.rs). Strict: a
-# fix makes this test fail until the mark is removed.
-NOT_YET = {"SmolLM2-135M-Instruct.Q5_K_M"}
-PARAMS = [
-    pytest.param(
-        name,
-        marks=pytest.mark.xfail(strict=True, reason="float order differs from llama.cpp's"),
-    )
-    if name in NOT_YET
-    else name
-    for name in FILES
-]
 
 
-@pytest.mark.parametrize("name", PARAMS)
+@pytest.mark.parametrize("name", FILES)
 def test_requantized_file_answers_through_its_template(name, tmp_path):
     path = ROOT / "models" / f"{name}.gguf"
     if not path.is_file():
