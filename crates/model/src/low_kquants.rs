@@ -22,7 +22,7 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 }
 
 /// llama.cpp's `hsum_float_8`: the order in which its AVX2 kernels add their eight lanes.
-fn hsum8(acc: [f32; 8]) -> f32 {
+pub(crate) fn hsum8(acc: [f32; 8]) -> f32 {
     let r: [f32; 4] = std::array::from_fn(|j| acc[4 + j] + acc[j]);
     (r[0] + r[2]) + (r[1] + r[3])
 }

@@ -127,14 +127,24 @@ impl QuantFormat for Q5_0 {
     const TYPE: GgmlType = GgmlType::Q5_0;
     type Act = BlockQ8_1;
 
+    /// In llama.cpp's AVX2 float order (`ggml_vec_dot_q5_0_q8_0`): per block, eight lanes of
+    /// four consecutive products, each added to its lane accumulator by a fused multiply-add
+    /// with the block's `d·da`, then its final lane sum; so the logits are llama.cpp's.
     fn dot(w: &[u8], a: &[BlockQ8_1]) -> f32 {
-        let mut acc = 0f32;
+        let mut acc = [0f32; 8];
         for (wb, ab) in w.chunks_exact(22).zip(a) {
-            let mut q = five_bit(&wb[2..6], &wb[6..22]);
-            q.iter_mut().for_each(|v| *v -= 16);
-            acc += f16_at(wb, 0) * ab.d * isum(&q, &ab.qs) as f32;
+            let q = five_bit(&wb[2..6], &wb[6..22]);
+            let d = f16_at(wb, 0) * ab.d;
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let lane = isum(&q[4 * i..4 * i + 4], &ab.qs[4 * i..4 * i + 4])
+                    - 16 * ab.qs[4 * i..4 * i + 4]
+                        .iter()
+                        .map(|&v| i32::from(v))
+                        .sum::<i32>();
+                *acc = d.mul_add(lane as f32, *acc);
+            }
         }
-        acc
+        crate::low_kquants::hsum8(acc)
     }
 }
 
@@ -180,13 +190,56 @@ fn dot_k4_like(w: &[u8], a: &[BlockQ8K], bytes: usize, value: impl Fn(&[u8], usi
 pub struct Q4K;
 
 impl Q4K {
-    /// The portable definition (the SIMD path is tested against it).
+    /// Eight sub-blocks of 32 with 6-bit scales and mins, in llama.cpp's AVX2 float order
+    /// (`ggml_vec_dot_q4_K_q8_K`): eight lanes of scaled sums (lane `i` holding elements
+    /// `4i..4i+4` of every sub-block), four of the min term (sub-blocks `2k`, `2k + 1`), each
+    /// accumulated across super-blocks by a fused multiply-add, then summed as llama.cpp
+    /// does. The portable definition (the SIMD path is tested against it).
     pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-        dot_k4_like(w, a, 144, |b, e| {
-            let (j, l) = (e / 32, e % 32);
-            let q = b[16 + 32 * (j / 2) + l];
-            i32::from(if j % 2 == 0 { q & 0x0f } else { q >> 4 })
+        Self::dot_with(w, a, |wb, ab, sc| {
+            let mut lanes = [0i32; 8];
+            for (j, &s) in sc.iter().enumerate() {
+                let qs = &wb[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
+                for (i, lane) in lanes.iter_mut().enumerate() {
+                    let sum: i32 = (4 * i..4 * i + 4)
+                        .map(|l| {
+                            let v = if j % 2 == 0 { qs[l] & 0x0f } else { qs[l] >> 4 };
+                            i32::from(v) * i32::from(ab.qs[32 * j + l])
+                        })
+                        .sum();
+                    *lane += i32::from(s) * sum;
+                }
+            }
+            lanes
         })
+    }
+
+    /// The float part shared by both paths; `lanes` gives a super-block's scaled sums.
+    fn dot_with(
+        w: &[u8],
+        a: &[BlockQ8K],
+        lanes: impl Fn(&[u8], &BlockQ8K, &[u8; 8]) -> [i32; 8],
+    ) -> f32 {
+        let mut acc = [0f32; 8];
+        let mut acc_m = [0f32; 4];
+        for (wb, ab) in w.chunks_exact(144).zip(a) {
+            let d = ab.d * f16_at(wb, 0);
+            let dmin = -ab.d * f16_at(wb, 2);
+            let (sc, m): ([u8; 8], [u8; 8]) = (
+                std::array::from_fn(|j| gguf::k4_scale_min(j, &wb[4..16]).0),
+                std::array::from_fn(|j| gguf::k4_scale_min(j, &wb[4..16]).1),
+            );
+            let sums = |j: usize| i32::from(ab.bsums[2 * j]) + i32::from(ab.bsums[2 * j + 1]);
+            for (k, acc) in acc_m.iter_mut().enumerate() {
+                let prod =
+                    i32::from(m[2 * k]) * sums(2 * k) + i32::from(m[2 * k + 1]) * sums(2 * k + 1);
+                *acc = dmin.mul_add(prod as f32, *acc);
+            }
+            for (acc, lane) in acc.iter_mut().zip(lanes(wb, ab, &sc)) {
+                *acc = d.mul_add(lane as f32, *acc);
+            }
+        }
+        crate::low_kquants::hsum8(acc) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]))
     }
 }
 
@@ -197,16 +250,11 @@ impl QuantFormat for Q4K {
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() {
-            let mut acc = 0f32;
-            for (wb, ab) in w.chunks_exact(144).zip(a) {
-                let (sc, summ) = k4_scales(wb, ab);
-                // SAFETY: AVX2 is present (checked above), the only requirement of the
-                // target-feature function; it checks the slice lengths it reads.
-                let sumi = unsafe { simd::q4_k_sumi(&wb[16..144], &ab.qs, &sc) };
-                // The same float expression as `dot_k4_like`, on the same integers.
-                acc += f16_at(wb, 0) * ab.d * sumi as f32 - f16_at(wb, 2) * ab.d * summ as f32;
-            }
-            return acc;
+            // SAFETY: AVX2 is present (checked above), the only requirement of the
+            // target-feature function; it checks the slice lengths it reads.
+            return Self::dot_with(w, a, |wb, ab, sc| unsafe {
+                simd::q4_k_lanes(&wb[16..144], &ab.qs, sc)
+            });
         }
         Self::dot_scalar(w, a)
     }
@@ -365,12 +413,13 @@ mod simd {
         unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
     }
 
-    /// `Σ_j sc[j] · Σ_l q[32j + l] · a[32j + l]` for one Q4_K super-block: `qs` its 128
+    /// The lanes of `Σ_j sc[j] · Σ_l q[32j + l] · a[32j + l]` (see `Q4K::dot_scalar`) for one
+    /// Q4_K super-block: `qs` its 128
     /// bytes of nibbles (sub-block 2c in the low nibbles of bytes 32c.., 2c + 1 in the high
     /// ones), `a` the Q8_K quants. Products are at most 15 · 127, so the pairwise i16 sums
     /// of `maddubs` never saturate.
     #[target_feature(enable = "avx2")]
-    pub fn q4_k_sumi(qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> i32 {
+    pub fn q4_k_lanes(qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> [i32; 8] {
         assert!(qs.len() >= 128);
         let mask = _mm256_set1_epi8(0x0f);
         let mut acc = _mm256_setzero_si256();
@@ -384,7 +433,10 @@ mod simd {
             let s_hi = _mm256_madd_epi16(p_hi, _mm256_set1_epi16(i16::from(sc[2 * c + 1])));
             acc = _mm256_add_epi32(acc, _mm256_add_epi32(s_lo, s_hi));
         }
-        hsum(acc)
+        let mut lanes = [0i32; 8];
+        // SAFETY: `lanes` is 32 writable bytes; the store is unaligned.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
+        lanes
     }
 
     /// As [`q4_k_sumi`] for Q5_K: the fifth bit of sub-block `j`'s element `l` is bit `j` of

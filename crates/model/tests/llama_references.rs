@@ -86,12 +86,7 @@ reference_test!(
     REORDERED,
     not_yet
 );
-reference_test!(
-    requantized_q4_k_m,
-    "SmolLM2-135M-Instruct.Q4_K_M",
-    REORDERED,
-    not_yet
-);
+reference_test!(requantized_q4_k_m, "SmolLM2-135M-Instruct.Q4_K_M", EXACT);
 reference_test!(
     requantized_q3_k_m,
     "SmolLM2-135M-Instruct.Q3_K_M",
