@@ -155,36 +155,23 @@ impl QuantFormat for Q5_1 {
     const TYPE: GgmlType = GgmlType::Q5_1;
     type Act = BlockQ8_1;
 
+    /// In llama.cpp's AVX2 float order (`ggml_vec_dot_q5_1_q8_1`, built with contracted
+    /// multiply-adds): eight lanes of four products per block, each added by a fused
+    /// multiply-add with `d·da`; the offsets `m·s` summed apart and added last.
     fn dot(w: &[u8], a: &[BlockQ8_1]) -> f32 {
-        let mut acc = 0f32;
+        let mut acc = [0f32; 8];
+        let mut summs = 0f32;
         for (wb, ab) in w.chunks_exact(24).zip(a) {
+            summs = f16_at(wb, 2).mul_add(ab.s, summs);
             let q = five_bit(&wb[4..8], &wb[8..24]);
-            acc += f16_at(wb, 0) * ab.d * isum(&q, &ab.qs) as f32 + f16_at(wb, 2) * ab.s;
-        }
-        acc
-    }
-}
-
-/// Q4_K and Q5_K: eight sub-blocks of 32 with 6-bit scales and mins;
-/// `Σ x·a = d·da·Σ_j sc_j Σ q·a − dmin·da·Σ_j m_j Σ a`, the last sums from `bsums`.
-fn dot_k4_like(w: &[u8], a: &[BlockQ8K], bytes: usize, value: impl Fn(&[u8], usize) -> i32) -> f32 {
-    let mut acc = 0f32;
-    for (wb, ab) in w.chunks_exact(bytes).zip(a) {
-        let scales = &wb[4..16];
-        let mut sumi = 0i32;
-        let mut summ = 0i32;
-        for j in 0..8 {
-            let (sc, m) = gguf::k4_scale_min(j, scales);
-            let mut s = 0i32;
-            for l in 0..32 {
-                s += value(wb, 32 * j + l) * i32::from(ab.qs[32 * j + l]);
+            let d = f16_at(wb, 0) * ab.d;
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let lane = isum(&q[4 * i..4 * i + 4], &ab.qs[4 * i..4 * i + 4]);
+                *acc = (lane as f32).mul_add(d, *acc);
             }
-            sumi += i32::from(sc) * s;
-            summ += i32::from(m) * (i32::from(ab.bsums[2 * j]) + i32::from(ab.bsums[2 * j + 1]));
         }
-        acc += f16_at(wb, 0) * ab.d * sumi as f32 - f16_at(wb, 2) * ab.d * summ as f32;
+        crate::low_kquants::hsum8(acc) + summs
     }
-    acc
 }
 
 pub struct Q4K;
@@ -262,7 +249,6 @@ impl QuantFormat for Q4K {
 
 /// The eight 6-bit sub-block scales of a Q4_K/Q5_K block, and `Σ_j m_j Σ a` over its
 /// sub-blocks (the offset term, from the activations' `bsums`).
-#[cfg(target_arch = "x86_64")]
 fn k4_scales(wb: &[u8], ab: &BlockQ8K) -> ([u8; 8], i32) {
     let mut sc = [0u8; 8];
     let mut summ = 0i32;
@@ -283,30 +269,60 @@ impl QuantFormat for Q5K {
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() {
-            let mut acc = 0f32;
-            for (wb, ab) in w.chunks_exact(176).zip(a) {
-                let (sc, summ) = k4_scales(wb, ab);
-                // SAFETY: AVX2 is present (checked above), the only requirement of the
-                // target-feature function; it checks the slice lengths it reads.
-                let sumi = unsafe { simd::q5_k_sumi(&wb[16..48], &wb[48..176], &ab.qs, &sc) };
-                // The same float expression as `dot_k4_like`, on the same integers.
-                acc += f16_at(wb, 0) * ab.d * sumi as f32 - f16_at(wb, 2) * ab.d * summ as f32;
-            }
-            return acc;
+            // SAFETY: AVX2 is present (checked above), the only requirement of the
+            // target-feature function; it checks the slice lengths it reads.
+            return Self::dot_with(w, a, |wb, ab, sc| unsafe {
+                simd::q5_k_lanes(&wb[16..48], &wb[48..176], &ab.qs, sc)
+            });
         }
         Self::dot_scalar(w, a)
     }
 }
 
 impl Q5K {
-    /// The portable definition (the SIMD path is tested against it).
+    /// Q4_K's lanes with the fifth bit, in llama.cpp's AVX2 float order
+    /// (`ggml_vec_dot_q5_K_q8_K`, built with contracted multiply-adds): the min term is one
+    /// exact integer per super-block, added as `dmin·Σ` by a fused multiply-add to a scalar
+    /// that joins the lane sum last. The portable definition (the SIMD path is tested
+    /// against it).
     pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-        dot_k4_like(w, a, 176, |b, e| {
-            let (j, l) = (e / 32, e % 32);
-            let q = b[48 + 32 * (j / 2) + l];
-            let lo = if j % 2 == 0 { q & 0x0f } else { q >> 4 };
-            i32::from(lo | (((b[16 + l] >> j) & 1) << 4))
+        Self::dot_with(w, a, |wb, ab, sc| {
+            let mut lanes = [0i32; 8];
+            for (j, &s) in sc.iter().enumerate() {
+                let qs = &wb[48 + 32 * (j / 2)..48 + 32 * (j / 2) + 32];
+                for (i, lane) in lanes.iter_mut().enumerate() {
+                    let sum: i32 = (4 * i..4 * i + 4)
+                        .map(|l| {
+                            let lo = if j % 2 == 0 { qs[l] & 0x0f } else { qs[l] >> 4 };
+                            let v = lo | (((wb[16 + l] >> j) & 1) << 4);
+                            i32::from(v) * i32::from(ab.qs[32 * j + l])
+                        })
+                        .sum();
+                    *lane += i32::from(s) * sum;
+                }
+            }
+            lanes
         })
+    }
+
+    /// The float part shared by both paths; `lanes` gives a super-block's scaled sums.
+    fn dot_with(
+        w: &[u8],
+        a: &[BlockQ8K],
+        lanes: impl Fn(&[u8], &BlockQ8K, &[u8; 8]) -> [i32; 8],
+    ) -> f32 {
+        let mut acc = [0f32; 8];
+        let mut summs = 0f32;
+        for (wb, ab) in w.chunks_exact(176).zip(a) {
+            let d = ab.d * f16_at(wb, 0);
+            let dmin = -ab.d * f16_at(wb, 2);
+            let (sc, summ) = k4_scales(wb, ab);
+            summs = dmin.mul_add(summ as f32, summs);
+            for (acc, lane) in acc.iter_mut().zip(lanes(wb, ab, &sc)) {
+                *acc = d.mul_add(lane as f32, *acc);
+            }
+        }
+        crate::low_kquants::hsum8(acc) + summs
     }
 }
 
@@ -395,15 +411,6 @@ mod simd {
         std::arch::is_x86_feature_detected!("avx2")
     }
 
-    /// Sum of the eight `i32` lanes.
-    #[target_feature(enable = "avx2")]
-    fn hsum(v: __m256i) -> i32 {
-        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-        _mm_cvtsi128_si32(s)
-    }
-
     /// 32 bytes from `b[at..at + 32]`.
     #[target_feature(enable = "avx2")]
     fn load<T: Copy>(b: &[T], at: usize) -> __m256i {
@@ -439,10 +446,10 @@ mod simd {
         lanes
     }
 
-    /// As [`q4_k_sumi`] for Q5_K: the fifth bit of sub-block `j`'s element `l` is bit `j` of
+    /// As [`q4_k_lanes`] for Q5_K: the fifth bit of sub-block `j`'s element `l` is bit `j` of
     /// `qh[l]`. Products are at most 31 · 127, so `maddubs` never saturates.
     #[target_feature(enable = "avx2")]
-    pub fn q5_k_sumi(qh: &[u8], qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> i32 {
+    pub fn q5_k_lanes(qh: &[u8], qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> [i32; 8] {
         assert!(qh.len() >= 32 && qs.len() >= 128);
         let mask = _mm256_set1_epi8(0x0f);
         let five = _mm256_set1_epi8(0x10);
@@ -466,7 +473,10 @@ mod simd {
             let s_hi = _mm256_madd_epi16(p_hi, _mm256_set1_epi16(i16::from(sc[2 * c + 1])));
             acc = _mm256_add_epi32(acc, _mm256_add_epi32(s_lo, s_hi));
         }
-        hsum(acc)
+        let mut lanes = [0i32; 8];
+        // SAFETY: `lanes` is 32 writable bytes; the store is unaligned.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
+        lanes
     }
 
     /// The eight lane sums of one Q6_K super-block as llama.cpp's AVX2 kernel forms them

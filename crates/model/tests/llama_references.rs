@@ -80,19 +80,9 @@ macro_rules! reference_test {
 reference_test!(default_q4_1, "SmolLM2-135M-Instruct.Q4_1", EXACT);
 reference_test!(requantized_q8_0, "SmolLM2-135M-Instruct.Q8_0", EXACT);
 reference_test!(requantized_q6_k, "SmolLM2-135M-Instruct.Q6_K", EXACT);
-reference_test!(
-    requantized_q5_k_m,
-    "SmolLM2-135M-Instruct.Q5_K_M",
-    REORDERED,
-    not_yet
-);
+reference_test!(requantized_q5_k_m, "SmolLM2-135M-Instruct.Q5_K_M", EXACT);
 reference_test!(requantized_q4_k_m, "SmolLM2-135M-Instruct.Q4_K_M", EXACT);
-reference_test!(
-    requantized_q3_k_m,
-    "SmolLM2-135M-Instruct.Q3_K_M",
-    REORDERED,
-    not_yet
-);
+reference_test!(requantized_q3_k_m, "SmolLM2-135M-Instruct.Q3_K_M", EXACT);
 reference_test!(requantized_q2_k, "SmolLM2-135M-Instruct.Q2_K", EXACT);
 reference_test!(
     requantized_q2_k_pure,
