@@ -3,14 +3,14 @@
 //! defining its dot product against the activation quantization ggml pairs it with (Q8_1
 //! blocks of 32, or Q8_K super-blocks of 256). Matrices keep ggml's bytes as in the file.
 //!
-//! The kernels compute exact integer sums, then apply the blocks' float scales in a fixed
-//! order; the k-quants have AVX2 builds of the integer part (run-time dispatch, as in
-//! `kernels/`), and integer sums do not depend on their order, so the SIMD and portable paths
-//! give the same bits. Q6_K, Q2_K and Q3_K take llama.cpp's AVX2 float order (eight integer
-//! lanes, one fused multiply-add per lane and super-block, its final lane sum), so their
-//! logits equal llama.cpp's bit for bit (`tests/llama_references.rs`). Q5_0, Q5_1, Q4_K and
-//! Q5_K do not yet: their results are the same products in another order, which this small
-//! model amplifies to tenths of a nat on some prompts.
+//! The kernels compute exact integer sums, then apply the blocks' float scales in
+//! llama.cpp's AVX2 float order (its `ggml_vec_dot_*` kernels): eight integer lanes (lane `i`
+//! holding elements `4i..4i+4` of each 32-element chunk), one fused multiply-add per lane and
+//! block, the min/offset terms as llama.cpp accumulates them, and its final lane sum. So the
+//! logits on these types equal llama.cpp's bit for bit (`tests/llama_references.rs`); with
+//! the same products in another order this small model moved by tenths of a nat. The
+//! k-quants have AVX2 builds of the integer lanes (run-time dispatch, as in `kernels/`);
+//! integer lanes do not depend on how they are summed, so both paths give the same bits.
 
 use std::marker::PhantomData;
 
