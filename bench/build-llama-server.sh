@@ -5,12 +5,27 @@
 # Cached: a second run prints the path at once. About 10 minutes on 2 cores, run at the
 # lowest CPU priority so it does not starve other work. Needs cmake, ninja and a C++
 # compiler (Debian: apt-get install cmake ninja-build g++). Prints the binary's path.
+#
+# With one argument (`llama-quantize` or `llama-bench`) it builds only that tool, which
+# is what a fresh clone needs to requantize the test models (scripts/fetch-quant-models.sh),
+# and prints its path.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 version=0.3.36
 peer="$root/.peer"
+only=${1:-}
+case "$only" in
+  "") ;;
+  llama-quantize | llama-bench)
+    if [ -x "$peer/$only-$version" ]; then
+      echo "$peer/$only-$version"
+      exit 0
+    fi
+    ;;
+  *) echo "build-llama-server: unknown tool $only (llama-quantize or llama-bench)" >&2; exit 2 ;;
+esac
 bin="$peer/llama-server-$version"
-if [ -x "$bin" ]; then
+if [ -z "$only" ] && [ -x "$bin" ]; then
   echo "$bin"
   exit 0
 fi
@@ -28,11 +43,18 @@ if [ ! -d "$src/vendor/llama.cpp" ]; then
   mkdir -p "$src"
   tar -xzf "$tmp"/llama_cpp_python-"$version".tar.gz -C "$src" --strip-components=1
 fi
-echo "build-llama-server: building llama-server (about 10 minutes on 2 cores)" >&2
+echo "build-llama-server: building ${only:-llama-server} (about 10 minutes on 2 cores)" >&2
 nice -n 19 cmake -S "$src/vendor/llama.cpp" -B "$peer/build-$version" -G Ninja \
   -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON >&2
+if [ -n "$only" ]; then
+  nice -n 19 cmake --build "$peer/build-$version" --target "$only" -j "$(nproc)" >&2
+  cp "$peer/build-$version/bin/$only" "$peer/$only-$version.tmp"
+  mv "$peer/$only-$version.tmp" "$peer/$only-$version"
+  echo "$peer/$only-$version"
+  exit 0
+fi
 nice -n 19 cmake --build "$peer/build-$version" --target llama-server llama-quantize llama-bench -j "$(nproc)" >&2
 for tool in llama-quantize llama-bench; do
   cp "$peer/build-$version/bin/$tool" "$peer/$tool-$version.tmp"

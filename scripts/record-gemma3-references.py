@@ -9,6 +9,7 @@ the greedy continuations of token-id prompts with the top 10 log-probabilities o
 end-to-end test expects. Only the Python standard library is used.
 """
 import json
+import os
 import pathlib
 import socket
 import subprocess
@@ -71,10 +72,14 @@ def main():
     ).stdout.strip()
     subprocess.run([str(ROOT / "scripts/fetch-gemma3.sh")], check=True)
     port = free_port()
+    # The arithmetic kvwarden reproduces, as scripts/record-llama-references.py explains:
+    # micro-batches of 32 (one-row flash attention), no repacking, no tiled K-quant matmul.
     proc = subprocess.Popen(
         [server, "--model", str(MODEL), "--port", str(port), "-t", "1", "-np", "1",
-         "-c", "4096", "--no-warmup", "--jinja", "--chat-template-file", str(TEMPLATE)],
+         "-c", "4096", "-ub", "32", "-fa", "on", "--no-repack", "--no-warmup", "--jinja",
+         "--chat-template-file", str(TEMPLATE)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, GGML_CPU_TILED_MM="0"),
     )
     base = f"http://127.0.0.1:{port}"
     try:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite, from a fresh clone: fetches the model, checks formatting and lints,
+# The whole test suite, from a fresh clone: fetches the model (and makes its requantized
+# variants with llama.cpp's llama-quantize), checks formatting and lints,
 # runs the Rust tests, the loom model of the KV pool, every fuzz target briefly, the incident
 # replay (`kvwarden audit --scenario incident`), and the end-to-end tests that drive a real
 # `kvwarden serve` with the official OpenAI client (with `kvwarden audit` and the fault
@@ -12,6 +13,10 @@ cd "$(dirname "$0")/.."
 ./scripts/fetch-model.sh
 # Gemma 3 270M (the gemma3 tests in crates/model, crates/tokenizer and tests/python).
 ./scripts/fetch-gemma3.sh
+# The default model requantized by llama.cpp's llama-quantize (built once into .peer/, a few
+# minutes on 2 cores) to the K-quant presets: crates/model/tests/llama_references.rs and
+# tests/python/test_quant_models.py run on them.
+./scripts/fetch-quant-models.sh
 python=$(./scripts/python-env.sh)
 
 cargo fmt --all -- --check
@@ -46,6 +51,7 @@ target/debug/kvwarden --threads 2 audit --scenario incident
 # Every fixture becomes router + prefill node + decode node: the router must answer exactly
 # as `serve` does.
 # (test_cluster.py and the fault suite test_faults.py start their own clusters and ran above.)
-# (test_gemma3.py always starts its own `serve`: it ran above.)
+# test_gemma3.py and test_quant_models.py start their own `serve` and ran above.
 KVWARDEN_DEPLOYMENT=cluster "$python" -m pytest tests/python -q --ignore tests/python/test_cluster.py \
-  --ignore tests/python/test_faults.py --ignore tests/python/test_gemma3.py
+  --ignore tests/python/test_faults.py --ignore tests/python/test_gemma3.py \
+  --ignore tests/python/test_quant_models.py

@@ -9,11 +9,13 @@
 // the SIMD kernels of the `model` crate, each with its own safety argument and test.
 #![forbid(unsafe_code)]
 
+mod low_kquants;
 mod quants;
 mod reader;
 mod types;
 mod writer;
 
+pub use low_kquants::{q2_bits, q3_high_bit, q3_k_scales};
 pub use quants::{k4_scale_min, q6_at, QK_K};
 pub use reader::{GgufFile, TensorInfo};
 pub use types::{ggml_type_name, GgmlType, MetaValue};
@@ -44,7 +46,7 @@ pub enum GgufError {
     UnknownValueType(u32),
     #[error(
         "tensor {name}: ggml type {} ({ty}) is not supported (kvwarden loads F32, F16, BF16, \
-         Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)",
+         Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)",
         types::ggml_type_name(*ty)
     )]
     UnknownTensorType { name: String, ty: u32 },

@@ -1,6 +1,6 @@
 use half::{bf16, f16};
 
-use crate::quants;
+use crate::{low_kquants, quants};
 
 /// Tensor element types that kvwarden can load. Values are ggml's type ids; the k-quants
 /// keep ggml's names (`Q4_K`), which rustc's naming lint would turn into `Q4K`.
@@ -14,6 +14,8 @@ pub enum GgmlType {
     Q5_0,
     Q5_1,
     Q8_0,
+    Q2_K,
+    Q3_K,
     Q4_K,
     Q5_K,
     Q6_K,
@@ -80,6 +82,8 @@ impl GgmlType {
             6 => Self::Q5_0,
             7 => Self::Q5_1,
             8 => Self::Q8_0,
+            10 => Self::Q2_K,
+            11 => Self::Q3_K,
             12 => Self::Q4_K,
             13 => Self::Q5_K,
             14 => Self::Q6_K,
@@ -97,6 +101,8 @@ impl GgmlType {
             Self::Q5_0 => 6,
             Self::Q5_1 => 7,
             Self::Q8_0 => 8,
+            Self::Q2_K => 10,
+            Self::Q3_K => 11,
             Self::Q4_K => 12,
             Self::Q5_K => 13,
             Self::Q6_K => 14,
@@ -109,7 +115,7 @@ impl GgmlType {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
             Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
-            Self::Q4_K | Self::Q5_K | Self::Q6_K => quants::QK_K,
+            Self::Q2_K | Self::Q3_K | Self::Q4_K | Self::Q5_K | Self::Q6_K => quants::QK_K,
         }
     }
 
@@ -123,6 +129,8 @@ impl GgmlType {
             Self::Q5_0 => 2 + 4 + 16,
             Self::Q5_1 => 2 + 2 + 4 + 16,
             Self::Q8_0 => 2 + 32,
+            Self::Q2_K => 16 + 64 + 2 + 2,
+            Self::Q3_K => 32 + 64 + 12 + 2,
             Self::Q4_K => 2 + 2 + 12 + 128,
             Self::Q5_K => 2 + 2 + 12 + 32 + 128,
             Self::Q6_K => 128 + 64 + 16 + 2,
@@ -143,7 +151,7 @@ impl GgmlType {
     /// Follows ggml's definitions: Q4_0 `x = (q - 8) * d`; Q4_1 `x = q * d + m`; Q8_0
     /// `x = q * d`; in 4-bit blocks byte `j` holds element `j` in its low nibble and element
     /// `j + 16` in its high nibble. The 5-bit and k-quant layouts are described in
-    /// `quants.rs`.
+    /// `quants.rs` and `low_kquants.rs`.
     pub fn dequantize(self, src: &[u8], dst: &mut [f32]) {
         let be = self.block_elems();
         let bb = self.block_bytes();
@@ -179,6 +187,8 @@ impl GgmlType {
                 }
                 Self::Q5_0 => quants::dequantize_q5_0(block, out),
                 Self::Q5_1 => quants::dequantize_q5_1(block, out),
+                Self::Q2_K => low_kquants::dequantize_q2_k(block, out),
+                Self::Q3_K => low_kquants::dequantize_q3_k(block, out),
                 Self::Q4_K => quants::dequantize_q4_k(block, out),
                 Self::Q5_K => quants::dequantize_q5_k(block, out),
                 Self::Q6_K => quants::dequantize_q6_k(block, out),
@@ -238,6 +248,8 @@ impl GgmlType {
                 }
                 Self::Q5_0 => quants::quantize_q5_0(x, &mut out),
                 Self::Q5_1 => quants::quantize_q5_1(x, &mut out),
+                Self::Q2_K => low_kquants::quantize_q2_k(x, &mut out),
+                Self::Q3_K => low_kquants::quantize_q3_k(x, &mut out),
                 Self::Q4_K => quants::quantize_q4_k(x, &mut out),
                 Self::Q5_K => quants::quantize_q5_k(x, &mut out),
                 Self::Q6_K => quants::quantize_q6_k(x, &mut out),

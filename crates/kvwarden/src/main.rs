@@ -120,8 +120,8 @@ struct SynthArgs {
     context: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Weight type of the layer matrices: f32, f16, q4_0, q4_1, q8_0, q5_0, q5_1, q4_k,
-    /// q5_k, q6_k (the k-quants need dim and ffn multiples of 256).
+    /// Weight type of the layer matrices: f32, f16, q4_0, q4_1, q8_0, q5_0, q5_1, q2_k,
+    /// q3_k, q4_k, q5_k, q6_k (the k-quants need dim and ffn multiples of 256).
     #[arg(long, default_value = "q8_0")]
     weight_type: String,
     /// Architecture: llama, llama3 (llama with Llama 3's RoPE factors and BOS), qwen2, qwen3,
@@ -283,11 +283,13 @@ fn synth(args: SynthArgs) -> Result<()> {
         "q8_0" => GgmlType::Q8_0,
         "q5_0" => GgmlType::Q5_0,
         "q5_1" => GgmlType::Q5_1,
+        "q2_k" => GgmlType::Q2_K,
+        "q3_k" => GgmlType::Q3_K,
         "q4_k" => GgmlType::Q4_K,
         "q5_k" => GgmlType::Q5_K,
         "q6_k" => GgmlType::Q6_K,
         other => bail!(
-            "unknown weight type {other:?} (f32, f16, q4_0, q4_1, q8_0, q5_0, q5_1, q4_k, q5_k, q6_k)"
+            "unknown weight type {other:?} (f32, f16, q4_0, q4_1, q8_0, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k)"
         ),
     };
     let arch = model::synth::SynthArch::from_name(&args.arch).with_context(|| {

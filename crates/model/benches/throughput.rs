@@ -1,6 +1,6 @@
-//! Single-stream throughput on the default model (or `BENCH_MODEL`), in llama-bench's terms: prompt processing
-//! of N tokens (pp) and generation of M tokens (tg). `bench/serve.py` runs it next to
-//! llama.cpp's `llama-bench` on the same file and reports the ratios.
+//! Single-stream throughput on the default model (or `BENCH_MODEL`), in llama-bench's terms:
+//! prompt processing of N tokens (pp) and generation of M tokens (tg). `bench/serve.py` and
+//! `bench/quants.sh` run it next to llama.cpp's `llama-bench` on the same file.
 use std::time::Instant;
 
 use kv::{IsolationDomain, KvDtype, KvPool, Owner, PoolConfig, RequestId, ScrubPolicy, SequenceKv};
@@ -15,12 +15,16 @@ fn main() {
     };
     let (np, ng) = (arg("BENCH_PP", 512), arg("BENCH_TG", 128));
     let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    // BENCH_MODEL compares another GGUF file (e.g. a K-quant) with llama-bench on the same.
-    let path = std::env::var_os("BENCH_MODEL")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    let file = gguf::GgufFile::open(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (run scripts/fetch-model.sh)", path.display()));
+    // BENCH_MODEL: another file under models/ (bench/quants.sh measures the K-quant ones).
+    let name =
+        std::env::var("BENCH_MODEL").unwrap_or_else(|_| "SmolLM2-135M-Instruct.Q4_1.gguf".into());
+    let path = root.join("models").join(name);
+    let file = gguf::GgufFile::open(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (run scripts/fetch-model.sh or scripts/fetch-quant-models.sh)",
+            path.display()
+        )
+    });
     let model = Model::load(&file).expect("model");
     let pool = KvPool::new(PoolConfig {
         layout: model.kv_layout(16, KvDtype::F16),

@@ -8,15 +8,14 @@ use model::config::{Arch, FfnAct};
 use model::synth::{SynthArch, SynthSpec};
 use model::{sampling::argmax, BatchItem, LogitsWanted, Model};
 
-/// How close this file's answers are to llama.cpp's. Not bit-equal: on a copy of the same
-/// model requantized to Q8_0 throughout, kvwarden's log-probabilities are within 5e-4 nats
-/// of llama.cpp's, but this file's Q5_0, Q4_K and Q6_K matrices are summed differently
-/// (measured: up to about 0.2 nats apart on a pure Q5_0 copy), and this small model
-/// amplifies that (llama.cpp's own flash-attention on and off differ by 0.17 nats here).
-/// So greedy tokens must agree wherever llama.cpp's top-2 margin is at least
+/// How close this file's answers are to llama.cpp's: every kernel sums in llama.cpp's float
+/// order and the references are recorded with the arithmetic kvwarden reproduces (see
+/// `scripts/record-gemma3-references.py`), so what is left is llama.cpp's f32 normalization
+/// (measured: 5e-4 nats at most, 3e-4 in probability, including the prompt longer than the
+/// sliding window). Greedy tokens must agree wherever llama.cpp's top-2 margin is at least
 /// [`GREEDY_MARGIN`], and the top-10 probabilities within [`PROB_TOLERANCE`].
-const GREEDY_MARGIN: f32 = 0.25;
-const PROB_TOLERANCE: f32 = 0.15;
+const GREEDY_MARGIN: f32 = 0.05;
+const PROB_TOLERANCE: f32 = 2e-3;
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array()

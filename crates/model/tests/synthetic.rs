@@ -450,6 +450,8 @@ fn chunking_and_batching_never_change_a_row_in_any_architecture() {
             // The k-quants need rows of whole 256-element super-blocks.
             (GgmlType::Q4_K, KvDtype::F16, 256, 4),
             (GgmlType::Q6_K, KvDtype::F16, 256, 4),
+            (GgmlType::Q2_K, KvDtype::F16, 256, 4),
+            (GgmlType::Q3_K, KvDtype::F16, 256, 4),
         ] {
             let spec = spec(dim, heads, 2, ty);
             let (_, model) = load_arch(&spec, arch);

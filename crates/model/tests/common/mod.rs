@@ -55,3 +55,18 @@ pub fn gemma3_references() -> serde_json::Value {
         .unwrap_or_else(|e| panic!("{} is required: {e}", path.display()));
     serde_json::from_str(&text).expect("references JSON")
 }
+
+/// llama.cpp's recorded output on a real file (`tests/data/llama-refs/<name>.json`, written by
+/// `scripts/record-llama-references.py`); missing is a failure, not a skip.
+pub fn reference(name: &str) -> serde_json::Value {
+    let path = workspace_root()
+        .join("tests/data/llama-refs")
+        .join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "reference file {} is required (scripts/record-llama-references.py {name}): {e}",
+            path.display()
+        )
+    });
+    serde_json::from_str(&text).expect("reference JSON")
+}

@@ -1,0 +1,222 @@
+//! AVX2 integer lanes of the k-quants (`quant.rs`), laid out as llama.cpp's kernels form them
+//! (see each format's `dot_scalar`). Every lane is an exact `i32` (bounded far below
+//! overflow), so the result is the portable code's.
+
+use std::arch::x86_64::*;
+
+pub fn has_avx2() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+}
+
+pub fn has_avx2_fma_f16c() -> bool {
+    has_avx2()
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+}
+
+/// 32 bytes from `b[at..at + 32]`.
+#[target_feature(enable = "avx2")]
+fn load<T: Copy>(b: &[T], at: usize) -> __m256i {
+    let s = &b[at..at + 32 / std::mem::size_of::<T>()];
+    // SAFETY: `s` is exactly 32 bytes of plain integers (the slice index above panics
+    // otherwise); the load is unaligned.
+    unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+}
+
+/// The lanes of `Σ_j sc[j] · Σ_l q[32j + l] · a[32j + l]` (see `Q4K::dot_scalar`) for one
+/// Q4_K super-block: `qs` its 128
+/// bytes of nibbles (sub-block 2c in the low nibbles of bytes 32c.., 2c + 1 in the high
+/// ones), `a` the Q8_K quants. Products are at most 15 · 127, so the pairwise i16 sums
+/// of `maddubs` never saturate.
+#[target_feature(enable = "avx2")]
+pub fn q4_k_lanes(qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> [i32; 8] {
+    assert!(qs.len() >= 128);
+    let mask = _mm256_set1_epi8(0x0f);
+    let mut acc = _mm256_setzero_si256();
+    for c in 0..4 {
+        let q = load(qs, 32 * c);
+        let lo = _mm256_and_si256(q, mask);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask);
+        let p_lo = _mm256_maddubs_epi16(lo, load(a, 64 * c));
+        let p_hi = _mm256_maddubs_epi16(hi, load(a, 64 * c + 32));
+        let s_lo = _mm256_madd_epi16(p_lo, _mm256_set1_epi16(i16::from(sc[2 * c])));
+        let s_hi = _mm256_madd_epi16(p_hi, _mm256_set1_epi16(i16::from(sc[2 * c + 1])));
+        acc = _mm256_add_epi32(acc, _mm256_add_epi32(s_lo, s_hi));
+    }
+    let mut lanes = [0i32; 8];
+    // SAFETY: `lanes` is 32 writable bytes; the store is unaligned.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
+    lanes
+}
+
+/// As [`q4_k_lanes`] for Q5_K: the fifth bit of sub-block `j`'s element `l` is bit `j` of
+/// `qh[l]`. Products are at most 31 · 127, so `maddubs` never saturates.
+#[target_feature(enable = "avx2")]
+pub fn q5_k_lanes(qh: &[u8], qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> [i32; 8] {
+    assert!(qh.len() >= 32 && qs.len() >= 128);
+    let mask = _mm256_set1_epi8(0x0f);
+    let five = _mm256_set1_epi8(0x10);
+    let h = load(qh, 0);
+    // 0x10 where bit `j` of `qh[l]` is set.
+    let high = |j: usize| {
+        let bit = _mm256_set1_epi8((1u8 << j) as i8);
+        _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), five)
+    };
+    let mut acc = _mm256_setzero_si256();
+    for c in 0..4 {
+        let q = load(qs, 32 * c);
+        let lo = _mm256_or_si256(_mm256_and_si256(q, mask), high(2 * c));
+        let hi = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask),
+            high(2 * c + 1),
+        );
+        let p_lo = _mm256_maddubs_epi16(lo, load(a, 64 * c));
+        let p_hi = _mm256_maddubs_epi16(hi, load(a, 64 * c + 32));
+        let s_lo = _mm256_madd_epi16(p_lo, _mm256_set1_epi16(i16::from(sc[2 * c])));
+        let s_hi = _mm256_madd_epi16(p_hi, _mm256_set1_epi16(i16::from(sc[2 * c + 1])));
+        acc = _mm256_add_epi32(acc, _mm256_add_epi32(s_lo, s_hi));
+    }
+    let mut lanes = [0i32; 8];
+    // SAFETY: `lanes` is 32 writable bytes; the store is unaligned.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
+    lanes
+}
+
+/// The eight lane sums of one Q6_K super-block as llama.cpp's AVX2 kernel forms them
+/// (see `Q6K::dot_scalar`), with the 6-bit values taken unsigned (0..63; the caller
+/// subtracts the offset of 32): `ql` 128 bytes of low nibbles, `qh` 64 bytes of high bit
+/// pairs, groups of 16. Products are at most 63 · 127, so `maddubs` never saturates.
+#[target_feature(enable = "avx2")]
+pub fn q6_k_lanes(ql: &[u8], qh: &[u8], a: &[i8; 256], sc: &[i8; 16]) -> [i32; 8] {
+    assert!(ql.len() >= 128 && qh.len() >= 64);
+    let m4 = _mm256_set1_epi8(0x0f);
+    let m2 = _mm256_set1_epi8(0x03);
+    let mut acc = _mm256_setzero_si256();
+    for half in 0..2 {
+        let l0 = load(ql, 64 * half);
+        let l1 = load(ql, 64 * half + 32);
+        let h = load(qh, 32 * half);
+        // Element 128·half + 32·k + l: low nibble of ql[l] (k = 0), ql[l + 32] (1),
+        // high nibble of ql[l] (2), ql[l + 32] (3); high bits (qh[l] >> 2k) & 3.
+        let lows = [
+            _mm256_and_si256(l0, m4),
+            _mm256_and_si256(l1, m4),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(l0), m4),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(l1), m4),
+        ];
+        let highs = [
+            _mm256_and_si256(h, m2),
+            _mm256_and_si256(_mm256_srli_epi16::<2>(h), m2),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(h), m2),
+            _mm256_and_si256(_mm256_srli_epi16::<6>(h), m2),
+        ];
+        for k in 0..4 {
+            let q = _mm256_or_si256(lows[k], _mm256_slli_epi16::<4>(highs[k]));
+            let e = 128 * half + 32 * k;
+            let p = _mm256_maddubs_epi16(q, load(a, e));
+            // The low 128 bits hold group e / 16, the high ones the next.
+            let g = e / 16;
+            let scales = _mm256_set_m128i(
+                _mm_set1_epi16(i16::from(sc[g + 1])),
+                _mm_set1_epi16(i16::from(sc[g])),
+            );
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scales));
+        }
+    }
+    let mut lanes = [0i32; 8];
+    // SAFETY: `lanes` is 32 writable bytes; the store is unaligned.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
+    lanes
+}
+
+/// One Q5_0 or Q5_1 (`with_min`) weight row against up to [`super::TILE`] activation
+/// rows, `out[t]`: per block the values are unpacked once ([`five_bit_madd`]), then each
+/// token's eight exact lane sums go into its own eight f32 lanes as the portable
+/// definitions (`Q5_0::dot_scalar`, `Q5_1::dot_scalar`: llama.cpp's order) do, so their
+/// bits.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn five_bit_rows(w: &[u8], acts: &[&[super::BlockQ8_1]], with_min: bool, out: &mut [f32]) {
+    let k = acts.len().min(super::TILE);
+    if k == 0 {
+        return;
+    }
+    let (bytes, qh_at) = if with_min { (24, 4) } else { (22, 2) };
+    let mut acc = [_mm256_setzero_ps(); super::TILE];
+    let mut summs = [0f32; super::TILE];
+    for (i, wb) in w.chunks_exact(bytes).enumerate() {
+        let pick = |t: usize| &acts[t.min(k - 1)][i];
+        let a: [&[i8; 32]; super::TILE] = std::array::from_fn(|t| &pick(t).qs);
+        let lanes = five_bit_madd(&wb[qh_at..qh_at + 4], &wb[qh_at + 4..bytes], !with_min, a);
+        let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
+            wb[0], wb[1], wb[2], wb[3],
+        ])));
+        let d = _mm_cvtss_f32(scales);
+        let m = _mm_cvtss_f32(_mm_movehdup_ps(scales));
+        for t in 0..k {
+            let ab = pick(t);
+            if with_min {
+                summs[t] += m * ab.s;
+            }
+            let dd = _mm256_set1_ps(d * ab.d);
+            acc[t] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(lanes[t]), acc[t]);
+        }
+    }
+    for t in 0..k {
+        out[t] = hsum_f32(acc[t]) + summs[t];
+    }
+}
+
+/// ggml's `hsum_float_8`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hsum_f32(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_extractf128_ps::<1>(v), _mm256_castps256_ps128(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// `Σ q·a` over each run of four elements (eight exact `i32` lanes per token, lane `l`
+/// for elements `4l..4l + 4`, as ggml's `mul_sum_i8_pairs`) for one Q5_0 (`centered`:
+/// values `q − 16`) or Q5_1 (values `q`) block against `N` Q8 blocks: `qh` the 32 fifth
+/// bits, `qs` 16 bytes of nibbles (elements 0..16 low, 16..32 high). `|q − 16|` is at
+/// most 16 and `q` at most 31, so `maddubs` never saturates.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn five_bit_madd<const N: usize>(
+    qh: &[u8],
+    qs: &[u8],
+    centered: bool,
+    a: [&[i8; 32]; N],
+) -> [__m256i; N] {
+    assert!(qh.len() >= 4 && qs.len() >= 16);
+    let mask = _mm_set1_epi8(0x0f);
+    // SAFETY: `qs` holds at least 16 bytes (asserted); the load is unaligned.
+    let q = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
+    let nibbles = _mm256_set_m128i(
+        _mm_and_si128(_mm_srli_epi16::<4>(q), mask),
+        _mm_and_si128(q, mask),
+    );
+    // Byte j of the bit mask tests bit j of `qh`: broadcast byte j / 8, mask bit j % 8.
+    let bits = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(bits as i32),
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        ),
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    let values = _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    let ones = _mm256_set1_epi16(1);
+    let sum = |x: __m256i| {
+        let p = if centered {
+            let v = _mm256_sub_epi8(values, _mm256_set1_epi8(16));
+            _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v))
+        } else {
+            _mm256_maddubs_epi16(values, x)
+        };
+        _mm256_madd_epi16(p, ones)
+    };
+    a.map(|x| sum(load(&x[..], 0)))
+}

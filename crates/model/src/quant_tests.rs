@@ -1,0 +1,191 @@
+//! Tests of `quant.rs`: each format against the reference dequantization, SIMD against
+//! the portable definitions.
+
+use super::*;
+use crate::kernels::matmul;
+use crate::weights::{quantize_row_q8_1, Matrix};
+
+fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+}
+
+/// Each format's kernel against the f32 product of the scalar reference dequantization
+/// of the weights (gguf's, written from ggml's definitions) and of the activations the
+/// kernel was given: the integer sums are exact, so only float rounding may differ. Rows
+/// are also identical alone and batched.
+#[test]
+fn kernels_match_the_reference_dequantization() {
+    let (rows, cols, n) = (11, 512, 5);
+    let mut s = 7u64;
+    let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 3.0).collect();
+    let mut xq = vec![BlockQ8_1::default(); n * cols / QK];
+    for (row, o) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(cols / QK)) {
+        quantize_row_q8_1(row, o);
+    }
+    let mut xk = vec![BlockQ8K::default(); n * cols / QK_K];
+    for (row, o) in x.chunks_exact(cols).zip(xk.chunks_exact_mut(cols / QK_K)) {
+        quantize_row_q8_k(row, o);
+    }
+    let deq_q8_1: Vec<f32> = xq
+        .iter()
+        .flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d))
+        .collect();
+    let deq_q8_k: Vec<f32> = xk
+        .iter()
+        .flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d))
+        .collect();
+    for (i, b) in xk.iter().enumerate() {
+        for (g, &sum) in b.bsums.iter().enumerate() {
+            let want: i32 = b.qs[16 * g..16 * g + 16]
+                .iter()
+                .map(|&q| i32::from(q))
+                .sum();
+            assert_eq!(i32::from(sum), want, "block {i} group {g}");
+        }
+    }
+    // Q8_K is within half a step of its input.
+    for (a, b) in x.iter().zip(&deq_q8_k) {
+        assert!((a - b).abs() <= 3.0 / 127.0 * 0.5 + 1e-5, "{a} vs {b}");
+    }
+
+    for ty in [
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+    ] {
+        let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
+        let mut w = gguf::GgufWriter::new();
+        w.tensor_f32("w", &[cols as u64, rows as u64], ty, &vals);
+        let f = gguf::GgufFile::parse(w.to_bytes()).expect("parses");
+        let info = f.tensor("w").expect("tensor");
+        let deq = f.tensor_f32(info);
+        let m = Matrix::load(&f, info, rows, cols).expect("loads");
+        assert!(matches!(&m, Matrix::Blocks(b) if b.ty() == ty));
+        let mut out = vec![0f32; n * rows];
+        matmul(&m, &x, &xq, n, &mut out);
+        let xin = if m.wants_q8_k() { &deq_q8_k } else { &deq_q8_1 };
+        for t in 0..n {
+            for r in 0..rows {
+                let want: f64 = (0..cols)
+                    .map(|c| deq[r * cols + c] as f64 * xin[t * cols + c] as f64)
+                    .sum();
+                let got = out[t * rows + r] as f64;
+                // Q5_1's offset term uses the f16-rounded activation sum, as ggml's.
+                let tol = if ty == GgmlType::Q5_1 { 2e-2 } else { 1e-4 };
+                assert!(
+                    (want - got).abs() < tol * (1.0 + want.abs()),
+                    "{ty:?} t{t} r{r}: {want} vs {got}"
+                );
+            }
+            let mut one = vec![0f32; rows];
+            let nb = cols / QK;
+            matmul(
+                &m,
+                &x[t * cols..(t + 1) * cols],
+                &xq[t * nb..(t + 1) * nb],
+                1,
+                &mut one,
+            );
+            assert_eq!(one, out[t * rows..(t + 1) * rows], "{ty:?} token {t}");
+        }
+        // Embedding lookups dequantize the row.
+        let mut row = vec![0f32; cols];
+        m.row_f32(3, &mut row);
+        assert_eq!(row, deq[3 * cols..4 * cols]);
+    }
+}
+
+/// The dispatched Q4_K, Q5_K and Q6_K products (AVX2 where the CPU has it) give the portable
+/// definition's bits: the same integers, then the same float expression.
+#[test]
+fn simd_k_quants_equal_the_scalar_definition_bit_for_bit() {
+    let mut s = 11u64;
+    for (ty, blocks) in [
+        (GgmlType::Q4_K, 3),
+        (GgmlType::Q5_K, 3),
+        (GgmlType::Q6_K, 3),
+    ] {
+        for trial in 0..20 {
+            let cols = blocks * QK_K;
+            // Wide value ranges, so quants reach their extremes (0 and 15 or 63).
+            let amp = 1.0 + trial as f32;
+            let vals: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * amp).collect();
+            let w = ty.quantize(&vals);
+            let x: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * amp).collect();
+            let mut xk = vec![BlockQ8K::default(); blocks];
+            quantize_row_q8_k(&x, &mut xk);
+            let (fast, slow) = match ty {
+                GgmlType::Q4_K => (Q4K::dot(&w, &xk), Q4K::dot_scalar(&w, &xk)),
+                GgmlType::Q5_K => (Q5K::dot(&w, &xk), Q5K::dot_scalar(&w, &xk)),
+                _ => (Q6K::dot(&w, &xk), Q6K::dot_scalar(&w, &xk)),
+            };
+            assert_eq!(fast.to_bits(), slow.to_bits(), "{ty:?} trial {trial}");
+        }
+    }
+}
+
+#[test]
+fn unsupported_types_are_refused_by_name() {
+    let e = gguf::GgufError::UnknownTensorType {
+        name: "blk.0.ffn_down.weight".into(),
+        ty: 16,
+    };
+    let msg = e.to_string();
+    assert!(
+        msg.contains("IQ2_XXS") && msg.contains("blk.0.ffn_down.weight"),
+        "{msg}"
+    );
+    let e = gguf::GgufError::UnknownTensorType {
+        name: "w".into(),
+        ty: 20,
+    };
+    assert!(e.to_string().contains("IQ4_NL"), "{e}");
+}
+
+/// Q5_0 and Q5_1 through the SIMD tile (one token and tiles of 2 to 4) against the
+/// portable definition, bit for bit, with values at both ends of the five-bit range.
+#[test]
+fn five_bit_simd_equals_the_scalar_definition_bit_for_bit() {
+    let mut s = 17u64;
+    for ty in [GgmlType::Q5_0, GgmlType::Q5_1] {
+        for trial in 0..10 {
+            let cols = 4 * QK;
+            let amp = 1.0 + trial as f32;
+            let vals: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * amp).collect();
+            let w = ty.quantize(&vals);
+            let xs: Vec<Vec<BlockQ8_1>> = (0..4)
+                .map(|_| {
+                    let x: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * amp).collect();
+                    let mut xq = vec![BlockQ8_1::default(); 4];
+                    crate::weights::quantize_row_q8_1(&x, &mut xq);
+                    xq
+                })
+                .collect();
+            for k in 1..=4 {
+                let acts: Vec<&[BlockQ8_1]> = xs[..k].iter().map(|x| x.as_slice()).collect();
+                let mut tile = [0f32; 4];
+                let slow: Vec<f32> = if ty == GgmlType::Q5_0 {
+                    Q5_0::dot_tile(&w, &acts, &mut tile);
+                    acts.iter().map(|a| Q5_0::dot_scalar(&w, a)).collect()
+                } else {
+                    Q5_1::dot_tile(&w, &acts, &mut tile);
+                    acts.iter().map(|a| Q5_1::dot_scalar(&w, a)).collect()
+                };
+                for (t, v) in slow.iter().enumerate() {
+                    assert_eq!(
+                        tile[t].to_bits(),
+                        v.to_bits(),
+                        "{ty:?} trial {trial} tile {k} token {t}"
+                    );
+                }
+            }
+        }
+    }
+}
