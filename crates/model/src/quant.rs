@@ -111,6 +111,11 @@ pub trait QuantFormat: Send + Sync + 'static {
 /// Activation rows a weight row is unpacked once for.
 pub const TILE: usize = 4;
 
+/// Rows of at most this many super-blocks (16,384 columns) keep a tile's integer lanes on
+/// the stack; longer ones go one token at a time.
+#[cfg(target_arch = "x86_64")]
+const MAX_TILED_SUPER_BLOCKS: usize = 64;
+
 fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
@@ -240,7 +245,7 @@ impl Q4K {
     /// accumulated across super-blocks by a fused multiply-add, then summed as llama.cpp
     /// does. The portable definition (the SIMD path is tested against it).
     pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-        Self::dot_with(w, a, |wb, ab, sc| {
+        Self::dot_with(w, a, |_, wb, ab, sc| {
             let mut lanes = [0i32; 8];
             for (j, &s) in sc.iter().enumerate() {
                 let qs = &wb[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
@@ -262,11 +267,11 @@ impl Q4K {
     fn dot_with(
         w: &[u8],
         a: &[BlockQ8K],
-        lanes: impl Fn(&[u8], &BlockQ8K, &[u8; 8]) -> [i32; 8],
+        lanes: impl Fn(usize, &[u8], &BlockQ8K, &[u8; 8]) -> [i32; 8],
     ) -> f32 {
         let mut acc = [0f32; 8];
         let mut acc_m = [0f32; 4];
-        for (wb, ab) in w.chunks_exact(144).zip(a) {
+        for (i, (wb, ab)) in w.chunks_exact(144).zip(a).enumerate() {
             let d = ab.d * f16_at(wb, 0);
             let dmin = -ab.d * f16_at(wb, 2);
             let (sc, m): ([u8; 8], [u8; 8]) = (
@@ -279,7 +284,7 @@ impl Q4K {
                     i32::from(m[2 * k]) * sums(2 * k) + i32::from(m[2 * k + 1]) * sums(2 * k + 1);
                 *acc = dmin.mul_add(prod as f32, *acc);
             }
-            for (acc, lane) in acc.iter_mut().zip(lanes(wb, ab, &sc)) {
+            for (acc, lane) in acc.iter_mut().zip(lanes(i, wb, ab, &sc)) {
                 *acc = d.mul_add(lane as f32, *acc);
             }
         }
@@ -291,12 +296,35 @@ impl QuantFormat for Q4K {
     const TYPE: GgmlType = GgmlType::Q4_K;
     type Act = BlockQ8K;
 
+    /// The tile's integer lanes first (each super-block unpacked once for every token),
+    /// then each token through [`Q4K::dot_with`], the same float part as `dot`.
+    fn dot_tile(w: &[u8], acts: &[&[BlockQ8K]], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd::has_avx2() && acts.len() > 1 && w.len() / 144 <= MAX_TILED_SUPER_BLOCKS {
+            let mut lanes = [[[0i32; 8]; TILE]; MAX_TILED_SUPER_BLOCKS];
+            for (i, wb) in w.chunks_exact(144).enumerate() {
+                let sc: [u8; 8] = std::array::from_fn(|j| gguf::k4_scale_min(j, &wb[4..16]).0);
+                let a = std::array::from_fn(|t| &acts[t.min(acts.len() - 1)][i].qs);
+                // SAFETY: AVX2 is present (checked above); the function checks the slice
+                // lengths it reads.
+                lanes[i] = unsafe { simd::q4_k_lanes_n(&wb[16..144], a, &sc) };
+            }
+            for (t, (a, o)) in acts.iter().zip(out.iter_mut()).enumerate() {
+                *o = Self::dot_with(w, a, |i, _, _, _| lanes[i][t]);
+            }
+            return;
+        }
+        for (a, o) in acts.iter().zip(out.iter_mut()) {
+            *o = Self::dot(w, a);
+        }
+    }
+
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() {
             // SAFETY: AVX2 is present (checked above), the only requirement of the
             // target-feature function; it checks the slice lengths it reads.
-            return Self::dot_with(w, a, |wb, ab, sc| unsafe {
+            return Self::dot_with(w, a, |_, wb, ab, sc| unsafe {
                 simd::q4_k_lanes(&wb[16..144], &ab.qs, sc)
             });
         }
@@ -389,12 +417,34 @@ impl QuantFormat for Q6K {
     const TYPE: GgmlType = GgmlType::Q6_K;
     type Act = BlockQ8K;
 
+    /// As [`Q4K`]'s: the tile's lanes first, then each token through [`Q6K::dot_with`].
+    fn dot_tile(w: &[u8], acts: &[&[BlockQ8K]], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd::has_avx2() && acts.len() > 1 && w.len() / 210 <= MAX_TILED_SUPER_BLOCKS {
+            let mut lanes = [[[0i32; 8]; TILE]; MAX_TILED_SUPER_BLOCKS];
+            for (i, wb) in w.chunks_exact(210).enumerate() {
+                let sc: [i8; 16] = std::array::from_fn(|g| wb[192 + g] as i8);
+                let a = std::array::from_fn(|t| &acts[t.min(acts.len() - 1)][i].qs);
+                // SAFETY: AVX2 is present (checked above); the function checks the slice
+                // lengths it reads.
+                lanes[i] = unsafe { simd::q6_k_lanes_n(&wb[..128], &wb[128..192], a, &sc) };
+            }
+            for (t, (a, o)) in acts.iter().zip(out.iter_mut()).enumerate() {
+                *o = Self::dot_with(w, a, |b, _, _, _| lanes[b][t]);
+            }
+            return;
+        }
+        for (a, o) in acts.iter().zip(out.iter_mut()) {
+            *o = Self::dot(w, a);
+        }
+    }
+
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() {
             // SAFETY: AVX2 is present (checked above), the only requirement of the
             // target-feature function; it checks the slice lengths it reads.
-            return Self::dot_with(w, a, |wb, ab, sc| unsafe {
+            return Self::dot_with(w, a, |_, wb, ab, sc| unsafe {
                 simd::q6_k_lanes(&wb[..128], &wb[128..192], &ab.qs, sc)
             });
         }
@@ -411,7 +461,7 @@ impl Q6K {
     /// `hsum_float_8`. This is what makes the logits equal llama.cpp's bit for bit. The
     /// portable definition (the SIMD path is tested against it).
     pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-        Self::dot_with(w, a, |wb, ab, sc| {
+        Self::dot_with(w, a, |_, wb, ab, sc| {
             let mut lanes = [0i32; 8];
             for half in 0..2 {
                 let ql = &wb[64 * half..64 * half + 64];
@@ -437,16 +487,16 @@ impl Q6K {
     fn dot_with(
         w: &[u8],
         a: &[BlockQ8K],
-        lanes: impl Fn(&[u8], &BlockQ8K, &[i8; 16]) -> [i32; 8],
+        lanes: impl Fn(usize, &[u8], &BlockQ8K, &[i8; 16]) -> [i32; 8],
     ) -> f32 {
         let mut acc = [0f32; 8];
-        for (wb, ab) in w.chunks_exact(210).zip(a) {
+        for (b, (wb, ab)) in w.chunks_exact(210).zip(a).enumerate() {
             let mut sc = [0i8; 16];
             for (s, &b) in sc.iter_mut().zip(&wb[192..208]) {
                 *s = b as i8;
             }
             let d = ab.d * f16_at(wb, 208);
-            for (i, (acc, lane)) in acc.iter_mut().zip(lanes(wb, ab, &sc)).enumerate() {
+            for (i, (acc, lane)) in acc.iter_mut().zip(lanes(b, wb, ab, &sc)).enumerate() {
                 // Σ (q − 32)·a = Σ q·a − 32·Σ a, the last sums per group from `bsums`.
                 let offset = i32::from(ab.bsums[2 * i]) * i32::from(sc[2 * i])
                     + i32::from(ab.bsums[2 * i + 1]) * i32::from(sc[2 * i + 1]);

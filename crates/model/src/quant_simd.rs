@@ -30,23 +30,36 @@ fn load<T: Copy>(b: &[T], at: usize) -> __m256i {
 /// of `maddubs` never saturate.
 #[target_feature(enable = "avx2")]
 pub fn q4_k_lanes(qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> [i32; 8] {
+    let [lanes] = q4_k_lanes_n(qs, [a], sc);
+    lanes
+}
+
+/// [`q4_k_lanes`] for `N` activation rows: the nibbles unpacked and the scale vectors
+/// built once for all of them (each row's lanes are exact, so `q4_k_lanes`' own).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub fn q4_k_lanes_n<const N: usize>(qs: &[u8], a: [&[i8; 256]; N], sc: &[u8; 8]) -> [[i32; 8]; N] {
     assert!(qs.len() >= 128);
     let mask = _mm256_set1_epi8(0x0f);
-    let mut acc = _mm256_setzero_si256();
+    let mut acc = [_mm256_setzero_si256(); N];
     for c in 0..4 {
         let q = load(qs, 32 * c);
         let lo = _mm256_and_si256(q, mask);
         let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask);
-        let p_lo = _mm256_maddubs_epi16(lo, load(a, 64 * c));
-        let p_hi = _mm256_maddubs_epi16(hi, load(a, 64 * c + 32));
-        let s_lo = _mm256_madd_epi16(p_lo, _mm256_set1_epi16(i16::from(sc[2 * c])));
-        let s_hi = _mm256_madd_epi16(p_hi, _mm256_set1_epi16(i16::from(sc[2 * c + 1])));
-        acc = _mm256_add_epi32(acc, _mm256_add_epi32(s_lo, s_hi));
+        let sc_lo = _mm256_set1_epi16(i16::from(sc[2 * c]));
+        let sc_hi = _mm256_set1_epi16(i16::from(sc[2 * c + 1]));
+        for (acc, x) in acc.iter_mut().zip(a) {
+            let s_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(x, 64 * c)), sc_lo);
+            let s_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(x, 64 * c + 32)), sc_hi);
+            *acc = _mm256_add_epi32(*acc, _mm256_add_epi32(s_lo, s_hi));
+        }
     }
-    let mut lanes = [0i32; 8];
-    // SAFETY: `lanes` is 32 writable bytes; the store is unaligned.
-    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
-    lanes
+    acc.map(|v| {
+        let mut lanes = [0i32; 8];
+        // SAFETY: `lanes` is 32 writable bytes; the store is unaligned.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), v) };
+        lanes
+    })
 }
 
 /// As [`q4_k_lanes`] for Q5_K: the fifth bit of sub-block `j`'s element `l` is bit `j` of
@@ -88,10 +101,23 @@ pub fn q5_k_lanes(qh: &[u8], qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> [i32; 8]
 /// pairs, groups of 16. Products are at most 63 · 127, so `maddubs` never saturates.
 #[target_feature(enable = "avx2")]
 pub fn q6_k_lanes(ql: &[u8], qh: &[u8], a: &[i8; 256], sc: &[i8; 16]) -> [i32; 8] {
+    let [lanes] = q6_k_lanes_n(ql, qh, [a], sc);
+    lanes
+}
+
+/// [`q6_k_lanes`] for `N` activation rows, unpacking once (exact lanes, so its own).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub fn q6_k_lanes_n<const N: usize>(
+    ql: &[u8],
+    qh: &[u8],
+    a: [&[i8; 256]; N],
+    sc: &[i8; 16],
+) -> [[i32; 8]; N] {
     assert!(ql.len() >= 128 && qh.len() >= 64);
     let m4 = _mm256_set1_epi8(0x0f);
     let m2 = _mm256_set1_epi8(0x03);
-    let mut acc = _mm256_setzero_si256();
+    let mut acc = [_mm256_setzero_si256(); N];
     for half in 0..2 {
         let l0 = load(ql, 64 * half);
         let l1 = load(ql, 64 * half + 32);
@@ -113,20 +139,24 @@ pub fn q6_k_lanes(ql: &[u8], qh: &[u8], a: &[i8; 256], sc: &[i8; 16]) -> [i32; 8
         for k in 0..4 {
             let q = _mm256_or_si256(lows[k], _mm256_slli_epi16::<4>(highs[k]));
             let e = 128 * half + 32 * k;
-            let p = _mm256_maddubs_epi16(q, load(a, e));
             // The low 128 bits hold group e / 16, the high ones the next.
             let g = e / 16;
             let scales = _mm256_set_m128i(
                 _mm_set1_epi16(i16::from(sc[g + 1])),
                 _mm_set1_epi16(i16::from(sc[g])),
             );
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, scales));
+            for (acc, x) in acc.iter_mut().zip(a) {
+                let p = _mm256_maddubs_epi16(q, load(x, e));
+                *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, scales));
+            }
         }
     }
-    let mut lanes = [0i32; 8];
-    // SAFETY: `lanes` is 32 writable bytes; the store is unaligned.
-    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc) };
-    lanes
+    acc.map(|v| {
+        let mut lanes = [0i32; 8];
+        // SAFETY: `lanes` is 32 writable bytes; the store is unaligned.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), v) };
+        lanes
+    })
 }
 
 /// One Q5_0 or Q5_1 (`with_min`) weight row against up to [`super::TILE`] activation

@@ -189,3 +189,48 @@ fn five_bit_simd_equals_the_scalar_definition_bit_for_bit() {
         }
     }
 }
+
+/// A tile of 2, 3 or 4 tokens gives each token exactly `dot`'s bits (the tile kernels
+/// share unpacking, never arithmetic).
+#[test]
+fn k_quant_tiles_equal_one_token_at_a_time() {
+    let mut s = 13u64;
+    for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+        let cols = 2 * QK_K;
+        let vals: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * 3.0).collect();
+        let w = ty.quantize(&vals);
+        let xs: Vec<Vec<BlockQ8K>> = (0..4)
+            .map(|_| {
+                let x: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * 5.0).collect();
+                let mut xk = vec![BlockQ8K::default(); 2];
+                quantize_row_q8_k(&x, &mut xk);
+                xk
+            })
+            .collect();
+        for k in 2..=4 {
+            let acts: Vec<&[BlockQ8K]> = xs[..k].iter().map(|x| x.as_slice()).collect();
+            let mut tile = [0f32; 4];
+            let single: Vec<f32> = match ty {
+                GgmlType::Q4_K => {
+                    Q4K::dot_tile(&w, &acts, &mut tile);
+                    acts.iter().map(|a| Q4K::dot(&w, a)).collect()
+                }
+                GgmlType::Q5_K => {
+                    Q5K::dot_tile(&w, &acts, &mut tile);
+                    acts.iter().map(|a| Q5K::dot(&w, a)).collect()
+                }
+                _ => {
+                    Q6K::dot_tile(&w, &acts, &mut tile);
+                    acts.iter().map(|a| Q6K::dot(&w, a)).collect()
+                }
+            };
+            for (t, v) in single.iter().enumerate() {
+                assert_eq!(
+                    tile[t].to_bits(),
+                    v.to_bits(),
+                    "{ty:?} tile of {k}, token {t}"
+                );
+            }
+        }
+    }
+}
