@@ -19,16 +19,20 @@
 //!   continuation". A public page is never stored after a private one in the public tree:
 //!   a page's K/V depends on every token before it.
 //!
-//! Eviction is LRU over the pages that nothing uses and whose nodes are all leaves, kept as a
-//! list by the pool (as vLLM's free-block queue): a page joins its end when its last user
-//! (a sequence, a lookup result in hand) lets go, leaves it when used again, and eviction
-//! takes the head, so each evicted page costs O(1) whatever the size of the trees. Only
-//! pages that no request uses are ever evicted. Eviction is global, so one tenant's load
-//! can evict another's entries: that reveals load, not content, but per-domain quotas
-//! would be needed to hide even that.
+//! Eviction is LRU over the pages that nothing uses and whose nodes are all leaves, kept as
+//! lists by the pool (as vLLM's free-block queue): a page joins the end of its holder's list
+//! when its last user (a sequence, a lookup result in hand) lets go, leaves it when used
+//! again, and eviction takes a list's head, so each evicted page costs O(1) plus O(holders)
+//! whatever the size of the trees. Only pages that no request uses are ever evicted.
+//!
+//! Eviction is fair between tenants (`crate::evict`): a page's holder is its tenant (all of
+//! a tenant's salted domains together, so salting cannot buy a larger share) or, for public
+//! pages, the operator; pages go first from the holder with the most cached pages. One
+//! tenant's flood evicts its own entries before another tenant's.
 
 use std::collections::HashMap;
 
+use crate::evict::Holder;
 use crate::pool::PoolInner;
 use crate::sync::Arc;
 use crate::{IsolationDomain, SharedPage, Visibility};
@@ -169,6 +173,8 @@ pub struct TreeStats {
 const ROOT: usize = 0;
 /// The public tree's place in [`PrefixCache::trees`].
 const PUBLIC: usize = 0;
+/// The holder of public pages in the pool's eviction lists; tenants are numbered after it.
+const PUBLIC_HOLDER: Holder = 0;
 
 struct Node {
     /// `None` only at the root.
@@ -296,6 +302,9 @@ pub struct PrefixCache {
     trees: Vec<Option<Tree>>,
     vacant_trees: Vec<usize>,
     domains: HashMap<IsolationDomain, usize>,
+    /// Each tenant's holder number in the pool's eviction lists (kept: tenants are few,
+    /// the operator's key file names them).
+    holders: HashMap<String, Holder>,
     /// Every cached page, by its index in the pool.
     pages: HashMap<u32, Cached>,
     /// The pool of every cached page, known from the first insert.
@@ -340,6 +349,7 @@ impl PrefixCache {
             trees: vec![Some(Tree::new(None))],
             vacant_trees: Vec::new(),
             domains: HashMap::new(),
+            holders: HashMap::new(),
             pages: HashMap::new(),
             pool: None,
         }
@@ -547,6 +557,7 @@ impl PrefixCache {
             let id = self.tree_mut(t).add_child(at, edge, page.clone());
             let index = page.index();
             let new = !self.pages.contains_key(&index);
+            let holder = self.holder_of(page.visibility());
             let cached = self.pages.entry(index).or_insert_with(|| Cached {
                 page: page.clone(),
                 nodes: Vec::new(),
@@ -557,7 +568,7 @@ impl PrefixCache {
             if let Some(pool) = &self.pool {
                 if new {
                     added += 1;
-                    pool.cache_enter(index, leafy);
+                    pool.cache_enter(index, leafy, holder);
                 } else {
                     pool.set_leafy(index, leafy, false);
                 }
@@ -569,6 +580,26 @@ impl PrefixCache {
             at = id;
         }
         added
+    }
+
+    /// Whose share of the cache a page counts against: its tenant's, or the operator's.
+    fn holder_of(&mut self, visibility: &Visibility) -> Holder {
+        let Visibility::Domain(domain) = visibility else {
+            return PUBLIC_HOLDER;
+        };
+        let next = Holder::try_from(self.holders.len() + 1).unwrap_or(Holder::MAX);
+        *self
+            .holders
+            .entry(domain.tenant_name().to_owned())
+            .or_insert(next)
+    }
+
+    /// Cached pages that count against `tenant` (all its domains, salted or not).
+    pub fn tenant_pages(&self, tenant: &str) -> usize {
+        match (self.holders.get(tenant), &self.pool) {
+            (Some(&h), Some(pool)) => pool.holder_sizes().get(h as usize).copied().unwrap_or(0),
+            _ => 0,
+        }
     }
 
     /// True if every node of cached page `index` is a leaf.
@@ -731,6 +762,7 @@ impl PrefixCache {
             };
         };
         let mut idle = 0;
+        let mut sizes: HashMap<Holder, usize> = HashMap::new();
         for (index, cached) in &self.pages {
             let mut want = counted.get(index).cloned().unwrap_or_default();
             let mut have = cached.nodes.clone();
@@ -739,10 +771,18 @@ impl PrefixCache {
             if want != have || cached.page.index() != *index {
                 return Err(format!("page {index}: nodes do not match the trees"));
             }
-            let (users, in_cache, leafy, listed) = pool.use_meta(*index);
+            let (users, in_cache, leafy, listed, holder) = pool.use_meta(*index);
             if !in_cache || leafy != self.leafy(*index) {
                 return Err(format!("page {index}: the pool's view of it is stale"));
             }
+            let want_holder = match cached.page.visibility() {
+                Visibility::Public => Some(PUBLIC_HOLDER),
+                Visibility::Domain(d) => self.holders.get(d.tenant_name()).copied(),
+            };
+            if want_holder != Some(holder) {
+                return Err(format!("page {index}: counted against the wrong holder"));
+            }
+            *sizes.entry(holder).or_default() += 1;
             if listed != (users == 0 && leafy) {
                 return Err(format!(
                     "page {index}: listed {listed} with {users} users, leafy {leafy}"
@@ -755,6 +795,16 @@ impl PrefixCache {
                 "{} idle cached pages counted, {idle} found",
                 pool.idle_cached()
             ));
+        }
+        for (h, &size) in pool.holder_sizes().iter().enumerate() {
+            let found = Holder::try_from(h)
+                .ok()
+                .and_then(|h| sizes.get(&h))
+                .copied()
+                .unwrap_or(0);
+            if found != size {
+                return Err(format!("holder {h}: {size} pages counted, {found} found"));
+            }
         }
         if pool
             .evictable_list()
