@@ -2,8 +2,9 @@
 //!
 //! Pages are reserved as a request grows, never read before they are written. Full-pool
 //! policy: preempt and recompute. When a running request needs a page and neither the free
-//! list nor the prefix cache has one, the most recently started request gives all of its
-//! pages back and returns to the head of the queue with what it has generated; later it
+//! list nor the prefix cache has one, a younger request (the youngest of the tenant holding
+//! the most pages: `crate::preemption`) gives all of its pages back and returns to the
+//! queue in its arrival place with what it has generated; later it
 //! recomputes that K/V (bit for bit the same: rows do not depend on the batch) and goes on.
 //! Nothing ever runs on partial KV. Admission guarantees each request fits the pool alone,
 //! and the oldest request is never preempted for a younger one, so every request finishes.
@@ -23,6 +24,7 @@ use tokio::sync::oneshot;
 use crate::admission::Admitted;
 use crate::handle::{Command, EngineConfig, Lifecycle, Slot};
 use crate::handoff::{ImportReservation, PrefillOutput, ReserveError, Ticket, VerifiedImport};
+use crate::preemption::{self, Holding};
 use crate::{
     EngineError, EngineMetrics, Event, FinishReason, GenerateRequest, SharedMetrics, StepModel,
     TokenEvent, Usage,
@@ -447,7 +449,8 @@ impl Worker {
     }
 
     /// Gives every running request the pages its next input needs, oldest first. When the
-    /// pool is dry, the youngest running request is preempted (possibly the one asking).
+    /// pool is dry, a younger request is preempted (the one asking, if it is the youngest),
+    /// chosen fairly between tenants (`crate::preemption::victim`).
     fn grow(&mut self) {
         let mut i = 0;
         while i < self.running.len() {
@@ -462,11 +465,21 @@ impl Worker {
                     continue;
                 }
             }
-            let Some(victim) = self.running.pop() else {
+            let holdings: Vec<Holding<'_>> = self
+                .running
+                .iter()
+                .map(|r| Holding {
+                    tenant: r.progress.request.domain.tenant_name(),
+                    pages: r.kv.owned_pages(),
+                })
+                .collect();
+            let Some(v) = preemption::victim(&holdings, i) else {
                 break;
             };
+            let victim = self.running.remove(v);
             self.preempt(victim);
-            // `i` now indexes the same request, or is past the end if it was the victim.
+            // The victim is `i` or younger: `i` now indexes the same request, or the next
+            // one if it was the victim, or is past the end.
         }
     }
 
