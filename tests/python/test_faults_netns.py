@@ -13,6 +13,8 @@ both nodes:
    stands in for delay and loss: a slow link whose queue drops what exceeds its latency
    bound, which TCP sees as delay and loss.
 4. The link is restored: the router's requests get through again (the path is used again).
+5. The decode node is killed (SIGKILL) mid-transfer: that client gets 502/503/504; the
+   node, restarted in its namespace on its address, is used again.
 
 Throughout, canaries of two tenants: zero leaks, only fault statuses; at the end both nodes
 hold no leased page. Namespaces that cannot be created fail the test (it needs root).
@@ -216,6 +218,28 @@ def test_transfer_link_cut_and_degraded(tmp_path):
             wait_until(lambda: all(canaries.ok[t] > before[t] + 1 for t in CANARIES), 120,
                        "both tenants served after the link was restored")
 
+            # 5. The decode node killed mid-transfer, then restarted on its address.
+            canaries.paused.set()
+            wait_until(lambda: leased(decode) == 0 and leased(prefill) == 0, 60, "canaries drained")
+            net.shape("rate", "16mbit", "burst", "64kb", "latency", "2s")
+            out = {}
+            t = threading.Thread(target=post_long, args=(router, long_prompt + " Again.", out))
+            t.start()
+            wait_until(lambda: leased(prefill) > 0, 60, "the second long prefill started")
+            wait_until(lambda: leased(prefill) == 0, 120, "the second long prefill finished")
+            decode.proc.send_signal(signal.SIGKILL)
+            decode.proc.wait(timeout=30)
+            t.join(timeout=CUT_BOUND)
+            assert not t.is_alive(), "the client of a transfer to a killed node hung"
+            assert "r" in out, out
+            assert_fault_status(out["r"])
+            net.shape()
+            decode.restart()
+            canaries.paused.clear()
+            before = dict(canaries.ok)
+            wait_until(lambda: all(canaries.ok[t] > before[t] for t in CANARIES), 120,
+                       "the router used the restarted decode node")
+
         assert canaries.leaks == [], canaries.leaks[:3]
         assert canaries.wrong == [], canaries.wrong[:3]
         # Quiescence: no page leased on either node, every page free or cached.
@@ -225,7 +249,8 @@ def test_transfer_link_cut_and_degraded(tmp_path):
             m = n.metrics()
             pages = {s: m[f'kvwarden_kv_pages{{state="{s}"}}'] for s in ("total", "free", "leased", "cached")}
             assert pages["leased"] == 0 and pages["free"] + pages["cached"] == pages["total"], (n.role, pages)
-        print(f"\nnetns faults: transfer link cut mid-push, down, degraded (tbf), restored; "
+        print(f"\nnetns faults: transfer link cut mid-push, down, degraded (tbf), restored; decode "
+              f"SIGKILL mid-push and restart; "
               f"canaries ok {canaries.ok}, errors {canaries.errors}, leaks {len(canaries.leaks)}, "
               f"wrong {len(canaries.wrong)}")
     finally:
