@@ -181,7 +181,7 @@ def test_transfer_link_cut_and_degraded(tmp_path):
             canaries.paused.set()
             wait_until(lambda: leased(decode) == 0 and leased(prefill) == 0, 60, "canaries drained")
             net.shape("rate", "16mbit", "burst", "64kb", "latency", "2s")
-            pushed = decode.metrics().get("kvwarden_transfers_total", 0)
+            pushed = decode.metrics()["kvwarden_transfers_total"]
             long_prompt = "Summarize: " + " ".join(f"line {i} of the report is fine." for i in range(90))
             out = {}
             t = threading.Thread(target=post_long, args=(router, long_prompt, out))
@@ -190,7 +190,7 @@ def test_transfer_link_cut_and_degraded(tmp_path):
             # it hands the K/V to the push.
             wait_until(lambda: leased(prefill) > 0, 60, "the long prompt's prefill started")
             wait_until(lambda: leased(prefill) == 0, 120, "the long prompt's prefill finished")
-            assert decode.metrics().get("kvwarden_transfers_total", 0) == pushed, "the push ended before the cut"
+            assert decode.metrics()["kvwarden_transfers_total"] == pushed, "the push ended before the cut"
             net.link("down")
             cut_at = time.monotonic()
             t.join(timeout=CUT_BOUND)
@@ -223,7 +223,7 @@ def test_transfer_link_cut_and_degraded(tmp_path):
             wait_until(lambda: leased(decode) == 0 and leased(prefill) == 0, 60, "canaries drained")
             net.shape("rate", "16mbit", "burst", "64kb", "latency", "2s")
             out = {}
-            t = threading.Thread(target=post_long, args=(router, long_prompt + " Again.", out))
+            t = threading.Thread(target=post_long, args=(router, "Second report. " + long_prompt, out))
             t.start()
             wait_until(lambda: leased(prefill) > 0, 60, "the second long prefill started")
             wait_until(lambda: leased(prefill) == 0, 120, "the second long prefill finished")
