@@ -290,8 +290,11 @@ impl Worker {
                 domain: request.domain.clone(),
             };
             let prompt_len = request.prompt.len();
+            let domain = owner.domain.clone();
             let mut kv = SequenceKv::new(&self.pool, owner);
-            if !self.make_room(kv.pages_needed(prompt_len)) || kv.reserve(prompt_len).is_err() {
+            if !self.make_room(kv.pages_needed(prompt_len), &domain)
+                || kv.reserve(prompt_len).is_err()
+            {
                 break;
             }
             let Some(r) = self.reservations.pop_front() else {
@@ -359,18 +362,19 @@ impl Worker {
         self.running.retain(|r| !r.progress.events.is_closed());
     }
 
-    /// Frees pages by evicting cached prefixes that no request uses, least recently used
-    /// first, if that can make enough room. Cheap when it cannot (the head of the queue may
-    /// wait many steps): the cache counts its evictable pages, so nothing is scanned and
-    /// nothing is evicted in vain.
-    fn make_room(&mut self, pages: usize) -> bool {
+    /// Frees pages for a request of `domain` by evicting cached prefixes that no request
+    /// uses (its own tenant's first when it holds the most: `kv::PrefixCache::evict_for`),
+    /// if that can make enough room. Cheap when it cannot (the head of the queue may wait
+    /// many steps): the cache counts its evictable pages, so nothing is scanned and nothing
+    /// is evicted in vain.
+    fn make_room(&mut self, pages: usize, domain: &kv::IsolationDomain) -> bool {
         let free = self.pool.counts().free;
         if pages <= free {
             return true;
         }
         if let Some(cache) = &mut self.cache {
             if free + cache.evictable_pages() >= pages {
-                cache.evict(pages - free);
+                cache.evict_for(pages - free, domain);
             }
         }
         pages <= self.pool.counts().free
@@ -415,7 +419,8 @@ impl Worker {
             };
             let target = (stream.len() + self.config.page_tokens).min(head.total_tokens);
             let headroom = self.running.len();
-            if !self.make_room(kv.pages_needed(target) + headroom) {
+            let domain = kv.owner().domain.clone();
+            if !self.make_room(kv.pages_needed(target) + headroom, &domain) {
                 break;
             }
             if let Err(e) = kv.reserve(target) {
@@ -458,7 +463,12 @@ impl Worker {
                 let r = &self.running[i];
                 r.kv.pages_needed(r.progress.stream_len())
             };
-            if need == 0 || self.make_room(need) {
+            // The domain is cloned only at a page boundary, not at every step.
+            let room = need == 0 || {
+                let domain = self.running[i].progress.request.domain.clone();
+                self.make_room(need, &domain)
+            };
+            if room {
                 let r = &mut self.running[i];
                 if r.kv.reserve(r.progress.stream_len()).is_ok() {
                     i += 1;

@@ -5,12 +5,13 @@
 //!
 //! Fairness: every cached page belongs to one *holder* (a tenant, or the operator's public
 //! prefixes), chosen by the cache when the page enters it. Eviction takes from the holder
-//! that has the most pages in the cache, least recently used first within it, and between
-//! holders of equal size the one whose next page was used least recently. So a tenant that
-//! floods the cache evicts its own entries before anyone else's, and another tenant's
-//! entries go only once the flooder has nothing idle left in the cache: then the pages are
-//! needed by running work, which must not wait behind idle entries. Choosing the holder
-//! costs O(holders) per evicted page.
+//! that has the most pages in the cache, counting for the tenant the room is for the pages
+//! it is about to hold, least recently used first within it, and between holders of equal
+//! size the one whose next page was used least recently. So a tenant that floods the cache
+//! evicts its own entries before anyone else's, and another tenant's entries go only once
+//! the flooder has nothing idle left in the cache: then the pages are needed by running
+//! work, which must not wait behind idle entries. Choosing the holder costs O(holders) per
+//! evicted page.
 
 /// A holder of cached pages, as the prefix cache numbers them.
 pub(crate) type Holder = u32;
@@ -214,14 +215,20 @@ impl Eviction {
     }
 
     /// Takes the next page to evict off its holder's list: from the holder with the most
-    /// cached pages among those with an evictable page, its least recently used one.
-    pub(crate) fn pop(&mut self) -> Option<u32> {
+    /// cached pages among those with an evictable page, its least recently used one. The
+    /// holder the room is for (if known) counts the `wanted` pages it is about to hold too.
+    pub(crate) fn pop(&mut self, for_holder: Option<(Holder, usize)>) -> Option<u32> {
+        let size = |h: usize, l: &HolderList| match for_holder {
+            Some((f, wanted)) if f as usize == h => l.cached + wanted,
+            _ => l.cached,
+        };
         let head = self
             .holders
             .iter()
-            .filter(|l| l.head != NIL)
-            .max_by(|a, b| {
-                a.cached.cmp(&b.cached).then_with(|| {
+            .enumerate()
+            .filter(|(_, l)| l.head != NIL)
+            .max_by(|(ha, a), (hb, b)| {
+                size(*ha, a).cmp(&size(*hb, b)).then_with(|| {
                     let (sa, sb) = (
                         self.meta[a.head as usize].stamp,
                         self.meta[b.head as usize].stamp,
@@ -229,6 +236,7 @@ impl Eviction {
                     sb.cmp(&sa)
                 })
             })?
+            .1
             .head;
         self.unlist(head);
         Some(head)

@@ -186,9 +186,10 @@ impl PoolInner {
         self.lock().eviction.set_leafy(i, leafy, front);
     }
 
-    /// Takes the next page to evict off the lists (see `crate::evict` for which).
-    pub(crate) fn pop_evictable(&self) -> Option<u32> {
-        self.lock().eviction.pop()
+    /// Takes the next page to evict off the lists (see `crate::evict` for which);
+    /// `for_holder`: who the room is for, and how many pages it wants.
+    pub(crate) fn pop_evictable(&self, for_holder: Option<(Holder, usize)>) -> Option<u32> {
+        self.lock().eviction.pop(for_holder)
     }
 
     /// Cached pages that nothing uses.

@@ -615,18 +615,31 @@ impl PrefixCache {
         })
     }
 
-    /// Evicts least recently used pages that nothing uses, leaves first, until
-    /// `pages_wanted` pages went back to the pool or nothing more can go. Each evicted page
-    /// costs O(1) (plus the few tree nodes that hold it). Returns the pages returned to the
-    /// pool.
+    /// Evicts pages that nothing uses, leaves first, until `pages_wanted` pages went back
+    /// to the pool or nothing more can go: from the tenant holding the most cached pages
+    /// first, least recently used first within it (see the module documentation). Each
+    /// evicted page costs O(1) (plus the few tree nodes that hold it) and O(holders).
+    /// Returns the pages returned to the pool.
     pub fn evict(&mut self, pages_wanted: usize) -> usize {
+        self.evict_inner(pages_wanted, None)
+    }
+
+    /// [`PrefixCache::evict`] to make room for a request of `domain`: its tenant counts as
+    /// holding the pages it wants as well as its cached ones, so a tenant whose requests
+    /// need room gives up its own idle entries before it reaches a smaller tenant's.
+    pub fn evict_for(&mut self, pages_wanted: usize, domain: &IsolationDomain) -> usize {
+        let holder = self.holders.get(domain.tenant_name()).copied();
+        self.evict_inner(pages_wanted, holder.map(|h| (h, pages_wanted)))
+    }
+
+    fn evict_inner(&mut self, pages_wanted: usize, for_holder: Option<(Holder, usize)>) -> usize {
         let Some(pool) = self.pool.clone() else {
             return 0;
         };
         let mut freed = 0;
         let mut emptied = Vec::new();
         while freed < pages_wanted {
-            let Some(index) = pool.pop_evictable() else {
+            let Some(index) = pool.pop_evictable(for_holder) else {
                 break;
             };
             let Some(cached) = self.pages.remove(&index) else {

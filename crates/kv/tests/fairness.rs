@@ -1,6 +1,6 @@
 //! Fair eviction between tenants: pages go first from the tenant holding the most cached
 //! pages, least recently used within it; another tenant's entries go only when the larger
-//! holder has nothing idle left. Under plain global LRU the flood and salt tests fail.
+//! holder has nothing idle left. Under plain global LRU the flood, salt and asking tests fail.
 
 // Under `--cfg loom` the crate hands out loom's `Arc`, usable only inside a loom model.
 #![cfg(not(loom))]
@@ -76,7 +76,7 @@ fn a_flood_evicts_the_flooders_own_entries_first() {
         // Room for the next prompt comes from eviction, as in the engine.
         let free = pool.counts().free;
         if free < 2 {
-            assert_eq!(cache.evict(2 - free), 2 - free);
+            assert_eq!(cache.evict_for(2 - free, &flood), 2 - free);
         }
         cache_prompt(&pool, &mut cache, 2 + u64::from(i), &flood, &prompt);
         assert_eq!(cache.tenant_pages("quiet"), 2, "after flood prompt {i}");
@@ -86,6 +86,27 @@ fn a_flood_evicts_the_flooders_own_entries_first() {
     // Pages go from flood's oldest entries first: its newest prompt is still cached.
     assert_eq!(hit(&mut cache, &flood, &[119, 7, 8, 9]), 2);
     assert_eq!(hit(&mut cache, &flood, &[100, 7, 8, 9]), 0);
+    cache.debug_check().unwrap();
+}
+
+/// The tenant the room is for counts the pages it is about to hold: a flooder holding no
+/// more in the cache than a quiet tenant still evicts its own idle entries first (global
+/// LRU would take the quiet tenant's, cached first).
+#[test]
+fn the_tenant_asking_for_room_counts_what_it_asks_for() {
+    let pool = pool(8);
+    let mut cache = PrefixCache::new(P);
+    let quiet = IsolationDomain::tenant("quiet");
+    let flood = IsolationDomain::tenant("flood");
+    cache_prompt(&pool, &mut cache, 1, &quiet, &[1, 2, 3, 4]);
+    cache_prompt(&pool, &mut cache, 2, &flood, &[9, 8, 7, 6]);
+    assert_eq!(cache.evict_for(1, &flood), 1);
+    assert_eq!(cache.tenant_pages("quiet"), 2);
+    assert_eq!(cache.tenant_pages("flood"), 1);
+    // Without a requester, the largest holder gives the page.
+    assert_eq!(cache.evict(1), 1);
+    assert_eq!(cache.tenant_pages("quiet"), 1);
+    assert_eq!(cache.tenant_pages("flood"), 1);
     cache.debug_check().unwrap();
 }
 
