@@ -82,17 +82,16 @@ class Net:
         sh("ip", "-n", self.p, "addr", "add", f"10.{NET}.3.1/24", "dev", self.link_p)
         sh("ip", "-n", self.d, "addr", "add", f"10.{NET}.3.2/24", "dev", self.link_d)
         self.link("up")
-        # The prefill node pushes to the decode node's address (the one the router knows)
-        # over the transfer link, not through the host.
-        sh("ip", "-n", self.p, "route", "add", self.decode_ip + "/32", "via", f"10.{NET}.3.2", "dev", self.link_p)
 
     def link(self, state):
         sh("ip", "-n", self.p, "link", "set", self.link_p, state)
         sh("ip", "-n", self.d, "link", "set", self.link_d, state)
         if state == "up":
-            # Routes through a link that went down are gone; put the push route back.
-            subprocess.run(["ip", "-n", self.p, "route", "replace", self.decode_ip + "/32", "via",
-                            f"10.{NET}.3.2", "dev", self.link_p], capture_output=True)
+            # The prefill node pushes to the decode node's address (the one the router
+            # knows) over the transfer link, not through the host; a link that went down
+            # took this route with it.
+            sh("ip", "-n", self.p, "route", "replace", self.decode_ip + "/32", "via", f"10.{NET}.3.2",
+               "dev", self.link_p)
 
     def shape(self, *tbf):
         """Degrades both directions of the transfer link with a token bucket, or (no
