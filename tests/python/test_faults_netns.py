@@ -197,6 +197,7 @@ def test_transfer_link_cut_and_degraded(tmp_path):
             assert "r" in out, out
             assert_fault_status(out["r"])
             assert time.monotonic() - cut_at < CUT_BOUND
+            cut_status = (out["r"].status_code, out["r"].json()["error"]["code"])
 
             # 2. While the link is down, canaries get only fault statuses (checked by them).
             failed_before = sum(canaries.errors.values())
@@ -232,6 +233,7 @@ def test_transfer_link_cut_and_degraded(tmp_path):
             assert not t.is_alive(), "the client of a transfer to a killed node hung"
             assert "r" in out, out
             assert_fault_status(out["r"])
+            kill_status = (out["r"].status_code, out["r"].json()["error"]["code"])
             net.shape()
             decode.restart()
             canaries.paused.clear()
@@ -249,7 +251,7 @@ def test_transfer_link_cut_and_degraded(tmp_path):
             pages = {s: m[f'kvwarden_kv_pages{{state="{s}"}}'] for s in ("total", "free", "leased", "cached")}
             assert pages["leased"] == 0 and pages["free"] + pages["cached"] == pages["total"], (n.role, pages)
         print(f"\nnetns faults: transfer link cut mid-push, down, degraded (tbf), restored; decode "
-              f"SIGKILL mid-push and restart; "
+              f"SIGKILL mid-push and restart; cut push answered {cut_status}, killed push {kill_status}; "
               f"canaries ok {canaries.ok}, errors {canaries.errors}, leaks {len(canaries.leaks)}, "
               f"wrong {len(canaries.wrong)}")
     finally:
