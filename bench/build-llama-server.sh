@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server` from the PyPI sdist of llama-cpp-python (which vendors
-# llama.cpp) into .peer/ (git-ignored), for auditing a peer server with `kvwarden audit`.
+# Builds llama.cpp's `llama-server` (and, beside it, `llama-quantize` and `llama-bench`) from
+# the PyPI sdist of llama-cpp-python (which vendors llama.cpp) into .peer/ (git-ignored): the
+# peer that `kvwarden audit`, `bench/` and the model-breadth references are measured against.
 # Cached: a second run prints the path at once. About 10 minutes on 2 cores, run at the
 # lowest CPU priority so it does not starve other work. Needs cmake, ninja and a C++
 # compiler (Debian: apt-get install cmake ninja-build g++). Prints the binary's path.
@@ -32,7 +33,11 @@ nice -n 19 cmake -S "$src/vendor/llama.cpp" -B "$peer/build-$version" -G Ninja \
   -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON >&2
-nice -n 19 cmake --build "$peer/build-$version" --target llama-server -j "$(nproc)" >&2
+nice -n 19 cmake --build "$peer/build-$version" --target llama-server llama-quantize llama-bench -j "$(nproc)" >&2
+for tool in llama-quantize llama-bench; do
+  cp "$peer/build-$version/bin/$tool" "$peer/$tool-$version.tmp"
+  mv "$peer/$tool-$version.tmp" "$peer/$tool-$version"
+done
 cp "$peer/build-$version/bin/llama-server" "$bin.tmp"
 mv "$bin.tmp" "$bin"
 echo "$bin"

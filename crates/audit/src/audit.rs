@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::canary::{Canary, CanaryMint, Normalized};
-use crate::client::{Api, Call, Client, Exchange, Prompt};
 use crate::error::AuditError;
 use crate::progress::Progress;
 use crate::prompts;
@@ -15,7 +14,8 @@ use crate::report::{
     CapacityRow, CheckName, CheckResult, Differential, Finding, Kind, Leak, Report, RequestRow,
     Severity, SideChannel, SideChannelTrial, Verdict,
 };
-use crate::rng::Rng;
+use oai_client::Rng;
+use oai_client::{Api, Call, Client, Exchange, Prompt};
 
 /// What to audit and how hard.
 #[derive(Debug, Clone)]
@@ -268,6 +268,7 @@ impl Auditor {
             temperature: 0.0,
             stream: false,
             logprobs: false,
+            ignore_eos: false,
             cancel_after: None,
             key: self.tenants[tenant].key.clone(),
         }
@@ -1381,7 +1382,7 @@ pub fn clip(s: &str, n: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::client::{StreamSeen, UsageSeen};
+    use oai_client::{StreamSeen, UsageSeen};
 
     fn record(
         id: usize,
@@ -1401,6 +1402,7 @@ mod tests {
                 temperature: 0.0,
                 stream: false,
                 logprobs: false,
+                ignore_eos: false,
                 cancel_after: None,
                 key: None,
             },

@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use crate::rng::Rng;
+use oai_client::Rng;
 
 const CONSONANTS: &[u8] = b"bdfgjklmnprstvz";
 const VOWELS: &[u8] = b"aeiou";

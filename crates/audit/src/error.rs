@@ -19,6 +19,8 @@ pub enum AuditError {
     #[error("starting the async runtime: {0}")]
     Runtime(std::io::Error),
     #[error(transparent)]
+    Client(#[from] oai_client::ClientError),
+    #[error(transparent)]
     Launch(#[from] crate::deploy::LaunchError),
     /// The audit ran and found failures; the report has been printed.
     #[error("the audit failed: {0}")]

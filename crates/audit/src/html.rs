@@ -330,8 +330,8 @@ pub fn render(r: &Report) -> String {
             q.kind.label(),
             q.replay_of.map_or(String::new(), |o| format!(" of #{o}")),
             match q.api {
-                crate::client::Api::Chat => "chat",
-                crate::client::Api::Completions => "completions",
+                oai_client::Api::Chat => "chat",
+                oai_client::Api::Completions => "completions",
             },
             if q.stream { ", stream" } else { "" },
             esc(&q.prompt),

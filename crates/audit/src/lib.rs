@@ -14,16 +14,13 @@
 
 pub mod audit;
 mod canary;
-pub mod client;
 pub mod deploy;
 mod error;
 pub mod html;
 mod progress;
 mod prompts;
 pub mod report;
-mod rng;
 pub mod scenario;
-mod sse;
 
 use std::path::PathBuf;
 use std::time::Duration;

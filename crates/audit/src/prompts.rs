@@ -1,7 +1,7 @@
 //! Prompt text and token ids the checks send.
 
 use crate::canary::Canary;
-use crate::rng::Rng;
+use oai_client::Rng;
 
 /// Ordinary words for filler text: common enough to be single tokens in most vocabularies.
 const WORDS: &[&str] = &[

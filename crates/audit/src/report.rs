@@ -3,7 +3,7 @@
 use serde::Serialize;
 
 use crate::canary::Canary;
-use crate::client::{Api, UsageSeen};
+use oai_client::{Api, UsageSeen};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

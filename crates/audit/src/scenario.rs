@@ -9,11 +9,11 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::audit::{self, Auditor, Config};
-use crate::client::{Api, Call, Client, Prompt};
 use crate::deploy::{Deployment, LaunchError, Topology};
 use crate::error::AuditError;
 use crate::report::{CheckName, Verdict};
-use crate::rng::Rng;
+use oai_client::Rng;
+use oai_client::{Api, Call, Client, Prompt};
 
 /// The incident's numbers (described at the top of README.md).
 pub const ADVERTISED: usize = 1_048_576;
@@ -342,6 +342,7 @@ async fn over_length_at_full_scale<W: Write>(
             temperature: 0.0,
             stream: false,
             logprobs: false,
+            ignore_eos: false,
             cancel_after: None,
             key: None,
         })

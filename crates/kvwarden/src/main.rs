@@ -56,6 +56,10 @@ enum Command {
     /// Audit any OpenAI-compatible server by the content of its answers, or replay the
     /// incident (--scenario incident).
     Audit(audit::AuditArgs),
+    /// Benchmarks: `bench serve` loads any OpenAI-compatible server and reports latency and
+    /// throughput.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
     /// Write a throwaway cluster CA and one certificate per name (router and nodes).
     Certs {
         /// Directory for ca.pem and NAME.pem / NAME.key.
@@ -160,6 +164,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Serve(args) => serve::serve(args),
         Command::Router(args) => router_cmd::run(args),
         Command::Audit(args) => Ok(audit::run_cli(args)?),
+        Command::Bench(cmd) => Ok(bench::run_cli(cmd)?),
         Command::Certs { out, names } => {
             for path in transfer::certs::write_cluster(&out, &names)? {
                 eprintln!("wrote {}", path.display());

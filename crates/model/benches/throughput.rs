@@ -1,6 +1,6 @@
-//! Single-stream throughput on the default model, in llama-bench's terms: prompt processing
-//! of N tokens (pp) and generation of M tokens (tg). `bench/run.sh` runs it next to
-//! llama.cpp on the same file and reports the ratios.
+//! Single-stream throughput on the default model (or `BENCH_MODEL`), in llama-bench's terms: prompt processing
+//! of N tokens (pp) and generation of M tokens (tg). `bench/serve.py` runs it next to
+//! llama.cpp's `llama-bench` on the same file and reports the ratios.
 use std::time::Instant;
 
 use kv::{IsolationDomain, KvDtype, KvPool, Owner, PoolConfig, RequestId, ScrubPolicy, SequenceKv};
@@ -15,7 +15,10 @@ fn main() {
     };
     let (np, ng) = (arg("BENCH_PP", 512), arg("BENCH_TG", 128));
     let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let path = root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    // BENCH_MODEL compares another GGUF file (e.g. a K-quant) with llama-bench on the same.
+    let path = std::env::var_os("BENCH_MODEL")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
     let file = gguf::GgufFile::open(&path)
         .unwrap_or_else(|e| panic!("{}: {e} (run scripts/fetch-model.sh)", path.display()));
     let model = Model::load(&file).expect("model");

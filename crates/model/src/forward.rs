@@ -546,26 +546,7 @@ fn attend_head<T: KvElem>(
     acc: &mut [T::Acc],
     out: &mut [f32],
 ) {
-    T::acc_clear(acc);
-    let mut max = f32::NEG_INFINITY;
-    let mut sum = 0f32;
-    for (kr, vr) in k.iter().zip(v) {
-        let s = T::dot(q, kr) * scale;
-        let mut ms = 1.0f32;
-        let mut vs = 1.0f32;
-        if s > max {
-            let old = max;
-            max = s;
-            ms = (old - max).exp();
-            T::acc_scale(acc, ms);
-        } else {
-            vs = (s - max).exp();
-        }
-        T::acc_mad(acc, vr, vs);
-        sum = sum.mul_add(ms, vs);
-    }
-    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-    T::acc_finish(acc, inv, out);
+    T::attend(q, k, v, scale, acc, out);
 }
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {

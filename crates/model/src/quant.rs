@@ -97,6 +97,23 @@ pub trait QuantFormat: Send + Sync + 'static {
     type Act: ActBlock;
     /// One weight row (ggml's blocks, as bytes) against one activation row.
     fn dot(w: &[u8], a: &[Self::Act]) -> f32;
+    /// One weight row against up to [`TILE`] activation rows, `out[t]` exactly
+    /// `dot(w, acts[t])`; formats whose unpacking dominates share it across the tile.
+    fn dot_tile(w: &[u8], acts: &[&[Self::Act]], out: &mut [f32]) {
+        for (a, o) in acts.iter().zip(out.iter_mut()) {
+            *o = Self::dot(w, a);
+        }
+    }
+}
+
+/// Activation rows a weight row is unpacked once for.
+pub const TILE: usize = 4;
+
+/// The tile's activation rows as exactly [`TILE`] references, the last repeated to fill it
+/// (the SIMD tile kernels take a fixed count; results past `acts.len()` are discarded).
+#[cfg(target_arch = "x86_64")]
+fn padded<A>(acts: &[&[A]]) -> [usize; TILE] {
+    std::array::from_fn(|t| t.min(acts.len().saturating_sub(1)))
 }
 
 fn f16_at(b: &[u8], i: usize) -> f32 {
@@ -121,11 +138,9 @@ fn isum(q: &[i32], a: &[i8]) -> i32 {
 #[allow(non_camel_case_types)]
 pub struct Q5_0;
 
-impl QuantFormat for Q5_0 {
-    const TYPE: GgmlType = GgmlType::Q5_0;
-    type Act = BlockQ8_1;
-
-    fn dot(w: &[u8], a: &[BlockQ8_1]) -> f32 {
+impl Q5_0 {
+    /// The portable definition (the SIMD path is tested against it).
+    pub fn dot_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
         let mut acc = 0f32;
         for (wb, ab) in w.chunks_exact(22).zip(a) {
             let mut q = five_bit(&wb[2..6], &wb[6..22]);
@@ -136,20 +151,69 @@ impl QuantFormat for Q5_0 {
     }
 }
 
-#[allow(non_camel_case_types)]
-pub struct Q5_1;
-
-impl QuantFormat for Q5_1 {
-    const TYPE: GgmlType = GgmlType::Q5_1;
+impl QuantFormat for Q5_0 {
+    const TYPE: GgmlType = GgmlType::Q5_0;
     type Act = BlockQ8_1;
 
     fn dot(w: &[u8], a: &[BlockQ8_1]) -> f32 {
+        let mut out = [0f32];
+        Self::dot_tile(w, &[a], &mut out);
+        out[0]
+    }
+
+    /// Per block the five-bit values are unpacked once for the tile; each token gets the
+    /// scalar definition's float expression on its exact integer sum, so its bits.
+    fn dot_tile(w: &[u8], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd::has_avx2_f16c() && !acts.is_empty() {
+            // SAFETY: AVX2 and F16C are present (checked above); the function checks the
+            // slice lengths it reads.
+            unsafe { simd::five_bit_rows(w, acts, false, out) };
+            return;
+        }
+        for (a, o) in acts.iter().zip(out.iter_mut()) {
+            *o = Self::dot_scalar(w, a);
+        }
+    }
+}
+
+#[allow(non_camel_case_types)]
+pub struct Q5_1;
+
+impl Q5_1 {
+    /// The portable definition (the SIMD path is tested against it).
+    pub fn dot_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
         let mut acc = 0f32;
         for (wb, ab) in w.chunks_exact(24).zip(a) {
             let q = five_bit(&wb[4..8], &wb[8..24]);
             acc += f16_at(wb, 0) * ab.d * isum(&q, &ab.qs) as f32 + f16_at(wb, 2) * ab.s;
         }
         acc
+    }
+}
+
+impl QuantFormat for Q5_1 {
+    const TYPE: GgmlType = GgmlType::Q5_1;
+    type Act = BlockQ8_1;
+
+    fn dot(w: &[u8], a: &[BlockQ8_1]) -> f32 {
+        let mut out = [0f32];
+        Self::dot_tile(w, &[a], &mut out);
+        out[0]
+    }
+
+    /// As [`Q5_0`]'s.
+    fn dot_tile(w: &[u8], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd::has_avx2_f16c() && !acts.is_empty() {
+            // SAFETY: AVX2 and F16C are present (checked above); the function checks the
+            // slice lengths it reads.
+            unsafe { simd::five_bit_rows(w, acts, true, out) };
+            return;
+        }
+        for (a, o) in acts.iter().zip(out.iter_mut()) {
+            *o = Self::dot_scalar(w, a);
+        }
     }
 }
 
@@ -192,6 +256,21 @@ impl QuantFormat for Q4K {
     const TYPE: GgmlType = GgmlType::Q4_K;
     type Act = BlockQ8K;
 
+    fn dot_tile(w: &[u8], acts: &[&[BlockQ8K]], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd::has_avx2() && acts.len() > 1 {
+            k4_tile(w, acts, out, 144, |wb, a, sc| {
+                // SAFETY: AVX2 is present (checked above); the function checks the slice
+                // lengths it reads.
+                unsafe { simd::q4_k_sumi_tile(&wb[16..144], a, sc) }
+            });
+            return;
+        }
+        for (a, o) in acts.iter().zip(out.iter_mut()) {
+            *o = Self::dot(w, a);
+        }
+    }
+
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() {
@@ -224,11 +303,60 @@ fn k4_scales(wb: &[u8], ab: &BlockQ8K) -> ([u8; 8], i32) {
     (sc, summ)
 }
 
+/// [`QuantFormat::dot_tile`] for Q4_K and Q5_K: per super-block, the scales are decoded and
+/// the quants unpacked once (`sumi` returns the tile's integer sums), then each token gets
+/// `dot`'s own float expression on its own integers, so each result is `dot`'s bits.
+#[cfg(target_arch = "x86_64")]
+fn k4_tile(
+    w: &[u8],
+    acts: &[&[BlockQ8K]],
+    out: &mut [f32],
+    bytes: usize,
+    sumi: impl Fn(&[u8], [&[i8; QK_K]; TILE], &[u8; 8]) -> [i32; TILE],
+) {
+    let pick = padded(acts);
+    let mut acc = [0f32; TILE];
+    for (i, wb) in w.chunks_exact(bytes).enumerate() {
+        let mut sc = [0u8; 8];
+        let mut mins = [0u8; 8];
+        for j in 0..8 {
+            (sc[j], mins[j]) = gguf::k4_scale_min(j, &wb[4..16]);
+        }
+        let sums = sumi(wb, pick.map(|t| &acts[t][i].qs), &sc);
+        for (t, a) in acts.iter().enumerate() {
+            let ab = &a[i];
+            let mut summ = 0i32;
+            for (j, &m) in mins.iter().enumerate() {
+                summ +=
+                    i32::from(m) * (i32::from(ab.bsums[2 * j]) + i32::from(ab.bsums[2 * j + 1]));
+            }
+            // The same float expression as `dot_k4_like`, on the same integers.
+            acc[t] += f16_at(wb, 0) * ab.d * sums[t] as f32 - f16_at(wb, 2) * ab.d * summ as f32;
+        }
+    }
+    out[..acts.len()].copy_from_slice(&acc[..acts.len()]);
+}
+
 pub struct Q5K;
 
 impl QuantFormat for Q5K {
     const TYPE: GgmlType = GgmlType::Q5_K;
     type Act = BlockQ8K;
+
+    fn dot_tile(w: &[u8], acts: &[&[BlockQ8K]], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd::has_avx2() && acts.len() > 1 {
+            k4_tile(w, acts, out, 176, |wb, a, sc| {
+                // SAFETY: AVX2 is present (checked above); the function checks the slice
+                // lengths it reads.
+                unsafe { simd::q5_k_sumi_tile(&wb[16..48], &wb[48..176], a, sc) }
+            });
+            return;
+        }
+        for (a, o) in acts.iter().zip(out.iter_mut()) {
+            *o = Self::dot(w, a);
+        }
+    }
 
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
@@ -265,6 +393,41 @@ pub struct Q6K;
 impl QuantFormat for Q6K {
     const TYPE: GgmlType = GgmlType::Q6_K;
     type Act = BlockQ8K;
+
+    /// Per super-block the quants are unpacked once for the tile; each token then gets
+    /// `dot`'s integers and float expression, so each result is `dot`'s bits.
+    fn dot_tile(w: &[u8], acts: &[&[BlockQ8K]], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if simd::has_avx2() && acts.len() > 1 {
+            let pick = padded(acts);
+            let mut acc = [0f32; TILE];
+            for (i, wb) in w.chunks_exact(210).enumerate() {
+                let mut sc = [0i8; 16];
+                for (s, &b) in sc.iter_mut().zip(&wb[192..208]) {
+                    *s = b as i8;
+                }
+                let a = pick.map(|t| &acts[t][i].qs);
+                // SAFETY: AVX2 is present (checked above); the function checks the slice
+                // lengths it reads.
+                let unsigned = unsafe { simd::q6_k_sumi_tile(&wb[..128], &wb[128..192], a, &sc) };
+                for (t, x) in acts.iter().enumerate() {
+                    let ab = &x[i];
+                    let offset: i32 = sc
+                        .iter()
+                        .zip(&ab.bsums)
+                        .map(|(&s, &b)| i32::from(s) * i32::from(b))
+                        .sum();
+                    let sumi = unsigned[t] - 32 * offset;
+                    acc[t] += f16_at(wb, 208) * ab.d * sumi as f32;
+                }
+            }
+            out[..acts.len()].copy_from_slice(&acc[..acts.len()]);
+            return;
+        }
+        for (a, o) in acts.iter().zip(out.iter_mut()) {
+            *o = Self::dot(w, a);
+        }
+    }
 
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
@@ -331,6 +494,76 @@ mod simd {
 
     pub fn has_avx2() -> bool {
         std::arch::is_x86_feature_detected!("avx2")
+    }
+
+    pub fn has_avx2_f16c() -> bool {
+        has_avx2() && std::arch::is_x86_feature_detected!("f16c")
+    }
+
+    /// One Q5_0 or Q5_1 (`with_min`) weight row against up to [`super::TILE`] activation
+    /// rows, `out[t]`: per block the values are unpacked once ([`five_bit_sumi_tile`]),
+    /// then each token gets the portable definition's float expression on its exact
+    /// integer sum (scales widened from f16 exactly), so its bits.
+    #[target_feature(enable = "avx2,f16c")]
+    pub fn five_bit_rows(w: &[u8], acts: &[&[super::BlockQ8_1]], with_min: bool, out: &mut [f32]) {
+        let k = acts.len().min(super::TILE);
+        if k == 0 {
+            return;
+        }
+        let (bytes, qh_at) = if with_min { (24, 4) } else { (22, 2) };
+        if k == 1 {
+            // A decode step: one token, no lanes to fill.
+            let mut acc = 0f32;
+            for (wb, ab) in w.chunks_exact(bytes).zip(acts[0]) {
+                let [v] = five_bit_madd(
+                    &wb[qh_at..qh_at + 4],
+                    &wb[qh_at + 4..bytes],
+                    !with_min,
+                    [&ab.qs],
+                );
+                let isum = hsum(v);
+                let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
+                    wb[0], wb[1], wb[2], wb[3],
+                ])));
+                let d = _mm_cvtss_f32(scales);
+                acc += if with_min {
+                    d * ab.d * isum as f32 + _mm_cvtss_f32(_mm_movehdup_ps(scales)) * ab.s
+                } else {
+                    d * ab.d * isum as f32
+                };
+            }
+            out[0] = acc;
+            return;
+        }
+        // Lane t is token t: the same multiplies and adds in the same order as the scalar
+        // expression `acc += d * d_a * isum (+ m * s_a)`, four tokens side by side.
+        let mut acc = _mm_setzero_ps();
+        for (i, wb) in w.chunks_exact(bytes).enumerate() {
+            let pick = |t: usize| &acts[t.min(k - 1)][i];
+            let a: [&[i8; 32]; super::TILE] = std::array::from_fn(|t| &pick(t).qs);
+            let sums = _mm_cvtepi32_ps(five_bit_sumi_tile(
+                &wb[qh_at..qh_at + 4],
+                &wb[qh_at + 4..bytes],
+                !with_min,
+                a,
+            ));
+            let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
+                wb[0], wb[1], wb[2], wb[3],
+            ])));
+            let d = _mm_shuffle_ps::<0>(scales, scales);
+            let da = _mm_setr_ps(pick(0).d, pick(1).d, pick(2).d, pick(3).d);
+            let mut term = _mm_mul_ps(_mm_mul_ps(d, da), sums);
+            if with_min {
+                let m = _mm_shuffle_ps::<0b01_01_01_01>(scales, scales);
+                let sa = _mm_setr_ps(pick(0).s, pick(1).s, pick(2).s, pick(3).s);
+                term = _mm_add_ps(term, _mm_mul_ps(m, sa));
+            }
+            acc = _mm_add_ps(acc, term);
+        }
+        let mut lanes = [0f32; super::TILE];
+        // SAFETY: `lanes` is 4 writable f32.
+        unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), acc) };
+        out[..k].copy_from_slice(&lanes[..k]);
     }
 
     /// Sum of the eight `i32` lanes.
@@ -446,6 +679,175 @@ mod simd {
         }
         hsum(acc)
     }
+
+    /// [`q4_k_sumi`] for a tile of [`super::TILE`] activation rows: the nibbles unpacked and
+    /// the scale vectors built once. Integer sums are exact, so each equals `q4_k_sumi`'s.
+    #[target_feature(enable = "avx2")]
+    pub fn q4_k_sumi_tile(
+        qs: &[u8],
+        a: [&[i8; 256]; super::TILE],
+        sc: &[u8; 8],
+    ) -> [i32; super::TILE] {
+        assert!(qs.len() >= 128);
+        let mask = _mm256_set1_epi8(0x0f);
+        let mut acc = [_mm256_setzero_si256(); super::TILE];
+        for c in 0..4 {
+            let q = load(qs, 32 * c);
+            let lo = _mm256_and_si256(q, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask);
+            let sc_lo = _mm256_set1_epi16(i16::from(sc[2 * c]));
+            let sc_hi = _mm256_set1_epi16(i16::from(sc[2 * c + 1]));
+            for (t, x) in a.iter().enumerate() {
+                let s_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(&x[..], 64 * c)), sc_lo);
+                let s_hi =
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&x[..], 64 * c + 32)), sc_hi);
+                acc[t] = _mm256_add_epi32(acc[t], _mm256_add_epi32(s_lo, s_hi));
+            }
+        }
+        acc.map(|v| hsum(v))
+    }
+
+    /// [`q5_k_sumi`] for a tile, as [`q4_k_sumi_tile`].
+    #[target_feature(enable = "avx2")]
+    pub fn q5_k_sumi_tile(
+        qh: &[u8],
+        qs: &[u8],
+        a: [&[i8; 256]; super::TILE],
+        sc: &[u8; 8],
+    ) -> [i32; super::TILE] {
+        assert!(qh.len() >= 32 && qs.len() >= 128);
+        let mask = _mm256_set1_epi8(0x0f);
+        let five = _mm256_set1_epi8(0x10);
+        let h = load(qh, 0);
+        let high = |j: usize| {
+            let bit = _mm256_set1_epi8((1u8 << j) as i8);
+            _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), five)
+        };
+        let mut acc = [_mm256_setzero_si256(); super::TILE];
+        for c in 0..4 {
+            let q = load(qs, 32 * c);
+            let lo = _mm256_or_si256(_mm256_and_si256(q, mask), high(2 * c));
+            let hi = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask),
+                high(2 * c + 1),
+            );
+            let sc_lo = _mm256_set1_epi16(i16::from(sc[2 * c]));
+            let sc_hi = _mm256_set1_epi16(i16::from(sc[2 * c + 1]));
+            for (t, x) in a.iter().enumerate() {
+                let s_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load(&x[..], 64 * c)), sc_lo);
+                let s_hi =
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load(&x[..], 64 * c + 32)), sc_hi);
+                acc[t] = _mm256_add_epi32(acc[t], _mm256_add_epi32(s_lo, s_hi));
+            }
+        }
+        acc.map(|v| hsum(v))
+    }
+
+    /// [`q6_k_sumi`] for a tile, as [`q4_k_sumi_tile`].
+    #[target_feature(enable = "avx2")]
+    pub fn q6_k_sumi_tile(
+        ql: &[u8],
+        qh: &[u8],
+        a: [&[i8; 256]; super::TILE],
+        sc: &[i8; 16],
+    ) -> [i32; super::TILE] {
+        assert!(ql.len() >= 128 && qh.len() >= 64);
+        let m4 = _mm256_set1_epi8(0x0f);
+        let m2 = _mm256_set1_epi8(0x03);
+        let mut acc = [_mm256_setzero_si256(); super::TILE];
+        for half in 0..2 {
+            let l0 = load(ql, 64 * half);
+            let l1 = load(ql, 64 * half + 32);
+            let h = load(qh, 32 * half);
+            let lows = [
+                _mm256_and_si256(l0, m4),
+                _mm256_and_si256(l1, m4),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(l0), m4),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(l1), m4),
+            ];
+            let highs = [
+                _mm256_and_si256(h, m2),
+                _mm256_and_si256(_mm256_srli_epi16::<2>(h), m2),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(h), m2),
+                _mm256_and_si256(_mm256_srli_epi16::<6>(h), m2),
+            ];
+            for k in 0..4 {
+                let q = _mm256_or_si256(lows[k], _mm256_slli_epi16::<4>(highs[k]));
+                let e = 128 * half + 32 * k;
+                let g = e / 16;
+                let scales = _mm256_set_m128i(
+                    _mm_set1_epi16(i16::from(sc[g + 1])),
+                    _mm_set1_epi16(i16::from(sc[g])),
+                );
+                for (t, x) in a.iter().enumerate() {
+                    let p = _mm256_maddubs_epi16(q, load(&x[..], e));
+                    acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(p, scales));
+                }
+            }
+        }
+        acc.map(|v| hsum(v))
+    }
+
+    /// The pairwise `Σ q·a` (eight `i32` lanes per token) for one Q5_0 (`centered`: values
+    /// `q − 16`) or Q5_1 (values `q`) block against `N` Q8 blocks: `qh` the 32 fifth bits, `qs` 16 bytes of nibbles (elements
+    /// 0..16 low, 16..32 high). Exact `i32` sums, lane `t` for token `t`, so equal to the
+    /// portable code's. `|q − 16|`
+    /// is at most 16 and `q` at most 31, so `maddubs` never saturates.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn five_bit_madd<const N: usize>(
+        qh: &[u8],
+        qs: &[u8],
+        centered: bool,
+        a: [&[i8; 32]; N],
+    ) -> [__m256i; N] {
+        assert!(qh.len() >= 4 && qs.len() >= 16);
+        let mask = _mm_set1_epi8(0x0f);
+        // SAFETY: `qs` holds at least 16 bytes (asserted); the load is unaligned.
+        let q = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
+        let nibbles = _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16::<4>(q), mask),
+            _mm_and_si128(q, mask),
+        );
+        // Byte j of the bit mask tests bit j of `qh`: broadcast byte j / 8, mask bit j % 8.
+        let bits = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits as i32),
+            _mm256_setr_epi8(
+                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
+                3, 3, 3, 3,
+            ),
+        );
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        let values = _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+        let ones = _mm256_set1_epi16(1);
+        let sum = |x: __m256i| {
+            let p = if centered {
+                let v = _mm256_sub_epi8(values, _mm256_set1_epi8(16));
+                _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v))
+            } else {
+                _mm256_maddubs_epi16(values, x)
+            };
+            _mm256_madd_epi16(p, ones)
+        };
+        a.map(|x| sum(load(&x[..], 0)))
+    }
+
+    /// [`five_bit_madd`] for a whole tile, reduced: lane `t` is token `t`'s exact sum.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn five_bit_sumi_tile(
+        qh: &[u8],
+        qs: &[u8],
+        centered: bool,
+        a: [&[i8; 32]; super::TILE],
+    ) -> __m128i {
+        let v = five_bit_madd(qh, qs, centered, a);
+        // The four lane sums at once: pairwise horizontal adds, then the two halves.
+        let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
+    }
 }
 
 /// What [`crate::weights::Matrix`] needs of a matrix in any of these formats.
@@ -513,10 +915,17 @@ impl<F: QuantFormat> BlockMatrix for QuantMatrix<F> {
     fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
         let x = F::Act::pick(acts);
         let nb = self.cols / F::Act::ELEMS;
+        let mut acts: [&[F::Act]; TILE] = [&[]; TILE];
         for r in 0..nr {
             let w = self.row(r0 + r);
-            for t in 0..n {
-                out[r * n + t] = F::dot(w, &x[t * nb..(t + 1) * nb]);
+            let mut t = 0;
+            while t < n {
+                let k = (n - t).min(TILE);
+                for (j, a) in acts.iter_mut().enumerate().take(k) {
+                    *a = &x[(t + j) * nb..(t + j + 1) * nb];
+                }
+                F::dot_tile(w, &acts[..k], &mut out[r * n + t..r * n + t + k]);
+                t += k;
             }
         }
     }
@@ -672,6 +1081,92 @@ mod tests {
                     _ => (Q6K::dot(&w, &xk), Q6K::dot_scalar(&w, &xk)),
                 };
                 assert_eq!(fast.to_bits(), slow.to_bits(), "{ty:?} trial {trial}");
+            }
+        }
+    }
+
+    /// A tile of 2, 3 or 4 tokens gives each token exactly `dot`'s bits (the tile kernels
+    /// share unpacking, never arithmetic).
+    #[test]
+    fn k_quant_tiles_equal_one_token_at_a_time() {
+        let mut s = 13u64;
+        for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+            let cols = 2 * QK_K;
+            let vals: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * 3.0).collect();
+            let w = ty.quantize(&vals);
+            let xs: Vec<Vec<BlockQ8K>> = (0..4)
+                .map(|_| {
+                    let x: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * 5.0).collect();
+                    let mut xk = vec![BlockQ8K::default(); 2];
+                    quantize_row_q8_k(&x, &mut xk);
+                    xk
+                })
+                .collect();
+            for k in 2..=4 {
+                let acts: Vec<&[BlockQ8K]> = xs[..k].iter().map(|x| x.as_slice()).collect();
+                let mut tile = [0f32; 4];
+                let single: Vec<f32> = match ty {
+                    GgmlType::Q4_K => {
+                        Q4K::dot_tile(&w, &acts, &mut tile);
+                        acts.iter().map(|a| Q4K::dot(&w, a)).collect()
+                    }
+                    GgmlType::Q5_K => {
+                        Q5K::dot_tile(&w, &acts, &mut tile);
+                        acts.iter().map(|a| Q5K::dot(&w, a)).collect()
+                    }
+                    _ => {
+                        Q6K::dot_tile(&w, &acts, &mut tile);
+                        acts.iter().map(|a| Q6K::dot(&w, a)).collect()
+                    }
+                };
+                for (t, v) in single.iter().enumerate() {
+                    assert_eq!(
+                        tile[t].to_bits(),
+                        v.to_bits(),
+                        "{ty:?} tile of {k}, token {t}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Q5_0 and Q5_1 through the SIMD tile (one token and tiles of 2 to 4) against the
+    /// portable definition, bit for bit, with values at both ends of the five-bit range.
+    #[test]
+    fn five_bit_simd_equals_the_scalar_definition_bit_for_bit() {
+        let mut s = 17u64;
+        for ty in [GgmlType::Q5_0, GgmlType::Q5_1] {
+            for trial in 0..10 {
+                let cols = 4 * QK;
+                let amp = 1.0 + trial as f32;
+                let vals: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * amp).collect();
+                let w = ty.quantize(&vals);
+                let xs: Vec<Vec<BlockQ8_1>> = (0..4)
+                    .map(|_| {
+                        let x: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * amp).collect();
+                        let mut xq = vec![BlockQ8_1::default(); 4];
+                        crate::weights::quantize_row_q8_1(&x, &mut xq);
+                        xq
+                    })
+                    .collect();
+                for k in 1..=4 {
+                    let acts: Vec<&[BlockQ8_1]> = xs[..k].iter().map(|x| x.as_slice()).collect();
+                    let mut tile = [0f32; 4];
+                    let slow: Vec<f32> = if ty == GgmlType::Q5_0 {
+                        Q5_0::dot_tile(&w, &acts, &mut tile);
+                        acts.iter().map(|a| Q5_0::dot_scalar(&w, a)).collect()
+                    } else {
+                        Q5_1::dot_tile(&w, &acts, &mut tile);
+                        acts.iter().map(|a| Q5_1::dot_scalar(&w, a)).collect()
+                    };
+                    for (t, v) in slow.iter().enumerate() {
+                        assert_eq!(
+                            tile[t].to_bits(),
+                            v.to_bits(),
+                            "{ty:?} trial {trial} tile {k} token {t}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -72,6 +72,12 @@ impl Default for BlockQ8_1 {
 /// Quantizes one activation row (length a multiple of 32) the way ggml does for Q8_1:
 /// scale `amax / 127` stored as f16, values rounded to nearest, sum scaled and stored as f16.
 pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
+    let done = crate::kernels::quantize_blocks_q8_1(x, out);
+    quantize_row_q8_1_scalar(&x[done * QK..], &mut out[done..]);
+}
+
+/// The definition [`quantize_row_q8_1`]'s SIMD path is tested against.
+pub fn quantize_row_q8_1_scalar(x: &[f32], out: &mut [BlockQ8_1]) {
     for (blk, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
         let amax = blk.iter().fold(0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;

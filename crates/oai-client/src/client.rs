@@ -4,8 +4,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::error::AuditError;
 use crate::sse::SseParser;
+use crate::ClientError;
 
 /// Received bytes kept per response for scanning and the report; the rest is counted only.
 const RAW_CAP: usize = 4 << 20;
@@ -45,6 +45,9 @@ pub struct Call {
     pub temperature: f32,
     pub stream: bool,
     pub logprobs: bool,
+    /// Ask the server to keep generating past end-of-sequence (`ignore_eos`, accepted by
+    /// kvwarden, vLLM and llama.cpp), so a benchmark gets exactly `max_tokens`.
+    pub ignore_eos: bool,
     /// Streams only: hang up after this many data events.
     pub cancel_after: Option<usize>,
     pub key: Option<String>,
@@ -92,6 +95,9 @@ pub struct Exchange {
     /// Non-2xx only: whether the body was JSON with an `error` object.
     pub error_body_ok: bool,
     pub ttft: Option<Duration>,
+    /// Streams only: when each data event that carried generated text or tokens arrived,
+    /// from the start of the call (the inter-token latencies of a benchmark).
+    pub chunk_times: Vec<Duration>,
     pub total: Duration,
     pub cancelled: bool,
 }
@@ -119,13 +125,11 @@ pub struct Client {
 }
 
 impl Client {
-    pub fn new(endpoint: &str, timeout: Duration) -> Result<Self, AuditError> {
+    pub fn new(endpoint: &str, timeout: Duration) -> Result<Self, ClientError> {
         let base = endpoint.trim_end_matches('/');
         let base = base.strip_suffix("/v1").unwrap_or(base).to_owned();
         if !base.starts_with("http://") && !base.starts_with("https://") {
-            return Err(AuditError::Usage(format!(
-                "--endpoint must be an http:// URL, got {endpoint:?}"
-            )));
+            return Err(ClientError::BadUrl(endpoint.to_owned()));
         }
         let http = reqwest::Client::builder()
             .timeout(timeout)
@@ -135,7 +139,7 @@ impl Client {
             // before it is sent, which would be the audit's fault, not the server's.
             .pool_max_idle_per_host(0)
             .build()
-            .map_err(|e| AuditError::Unreachable {
+            .map_err(|e| ClientError::Setup {
                 url: base.clone(),
                 message: e.to_string(),
             })?;
@@ -189,6 +193,9 @@ impl Client {
                 Api::Completions => json!(1),
                 Api::Chat => json!(true),
             };
+        }
+        if call.ignore_eos {
+            body["ignore_eos"] = json!(true);
         }
         if call.stream {
             body["stream_options"] = json!({"include_usage": true});
@@ -387,8 +394,12 @@ fn stream_event(ex: &mut Exchange, api: Api, data: &str, start: Instant) {
         .and_then(Value::as_str)
         .map(str::to_owned);
     let has_text = text.as_deref().is_some_and(|t| !t.is_empty());
+    let now = start.elapsed();
     if ex.ttft.is_none() && (has_text || finish.is_some() || !tokens.is_empty()) {
-        ex.ttft = Some(start.elapsed());
+        ex.ttft = Some(now);
+    }
+    if has_text || !tokens.is_empty() {
+        ex.chunk_times.push(now);
     }
     if let Some(t) = text {
         ex.content.push_str(&t);
@@ -459,6 +470,8 @@ mod tests {
         let st = ex.stream.clone().unwrap_or_default();
         assert!(st.done && st.error_events == 0 && st.events_after_end == 0);
         assert!(ex.ttft.is_some() && ex.succeeded());
+        // The role chunk carries no text; the two deltas do.
+        assert_eq!(ex.chunk_times.len(), 2);
         stream_event(&mut ex, Api::Chat, r#"{"error":{"message":"late"}}"#, start);
         let st = ex.stream.clone().unwrap_or_default();
         assert_eq!((st.error_events, st.events_after_end), (1, 1));

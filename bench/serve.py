@@ -1,0 +1,277 @@
+#!/usr/bin/env python3
+"""kvwarden `serve` against llama.cpp's `llama-server`, side by side: the one benchmark.
+
+    bench/serve.py                      # the comparison; run it on an otherwise idle machine
+    QUICK=1 bench/serve.py              # tiny workloads: proves the pipeline, figures meaningless
+    MODEL=path/to/other.gguf bench/serve.py
+
+It builds kvwarden (release) and llama.cpp's llama-server and llama-bench
+(bench/build-llama-server.sh, cached in .peer/), fetches the default model
+(scripts/fetch-model.sh), then for ROUNDS rounds (default 2) runs each server in turn on the
+same GGUF, the same thread count (THREADS, default nproc), 32 slots, flash attention, a
+32,768-token KV, and loads it with `kvwarden bench serve` (streaming /v1/completions,
+token-id prompts, ignore_eos):
+
+  (a) one stream, 500-token prompt, 128 out: time to first token and decode tok/s;
+  (b) 8 clients, 32 requests of 200 prompt + 64 out: output tok/s;
+  (c) 32 clients, 64 requests of 200 + 64: output tok/s and p99 latency;
+
+plus each server's peak RSS (VmHWM just before it is stopped) and the kernels' pp512/tg128
+(kvwarden's `cargo bench -p model --bench throughput`, llama.cpp's llama-bench). The order of
+the two servers alternates between rounds. It prints each metric for both, medians over the
+rounds and the ratio kvwarden / llama.cpp, and writes all of it, with every round's raw
+reports, to bench/results/serve-<time>.json (git-ignored).
+
+Environment: THREADS, MODEL, ROUNDS, QUICK=1, TOKEN_ID_RANGE (ids the prompts are drawn
+from, default 1000..10000, clear of special tokens), KVWARDEN_ARGS and LLAMA_ARGS (extra
+flags for each server, split on spaces). Timings here are never pass/fail tests.
+"""
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = ROOT / "target" / "release" / "kvwarden"
+DEFAULT_MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+PEER_VERSION = "0.3.36"
+KV_TOKENS = 32768
+SLOTS = 32
+
+QUICK = os.environ.get("QUICK", "") not in ("", "0")
+THREADS = int(os.environ.get("THREADS") or os.cpu_count() or 1)
+ROUNDS = int(os.environ.get("ROUNDS", "2"))
+MODEL = Path(os.environ.get("MODEL") or DEFAULT_MODEL).resolve()
+TOKEN_ID_RANGE = os.environ.get("TOKEN_ID_RANGE", "1000..10000")
+
+# name: (clients, requests, prompt tokens, output tokens)
+WORKLOADS = {
+    "a_one_stream": (1, 5, 500, 128),
+    "b_8_clients": (8, 32, 200, 64),
+    "c_32_clients": (32, 64, 200, 64),
+}
+KERNEL = (512, 128)
+if QUICK:
+    WORKLOADS = {
+        "a_one_stream": (1, 2, 32, 8),
+        "b_8_clients": (2, 4, 16, 8),
+        "c_32_clients": (4, 8, 16, 8),
+    }
+    KERNEL = (32, 8)
+
+PP, TG = f"pp{KERNEL[0]}", f"tg{KERNEL[1]}"
+# (label, how to read it from one round's results, True when higher is better)
+METRICS = [
+    ("(a) time to first token p50, ms", lambda r: r["a_one_stream"]["ttft_ms"]["p50"], False),
+    ("(a) decode tok/s", lambda r: 1000.0 / r["a_one_stream"]["tpot_ms"]["p50"], True),
+    ("(b) 8 clients: output tok/s", lambda r: r["b_8_clients"]["output_tok_s"], True),
+    ("(b) 8 clients: p99 latency, ms", lambda r: r["b_8_clients"]["e2e_ms"]["p99"], False),
+    ("(c) 32 clients: output tok/s", lambda r: r["c_32_clients"]["output_tok_s"], True),
+    ("(c) 32 clients: p99 latency, ms", lambda r: r["c_32_clients"]["e2e_ms"]["p99"], False),
+    ("peak RSS, MiB", lambda r: r["peak_rss_kib"] / 1024.0, False),
+    (f"kernel {PP} tok/s", lambda r: r["kernel"][PP], True),
+    (f"kernel {TG} tok/s", lambda r: r["kernel"][TG], True),
+]
+
+
+def log(msg):
+    print(f"bench/serve: {msg}", file=sys.stderr, flush=True)
+
+
+def run(cmd, **kw):
+    """Runs a command; its failure ends the benchmark with the command's own output."""
+    r = subprocess.run([str(c) for c in cmd], cwd=ROOT, capture_output=True, text=True, **kw)
+    if r.returncode != 0:
+        sys.exit(f"bench/serve: {' '.join(map(str, cmd))} failed ({r.returncode}):\n{r.stdout}{r.stderr}")
+    return r.stdout
+
+
+def build():
+    log("building kvwarden (release)")
+    run(["cargo", "build", "--release", "-q", "-p", "kvwarden"])
+    log("building llama.cpp's llama-server and llama-bench (cached in .peer/)")
+    server = Path(run([ROOT / "bench" / "build-llama-server.sh"]).strip().splitlines()[-1])
+    llama_bench = ROOT / ".peer" / f"llama-bench-{PEER_VERSION}"
+    if not llama_bench.is_file():
+        sys.exit(f"bench/serve: {llama_bench} is missing: remove .peer/ and run bench/build-llama-server.sh")
+    if MODEL == DEFAULT_MODEL:
+        run([ROOT / "scripts" / "fetch-model.sh"])
+    elif not MODEL.is_file():
+        sys.exit(f"bench/serve: MODEL={MODEL} does not exist")
+    return server, llama_bench
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_rss_kib(pid):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    sys.exit(f"bench/serve: no VmHWM in /proc/{pid}/status")
+
+
+class Server:
+    """One server process, started directly (so its pid is the server's own)."""
+
+    def __init__(self, name, cmd, port, logdir):
+        self.name, self.cmd, self.url = name, [str(c) for c in cmd], f"http://127.0.0.1:{port}"
+        self.log_path = Path(logdir) / f"{name}.log"
+        self.proc = subprocess.Popen(
+            self.cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(self.log_path, "wb")
+        )
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.fail(f"exited with {self.proc.returncode} while starting")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        self.fail("did not become healthy within 300 s")
+
+    def fail(self, why):
+        self.stop()
+        sys.exit(f"bench/serve: {self.name} {why}:\n{self.log_path.read_text(errors='replace')[-4000:]}")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def server_commands(llama_server, port):
+    kvwarden = [
+        BIN, "--threads", THREADS, "serve", "--model", MODEL, "--port", port,
+        "--kv-pool-tokens", KV_TOKENS, "--max-running", SLOTS,
+        *os.environ.get("KVWARDEN_ARGS", "").split(),
+    ]
+    llama = [
+        llama_server, "-m", MODEL, "-t", THREADS, "-tb", THREADS, "-np", SLOTS, "-fa", "on",
+        "-c", KV_TOKENS, "--host", "127.0.0.1", "--port", port, "--no-webui",
+        *os.environ.get("LLAMA_ARGS", "").split(),
+    ]
+    return {"kvwarden": kvwarden, "llama.cpp": llama}
+
+
+def bench_serve(url, clients, requests, prompt, out, seed, tmp):
+    path = Path(tmp) / f"report-{seed}.json"
+    run([
+        BIN, "bench", "serve", "--base-url", url, "--concurrency", clients,
+        "--num-requests", requests, "--prompt-tokens", prompt, "--max-tokens", out,
+        "--ignore-eos", "--token-id-range", TOKEN_ID_RANGE, "--seed", seed, "--json", path,
+    ])
+    return json.loads(path.read_text())
+
+
+def kernels(name, llama_bench):
+    """pp/tg tok/s of the kernels alone (no server), or None where it cannot be measured."""
+    pp, tg = KERNEL
+    if name == "kvwarden":
+        env = dict(os.environ, RAYON_NUM_THREADS=str(THREADS), BENCH_PP=str(pp), BENCH_TG=str(tg),
+                   BENCH_MODEL=str(MODEL))
+        line = run(["cargo", "bench", "-q", "-p", "model", "--bench", "throughput"], env=env).strip().splitlines()[-1]
+        fields = dict(f.split("=") for f in line.split()[1:])
+        return {PP: float(fields[PP]), TG: float(fields[TG])}
+    rows = json.loads(run([
+        llama_bench, "-m", MODEL, "-t", THREADS, "-fa", "on", "-p", pp, "-n", tg,
+        "-r", 1 if QUICK else 5, "-o", "json",
+    ]))
+    speed = {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in rows}
+    return {PP: speed[(pp, 0)], TG: speed[(0, tg)]}
+
+
+def one_round(index, llama_server, llama_bench, tmp):
+    order = ["kvwarden", "llama.cpp"] if index % 2 == 0 else ["llama.cpp", "kvwarden"]
+    results, commands = {}, {}
+    for name in order:
+        port = free_port()
+        cmd = server_commands(llama_server, port)[name]
+        commands[name] = " ".join(map(str, cmd))
+        log(f"round {index + 1}: {name}")
+        server = Server(name, cmd, port, tmp)
+        try:
+            # Warm-up, not recorded: the first request may pay for lazy set-up.
+            bench_serve(server.url, 1, 1, 8, 4, 999, tmp)
+            r = {}
+            for seed, (w, (clients, requests, prompt, out)) in enumerate(WORKLOADS.items()):
+                r[w] = bench_serve(server.url, clients, requests, prompt, out, seed, tmp)
+            r["peak_rss_kib"] = peak_rss_kib(server.proc.pid)
+        finally:
+            server.stop()
+        r["kernel"] = kernels(name, llama_bench)
+        results[name] = r
+    return results, commands
+
+
+def value(get, r):
+    try:
+        return get(r)
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def summarize(rounds):
+    rows = []
+    for label, get, higher in METRICS:
+        row = {"metric": label, "higher_is_better": higher}
+        for name in ("kvwarden", "llama.cpp"):
+            vals = [value(get, r[name]) for r in rounds]
+            row[name] = statistics.median(vals) if all(v is not None for v in vals) else None
+        ours, theirs = row["kvwarden"], row["llama.cpp"]
+        row["ratio"] = ours / theirs if ours is not None and theirs else None
+        rows.append(row)
+    return rows
+
+
+def table(rows):
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    lines = [f"{'metric (medians of rounds)':<36}{'kvwarden':>12}{'llama.cpp':>12}{'ratio':>8}"]
+    for r in rows:
+        lines.append(
+            f"{r['metric']:<36}{fmt(r['kvwarden'], '.1f'):>12}{fmt(r['llama.cpp'], '.1f'):>12}{fmt(r['ratio'], '.2f'):>8}"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    llama_server, llama_bench = build()
+    rounds, commands = [], {}
+    with tempfile.TemporaryDirectory(prefix="kvwarden-bench-") as tmp:
+        for i in range(ROUNDS):
+            r, commands = one_round(i, llama_server, llama_bench, tmp)
+            rounds.append(r)
+    rows = summarize(rounds)
+    print(f"kvwarden vs llama.cpp {PEER_VERSION}: {MODEL.name}, {THREADS} threads, {SLOTS} slots, "
+          f"{KV_TOKENS}-token KV, {ROUNDS} rounds{' (QUICK: tiny workloads, figures meaningless)' if QUICK else ''}")
+    print(table(rows))
+    out = ROOT / "bench" / "results" / time.strftime("serve-%Y%m%dT%H%M%SZ.json", time.gmtime())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "model": str(MODEL), "threads": THREADS, "slots": SLOTS, "kv_tokens": KV_TOKENS,
+        "quick": QUICK, "workloads": WORKLOADS, "kernel": {"pp": KERNEL[0], "tg": KERNEL[1]},
+        "commands": commands, "summary": rows, "rounds": rounds,
+    }, indent=2) + "\n")
+    print(f"written to {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

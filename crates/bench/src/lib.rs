@@ -1,0 +1,239 @@
+//! `kvwarden bench serve`: load on any OpenAI-compatible server, timed as a client sees it.
+//!
+//! Streaming `/v1/completions` with token-id prompts of exact lengths (random ids from a
+//! range clear of special tokens, a different prompt per request so no prefix cache helps)
+//! or text prompts, at a fixed concurrency (closed loop) or a Poisson request rate (open
+//! loop). It reports time to first token, time per output token, inter-token and
+//! end-to-end latency (mean, p50, p90, p99), and output and total tokens per second over
+//! the wall time. HTTP only: the same numbers for kvwarden, llama.cpp's server or vLLM.
+
+#![forbid(unsafe_code)]
+
+mod error;
+pub mod report;
+mod runner;
+pub mod stats;
+pub mod workload;
+
+use std::ops::Range;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use oai_client::{Api, Call, Client};
+use serde_json::Value;
+
+pub use error::BenchError;
+pub use report::Report;
+use runner::Schedule;
+use workload::PromptSpec;
+
+#[derive(Debug, clap::Subcommand)]
+pub enum BenchCommand {
+    /// Load an OpenAI-compatible server with streaming completions and report latency and
+    /// throughput.
+    Serve(ServeArgs),
+}
+
+/// `kvwarden bench serve` arguments.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Base URL of the server (http://host:port, with or without /v1).
+    #[arg(long)]
+    pub base_url: String,
+    /// Bearer key to send.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Model name to send (default: the first of /v1/models).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Token-id prompts of exactly N tokens (the default, 200).
+    #[arg(long, conflicts_with = "prompt_words")]
+    pub prompt_tokens: Option<usize>,
+    /// Text prompts of N random common words instead of token ids.
+    #[arg(long)]
+    pub prompt_words: Option<usize>,
+    /// Token ids are drawn from LO..HI (HI exclusive): keep it clear of the vocabulary's
+    /// special and control tokens and inside its size. The default suits SmolLM2, Llama and
+    /// Qwen vocabularies.
+    #[arg(long, default_value = "1000..10000", value_parser = workload::parse_id_range)]
+    pub token_id_range: Range<u32>,
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: u32,
+    /// Ask the server to generate past end-of-sequence, so every request gives max_tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 32)]
+    pub num_requests: usize,
+    /// Requests in flight: a closed loop of C clients, or with --request-rate the most in
+    /// flight at once (default 1 without a rate, unlimited with one).
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    /// Start requests as a Poisson process of R per second (open loop).
+    #[arg(long)]
+    pub request_rate: Option<f64>,
+    /// Seed of the prompts and arrival times.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Seconds one request may take.
+    #[arg(long, default_value_t = 600)]
+    pub timeout: u64,
+    /// Write the report as JSON to PATH ("-": print it on stdout instead of the table).
+    #[arg(long, value_name = "PATH")]
+    pub json: Option<PathBuf>,
+}
+
+pub fn run_cli(cmd: BenchCommand) -> Result<(), BenchError> {
+    match cmd {
+        BenchCommand::Serve(args) => {
+            // One thread: the load generator should take as little CPU from a server on the
+            // same machine as it can.
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(BenchError::Runtime)?;
+            rt.block_on(serve(args))
+        }
+    }
+}
+
+fn check(args: &ServeArgs) -> Result<(), BenchError> {
+    let bad = |m: &str| Err(BenchError::Usage(m.into()));
+    if args.num_requests == 0 {
+        return bad("--num-requests must be at least 1");
+    }
+    if args.max_tokens == 0 {
+        return bad("--max-tokens must be at least 1");
+    }
+    if args.concurrency == Some(0) {
+        return bad("--concurrency must be at least 1");
+    }
+    if args
+        .request_rate
+        .is_some_and(|r| !(r.is_finite() && r > 0.0))
+    {
+        return bad("--request-rate must be a positive number");
+    }
+    if args.prompt_tokens == Some(0) || args.prompt_words == Some(0) {
+        return bad("a prompt must have at least one token or word");
+    }
+    Ok(())
+}
+
+async fn serve(args: ServeArgs) -> Result<(), BenchError> {
+    check(&args)?;
+    let mut client = Client::new(&args.base_url, Duration::from_secs(args.timeout.max(1)))?;
+    client.model = match &args.model {
+        Some(m) => m.clone(),
+        None => served_model(&client, args.api_key.as_deref()).await?,
+    };
+    let spec = match args.prompt_words {
+        Some(len) => PromptSpec::Words { len },
+        None => PromptSpec::Tokens {
+            len: args.prompt_tokens.unwrap_or(200),
+            ids: args.token_id_range.clone(),
+        },
+    };
+    let calls: Vec<Call> = workload::prompts(&spec, args.num_requests, args.seed)
+        .into_iter()
+        .map(|prompt| Call {
+            api: Api::Completions,
+            prompt,
+            max_tokens: args.max_tokens,
+            temperature: args.temperature,
+            stream: true,
+            logprobs: false,
+            ignore_eos: args.ignore_eos,
+            cancel_after: None,
+            key: args.api_key.clone(),
+        })
+        .collect();
+    let schedule = match args.request_rate {
+        Some(rate) => Schedule::Open {
+            arrivals: workload::poisson_arrivals(args.num_requests, rate, args.seed),
+            max_in_flight: args.concurrency,
+        },
+        None => Schedule::Closed {
+            concurrency: args.concurrency.unwrap_or(1),
+        },
+    };
+    let to_stdout = args.json.as_deref() == Some(std::path::Path::new("-"));
+    let run = runner::run(&client, calls, &schedule, true).await;
+    let workload = report::Workload {
+        prompt: match spec {
+            PromptSpec::Tokens { .. } => "tokens",
+            PromptSpec::Words { .. } => "words",
+        }
+        .into(),
+        prompt_len: args.prompt_tokens.or(args.prompt_words).unwrap_or(200),
+        max_tokens: args.max_tokens,
+        ignore_eos: args.ignore_eos,
+        num_requests: args.num_requests,
+        concurrency: args
+            .concurrency
+            .or(args.request_rate.is_none().then_some(1)),
+        request_rate: args.request_rate,
+        seed: args.seed,
+    };
+    let report = Report::new(
+        client.base.clone(),
+        client.model.clone(),
+        workload,
+        spec.known_tokens(),
+        &run.exchanges,
+        run.wall,
+    );
+    let json = serde_json::to_string_pretty(&report)
+        .map_err(|e| BenchError::Usage(format!("cannot serialize the report: {e}")))?;
+    match &args.json {
+        Some(_) if to_stdout => println!("{json}"),
+        Some(path) => {
+            std::fs::write(path, json + "\n").map_err(|source| BenchError::Write {
+                path: path.clone(),
+                source,
+            })?;
+            print!("{}", report.table());
+        }
+        None => print!("{}", report.table()),
+    }
+    match report.first_errors.iter().next() {
+        Some((kind, message)) => Err(BenchError::Failed {
+            failed: report.failed,
+            total: args.num_requests,
+            first: format!("{kind}: {message}"),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The first model `/v1/models` lists; a clear error when the server cannot be reached or
+/// refuses (a wrong key, say), before any load is sent.
+async fn served_model(client: &Client, key: Option<&str>) -> Result<String, BenchError> {
+    let (status, v) = client
+        .get_json("/v1/models", key)
+        .await
+        .map_err(|message| BenchError::Unreachable {
+            url: client.base.clone(),
+            message,
+        })?;
+    if !(200..300).contains(&status) {
+        let message = v
+            .get("error")
+            .and_then(|e| e.get("message"))
+            .and_then(Value::as_str)
+            .unwrap_or("no error message")
+            .to_owned();
+        return Err(BenchError::Refused {
+            url: format!("{}/v1/models", client.base),
+            status,
+            message,
+        });
+    }
+    v.get("data")
+        .and_then(|d| d.get(0))
+        .and_then(|m| m.get("id"))
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .ok_or_else(|| BenchError::NoModel(format!("/v1/models listed none: {v}")))
+}

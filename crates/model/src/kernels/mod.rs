@@ -1,0 +1,330 @@
+//! Matrix kernels. The work is split across threads by weight row only; each output value
+//! is one dot product computed by the same instruction sequence whatever the batch holds
+//! (tiles of several tokens run the identical per-token arithmetic side by side), which is
+//! what makes greedy output batch-invariant.
+
+use rayon::prelude::*;
+
+use crate::quant::{quantize_row_q8_k, Acts, BlockQ8K};
+use crate::weights::{BlockQ8_1, Matrix, QK};
+
+/// Tokens processed together against one weight row (weights unpacked once per tile).
+const TILE: usize = 4;
+
+/// `out[t * rows + r] = dot(W[r], x[t])` for `n` input rows. `x_f32` is used by f32
+/// weights, `x_q8` (the same rows quantized with [`crate::weights::quantize_row_q8_1`]) by
+/// quantized ones; the caller provides whichever [`Matrix::wants_q8`] asks for.
+pub fn matmul(w: &Matrix, x_f32: &[f32], x_q8: &[BlockQ8_1], n: usize, out: &mut [f32]) {
+    matmul_group(&[w], x_f32, x_q8, n, &mut [out]);
+}
+
+/// Several products of the same input (Q, K and V; gate and up) in one parallel region:
+/// one fork-join instead of one per matrix, which matters at decode where each is short.
+pub fn matmul_group(
+    ws: &[&Matrix],
+    x_f32: &[f32],
+    x_q8: &[BlockQ8_1],
+    n: usize,
+    outs: &mut [&mut [f32]],
+) {
+    assert_eq!(ws.len(), outs.len(), "matmul: one output per matrix");
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        assert_eq!(out.len(), n * w.rows(), "matmul: output shape");
+        if w.wants_q8() {
+            assert_eq!(
+                x_q8.len(),
+                n * w.cols() / QK,
+                "matmul: quantized input shape"
+            );
+        }
+        if !w.wants_q8() || w.wants_q8_k() {
+            assert_eq!(x_f32.len(), n * w.cols(), "matmul: input shape");
+        }
+    }
+    // The k-quants take the input as Q8_K super-blocks, quantized once for the group.
+    let q8_k = match ws.iter().find(|w| w.wants_q8_k()) {
+        Some(w) => {
+            let cols = w.cols();
+            let mut q = vec![BlockQ8K::default(); n * cols / gguf::QK_K];
+            for (row, o) in x_f32
+                .chunks_exact(cols)
+                .zip(q.chunks_exact_mut(cols / gguf::QK_K))
+            {
+                quantize_row_q8_k(row, o);
+            }
+            q
+        }
+        None => Vec::new(),
+    };
+    let input = Input {
+        x_f32,
+        acts: Acts {
+            q8_1: x_q8,
+            q8_k: &q8_k,
+        },
+        // Only the Q4_1 kernel reads them.
+        scales: if ws.iter().any(|w| matches!(w, Matrix::Q4_1 { .. })) {
+            tile_scales(x_q8, n, ws[0].cols() / QK)
+        } else {
+            Vec::new()
+        },
+        cols: ws[0].cols(),
+    };
+    if n >= TOKEN_SPLIT_MIN {
+        by_token_blocks(ws, &input, outs);
+    } else {
+        by_row_blocks(ws, &input, n, outs);
+    }
+}
+
+/// From this many input rows on, the work is split by blocks of tokens, each walking the
+/// weights in cache-sized row blocks; below it (decode steps) by weight rows, so that each
+/// weight is read from memory once per step.
+const TOKEN_SPLIT_MIN: usize = 64;
+/// Tokens per task of the token split (a whole number of tiles).
+const TOKEN_BLOCK: usize = 8 * TILE;
+/// Weight rows whose blocks stay in L1/L2 while a token block passes over them.
+const ROW_BLOCK: usize = 64;
+
+/// One group's input in every form a kernel may ask for.
+struct Input<'a> {
+    x_f32: &'a [f32],
+    acts: Acts<'a>,
+    scales: Vec<[f32; 2 * TILE]>,
+    cols: usize,
+}
+
+impl Input<'_> {
+    /// The kernels' view of tokens `t0..t0 + nt` (`t0` a multiple of [`TILE`], so tile
+    /// indices stay aligned with [`tile_scales`]). Forms the group does not use are empty.
+    fn tokens(&self, t0: usize, nt: usize) -> (&[f32], Acts<'_>, &[[f32; 2 * TILE]]) {
+        let nb = self.cols / QK;
+        let nbk = self.cols / gguf::QK_K;
+        let x = self
+            .x_f32
+            .get(t0 * self.cols..(t0 + nt) * self.cols)
+            .unwrap_or(&[]);
+        let acts = Acts {
+            q8_1: self.acts.q8_1.get(t0 * nb..(t0 + nt) * nb).unwrap_or(&[]),
+            q8_k: self.acts.q8_k.get(t0 * nbk..(t0 + nt) * nbk).unwrap_or(&[]),
+        };
+        let scales = self.scales.get(t0 / TILE * nb..).unwrap_or(&[]);
+        (x, acts, scales)
+    }
+}
+
+/// Each task owns a contiguous run of tokens of one output (token-major, so a plain slice
+/// of it) and computes it row block by row block; the kernel's row-major result for the
+/// block is transposed while it is still in L1.
+fn by_token_blocks(ws: &[&Matrix], input: &Input<'_>, outs: &mut [&mut [f32]]) {
+    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    for (m, out) in outs.iter_mut().enumerate() {
+        let rows = ws[m].rows();
+        for (b, chunk) in out.chunks_mut(TOKEN_BLOCK * rows).enumerate() {
+            tasks.push((m, b * TOKEN_BLOCK, chunk));
+        }
+    }
+    tasks.into_par_iter().for_each(|(m, t0, chunk)| {
+        let w = ws[m];
+        let rows = w.rows();
+        let nt = chunk.len() / rows;
+        let (x, acts, scales) = input.tokens(t0, nt);
+        let mut block = vec![0f32; ROW_BLOCK * nt];
+        for r0 in (0..rows).step_by(ROW_BLOCK) {
+            let nr = ROW_BLOCK.min(rows - r0);
+            let block = &mut block[..nr * nt];
+            rows_kernel(w, r0, nr, x, &acts, scales, nt, block);
+            for (t, out_row) in chunk.chunks_exact_mut(rows).enumerate() {
+                for (r, o) in out_row[r0..r0 + nr].iter_mut().enumerate() {
+                    *o = block[r * nt + t];
+                }
+            }
+        }
+    });
+}
+
+/// Tasks own runs of weight rows across every token (one token needs no transposition).
+fn by_row_blocks(ws: &[&Matrix], input: &Input<'_>, n: usize, outs: &mut [&mut [f32]]) {
+    let threads = rayon::current_num_threads().max(1);
+    let total_rows: usize = ws.iter().map(|w| w.rows()).sum();
+    let rows_per_task = (total_rows / (threads * 8)).clamp(8, 512);
+    let mut by_row: Vec<Vec<f32>> = ws
+        .iter()
+        .map(|w| {
+            if n == 1 {
+                Vec::new()
+            } else {
+                vec![0f32; n * w.rows()]
+            }
+        })
+        .collect();
+    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    for (m, (buf, out)) in by_row.iter_mut().zip(outs.iter_mut()).enumerate() {
+        let target: &mut [f32] = if n == 1 { out } else { buf };
+        for (c, chunk) in target.chunks_mut(rows_per_task * n).enumerate() {
+            tasks.push((m, c * rows_per_task, chunk));
+        }
+    }
+    tasks.into_par_iter().for_each(|(m, r0, chunk)| {
+        let nr = chunk.len() / n;
+        rows_kernel(
+            ws[m],
+            r0,
+            nr,
+            input.x_f32,
+            &input.acts,
+            &input.scales,
+            n,
+            chunk,
+        );
+    });
+    if n != 1 {
+        for ((w, buf), out) in ws.iter().zip(&by_row).zip(outs.iter_mut()) {
+            let rows = w.rows();
+            for r in 0..rows {
+                for t in 0..n {
+                    out[t * rows + r] = buf[r * n + t];
+                }
+            }
+        }
+    }
+}
+
+/// The activation scales of every whole tile, laid out for the kernels:
+/// `[tile * nb + block] = [d of its 4 tokens, s of its 4 tokens]`, so a kernel scales four
+/// tokens with one vector multiply instead of four scalar ones (same products, same bits).
+fn tile_scales(x: &[BlockQ8_1], n: usize, nb: usize) -> Vec<[f32; 2 * TILE]> {
+    let tiles = n / TILE;
+    let mut out = vec![[0f32; 2 * TILE]; tiles * nb];
+    for tile in 0..tiles {
+        for i in 0..nb {
+            let e = &mut out[tile * nb + i];
+            for j in 0..TILE {
+                let b = &x[(tile * TILE + j) * nb + i];
+                e[j] = b.d;
+                e[TILE + j] = b.s;
+            }
+        }
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rows_kernel(
+    w: &Matrix,
+    r0: usize,
+    nr: usize,
+    x_f32: &[f32],
+    acts: &Acts<'_>,
+    scales: &[[f32; 2 * TILE]],
+    n: usize,
+    out: &mut [f32],
+) {
+    let x_q8 = acts.q8_1;
+    let cols = w.cols();
+    let nb = cols / QK;
+    match w {
+        Matrix::F32 { data, .. } => {
+            for r in 0..nr {
+                let wr = &data[(r0 + r) * cols..(r0 + r + 1) * cols];
+                for t in 0..n {
+                    out[r * n + t] = dot_f32(wr, &x_f32[t * cols..(t + 1) * cols]);
+                }
+            }
+        }
+        Matrix::Q4_0 { data, .. } => {
+            rows_q4_0(&data[r0 * nb..(r0 + nr) * nb], nb, x_q8, n, out);
+        }
+        Matrix::Q4_1 { data, .. } => {
+            let rows = &data[r0 * nb..(r0 + nr) * nb];
+            #[cfg(target_arch = "x86_64")]
+            if n >= TILE && x86_512::available() {
+                // SAFETY: the CPU has the features `available` checks, the function's only
+                // requirement; it bounds-checks its slices.
+                unsafe { x86_512::q4_1_rows(rows, nb, x_q8, scales, n, out) };
+                return;
+            }
+            rows_q4_1(rows, nb, x_q8, scales, n, out);
+        }
+        Matrix::Q8_0 { data, .. } => {
+            rows_q8_0(&data[r0 * nb..(r0 + nr) * nb], nb, x_q8, n, out);
+        }
+        Matrix::Blocks(m) => m.rows_kernel(r0, nr, acts, n, out),
+    }
+}
+
+/// f32 dot product with eight independent accumulators, reduced in the same order as the
+/// SIMD kernels (a fixed order, so deterministic).
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for i in 0..chunks {
+        for j in 0..8 {
+            acc[j] = a[i * 8 + j].mul_add(b[i * 8 + j], acc[j]);
+        }
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    for i in chunks * 8..a.len() {
+        s = a[i].mul_add(b[i], s);
+    }
+    s
+}
+
+/// The instruction sets the kernels use, detected once: the products ask per row, and
+/// even cached detection showed as a few percent of a decode step when asked per row.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Features {
+    avx2: bool,
+    f16c: bool,
+    vnni: bool,
+    wide: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+fn features() -> Features {
+    static FEATURES: std::sync::OnceLock<Features> = std::sync::OnceLock::new();
+    *FEATURES.get_or_init(|| {
+        use std::arch::is_x86_feature_detected as has;
+        let avx2 = has!("avx2") && has!("fma");
+        let vnni = avx2 && has!("avx512vnni") && has!("avx512vl");
+        Features {
+            avx2,
+            f16c: avx2 && has!("f16c"),
+            vnni,
+            wide: vnni && has!("avx512f") && has!("avx512bw") && has!("avx512dq"),
+        }
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_f16c() -> bool {
+    features().f16c
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    features().avx2
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_vnni() -> bool {
+    features().vnni
+}
+
+mod activation;
+mod attention;
+mod quant_dot;
+mod quantize;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_512;
+
+pub use activation::{ggml_expf, silu, swiglu};
+pub use attention::{dot_f16_ggml, KvElem};
+pub use quant_dot::{dot_q4_0, dot_q4_1, dot_q8_0, rows_q4_0, rows_q4_1, rows_q8_0, scalar};
+pub use quantize::quantize_blocks_q8_1;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,458 @@
+use super::attention::{reduce16, tail_f64};
+use super::*;
+use crate::weights::quantize_row_q8_1;
+use gguf::GgmlType;
+
+fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+}
+
+fn matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> (Matrix, Vec<f32>) {
+    let mut s = seed;
+    let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
+    let mut w = gguf::GgufWriter::new();
+    w.tensor_f32("w", &[cols as u64, rows as u64], ty, &vals);
+    let f = gguf::GgufFile::parse(w.to_bytes()).unwrap();
+    let info = f.tensor("w").unwrap();
+    let deq = f.tensor_f32(info);
+    (Matrix::load(&f, info, rows, cols).unwrap(), deq)
+}
+
+/// Each kernel (SIMD where the CPU has it) against the plain f32 product of the
+/// dequantized weights and the dequantized activations, and the SIMD tile against the
+/// scalar reference: activation quantization is the only approximation.
+#[test]
+fn kernels_match_reference_for_every_type_and_tile() {
+    let (rows, cols, n) = (19, 96, 7);
+    let mut s = 99u64;
+    let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 3.0).collect();
+    let mut xq = vec![BlockQ8_1::default(); n * cols / QK];
+    for t in 0..n {
+        quantize_row_q8_1(
+            &x[t * cols..(t + 1) * cols],
+            &mut xq[t * cols / QK..(t + 1) * cols / QK],
+        );
+    }
+    let xdq: Vec<f32> = xq
+        .iter()
+        .flat_map(|b| b.qs.iter().map(move |&q| q as f32 * b.d))
+        .collect();
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::F32,
+    ] {
+        let (m, deq) = matrix(ty, rows, cols, 7);
+        let mut out = vec![0f32; n * rows];
+        matmul(&m, &x, &xq, n, &mut out);
+        for t in 0..n {
+            let xin = if ty == GgmlType::F32 { &x } else { &xdq };
+            for r in 0..rows {
+                let want: f32 = (0..cols)
+                    .map(|c| deq[r * cols + c] * xin[t * cols + c])
+                    .sum();
+                let got = out[t * rows + r];
+                // Q4_1's offset term uses ggml's f16-rounded activation sum `s`.
+                let tol = if ty == GgmlType::Q4_1 { 2e-2 } else { 2e-3 };
+                assert!(
+                    (want - got).abs() < tol * (1.0 + want.abs()),
+                    "{ty:?} t{t} r{r}: {want} vs {got}"
+                );
+                // The dispatched (SIMD) tile against the portable definition.
+                let nb = cols / QK;
+                let a = &xq[t * nb..(t + 1) * nb];
+                let scalar = match &m {
+                    Matrix::Q4_0 { data, .. } => scalar::q4_0(&data[r * nb..(r + 1) * nb], a),
+                    Matrix::Q4_1 { data, .. } => scalar::q4_1(&data[r * nb..(r + 1) * nb], a),
+                    Matrix::Q8_0 { data, .. } => scalar::q8_0(&data[r * nb..(r + 1) * nb], a),
+                    Matrix::F32 { .. } | Matrix::Blocks(_) => got,
+                };
+                assert!(
+                    (scalar - got).abs() <= 1e-5 * (1.0 + got.abs()),
+                    "{ty:?} t{t} r{r}: SIMD {got} vs scalar {scalar}"
+                );
+            }
+        }
+    }
+}
+
+/// The SIMD attention kernels agree bit for bit with the scalar definitions (which
+/// mirror ggml's order), for lengths with and without a partial 64-element step.
+#[test]
+fn f16_attention_kernels_match_scalar_bit_for_bit() {
+    use half::f16;
+    let mut s = 11u64;
+    for n in [64usize, 128, 72, 32, 8] {
+        let q: Vec<f32> = (0..n)
+            .map(|_| f16::from_f32(lcg(&mut s)).to_f32())
+            .collect();
+        let k: Vec<f16> = (0..n).map(|_| f16::from_f32(lcg(&mut s) * 4.0)).collect();
+        let got = dot_f16_ggml(&q, &k);
+        // The scalar definition, written out.
+        let np = n & !63;
+        let mut acc = [[0f32; 16]; 4];
+        for i in (0..np).step_by(64) {
+            for (j, lanes) in acc.iter_mut().enumerate() {
+                for (l, a) in lanes.iter_mut().enumerate() {
+                    *a = q[i + j * 16 + l].mul_add(k[i + j * 16 + l].to_f32(), *a);
+                }
+            }
+        }
+        let mut v = [0f32; 16];
+        for (l, o) in v.iter_mut().enumerate() {
+            *o = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+        }
+        let head = if np > 0 { reduce16(&v) } else { 0.0 };
+        assert_eq!(
+            got.to_bits(),
+            tail_f64(head, &q[np..], &k[np..]).to_bits(),
+            "n={n}"
+        );
+        let exact: f64 = q
+            .iter()
+            .zip(&k)
+            .map(|(a, b)| *a as f64 * b.to_f32() as f64)
+            .sum();
+        assert!(
+            (got as f64 - exact).abs() < 1e-4 * (1.0 + exact.abs()),
+            "n={n}: {got} vs {exact}"
+        );
+
+        let mut acc_simd: Vec<f16> = (0..n).map(|_| f16::from_f32(lcg(&mut s))).collect();
+        let mut acc_scalar = acc_simd.clone();
+        let w = lcg(&mut s);
+        <f16 as KvElem>::acc_mad(&mut acc_simd, &k, w);
+        for (a, x) in acc_scalar.iter_mut().zip(&k) {
+            *a = f16::from_f32(x.to_f32().mul_add(w, a.to_f32()));
+        }
+        assert_eq!(acc_simd, acc_scalar, "n={n}");
+    }
+}
+
+/// Both instruction-set builds of the quantized kernels give identical bits.
+///
+/// It needs a CPU with AVX-512 VNNI, which not every machine has, and a test cannot
+/// report "skipped" at run time: so it is ignored by default, `scripts/test.sh` runs it
+/// (`--ignored`) where the CPU has VNNI and says that it did not run where not, and run
+/// by hand on a CPU without VNNI it fails rather than pass without checking anything.
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
+fn avx2_and_vnni_kernels_agree_bit_for_bit() {
+    assert!(
+        has_vnni(),
+        "this CPU lacks AVX-512 VNNI: the VNNI kernels cannot run here, so this test checks nothing"
+    );
+    let cols = 128;
+    let nb = cols / QK;
+    let mut s = 3u64;
+    let x: Vec<f32> = (0..TILE * cols).map(|_| lcg(&mut s) * 2.0).collect();
+    let mut xq = vec![BlockQ8_1::default(); TILE * nb];
+    for t in 0..TILE {
+        quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
+    }
+    let acts: Vec<&[BlockQ8_1]> = xq.chunks(nb).collect();
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        let (m, _) = matrix(ty, 3, cols, 5);
+        for r in 0..3 {
+            let (mut a, mut b) = ([0f32; TILE], [0f32; TILE]);
+            // SAFETY: AVX2, FMA, AVX-512 VNNI and VL are present (checked above).
+            unsafe {
+                match &m {
+                    Matrix::Q4_0 { data, .. } => {
+                        x86::avx2::q4_0(&data[r * nb..(r + 1) * nb], &acts, &mut a);
+                        x86::vnni::q4_0(&data[r * nb..(r + 1) * nb], &acts, &mut b);
+                    }
+                    Matrix::Q4_1 { data, .. } => {
+                        x86::avx2::q4_1(&data[r * nb..(r + 1) * nb], &acts, None, &mut a);
+                        x86::vnni::q4_1(&data[r * nb..(r + 1) * nb], &acts, None, &mut b);
+                    }
+                    Matrix::Q8_0 { data, .. } => {
+                        x86::avx2::q8_0(&data[r * nb..(r + 1) * nb], &acts, &mut a);
+                        x86::vnni::q8_0(&data[r * nb..(r + 1) * nb], &acts, &mut b);
+                    }
+                    Matrix::F32 { .. } | Matrix::Blocks(_) => unreachable!(),
+                }
+            }
+            assert_eq!(a.map(f32::to_bits), b.map(f32::to_bits), "{ty:?} row {r}");
+            if let Matrix::Q4_1 { data, .. } = &m {
+                // The tile with gathered scales gives the same bits as without.
+                let scales = tile_scales(&xq, TILE, nb);
+                let mut c = [0f32; TILE];
+                let mut d = [0f32; TILE];
+                // SAFETY: as above.
+                unsafe {
+                    x86::avx2::q4_1(&data[r * nb..(r + 1) * nb], &acts, Some(&scales), &mut c);
+                    x86::vnni::q4_1(&data[r * nb..(r + 1) * nb], &acts, Some(&scales), &mut d);
+                }
+                assert_eq!(
+                    a.map(f32::to_bits),
+                    c.map(f32::to_bits),
+                    "scaled avx2 row {r}"
+                );
+                assert_eq!(
+                    a.map(f32::to_bits),
+                    d.map(f32::to_bits),
+                    "scaled vnni row {r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn ggml_expf_is_accurate_and_saturates() {
+    let mut x = -87.0f32;
+    while x < 88.0 {
+        let want = (x as f64).exp();
+        let got = ggml_expf(x) as f64;
+        assert!(
+            (got - want).abs() <= 4e-7 * want,
+            "exp({x}): {got} vs {want}"
+        );
+        x += 0.173;
+    }
+    assert_eq!(ggml_expf(-200.0), 0.0);
+    assert_eq!(ggml_expf(200.0), f32::INFINITY);
+    assert!((silu(2.0) - 2.0 / (1.0 + (-2.0f32).exp())).abs() < 1e-6);
+    // The vectorized SwiGLU gives the scalar definition's bits, including lanes that
+    // fall back to the scalar path.
+    let mut s = 17u64;
+    let mut gate: Vec<f32> = (0..203).map(|_| lcg(&mut s) * 30.0).collect();
+    gate[50] = 150.0;
+    gate[77] = -150.0;
+    let up: Vec<f32> = (0..203).map(|_| lcg(&mut s)).collect();
+    let want: Vec<u32> = gate
+        .iter()
+        .zip(&up)
+        .map(|(g, u)| (silu(*g) * u).to_bits())
+        .collect();
+    swiglu(&mut gate, &up);
+    assert_eq!(gate.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
+}
+
+/// Batch invariance across both work splits (by rows below `TOKEN_SPLIT_MIN` tokens, by
+/// token blocks from it on, with partial tiles, token blocks and row blocks) for every
+/// weight type: a token's row of the product is the same alone and in any batch.
+#[test]
+fn matmul_rows_do_not_depend_on_batch() {
+    let cols = 256;
+    for ty in [
+        GgmlType::Q4_1,
+        GgmlType::Q4_0,
+        GgmlType::Q8_0,
+        GgmlType::F32,
+        GgmlType::Q4_K,
+    ] {
+        for (rows, n) in [(37, 9), (ROW_BLOCK + 13, TOKEN_SPLIT_MIN + TOKEN_BLOCK + 5)] {
+            let (m, _) = matrix(ty, rows, cols, 3);
+            let mut s = 5u64;
+            let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
+            let mut xq = vec![BlockQ8_1::default(); n * cols / QK];
+            for t in 0..n {
+                quantize_row_q8_1(
+                    &x[t * cols..(t + 1) * cols],
+                    &mut xq[t * cols / QK..(t + 1) * cols / QK],
+                );
+            }
+            let mut all = vec![0f32; n * rows];
+            matmul(&m, &x, &xq, n, &mut all);
+            for t in 0..n {
+                let mut one = vec![0f32; rows];
+                let nb = cols / QK;
+                matmul(
+                    &m,
+                    &x[t * cols..(t + 1) * cols],
+                    &xq[t * nb..(t + 1) * nb],
+                    1,
+                    &mut one,
+                );
+                assert_eq!(
+                    one,
+                    all[t * rows..(t + 1) * rows],
+                    "{ty:?}: token {t} of {n} differs alone vs batched"
+                );
+            }
+        }
+    }
+}
+
+/// The register-tiled 512-bit Q4_1 product against the 256-bit kernel, row by row and token
+/// by token, bit for bit: whole micro-tiles, leftover rows, several tiles of tokens and the
+/// tokens after the last tile.
+/// Ignored like the test above, and run by `scripts/test.sh` where the CPU has the features.
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
+fn wide_q4_1_tiles_match_the_256_bit_kernel_bit_for_bit() {
+    assert!(
+        x86_512::available(),
+        "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
+    );
+    let (rows, cols, n) = (x86_512::ROWS * 2 + 3, 256, 3 * TILE + 3);
+    let nb = cols / QK;
+    let mut s = 11u64;
+    let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 4.0).collect();
+    let mut xq = vec![BlockQ8_1::default(); n * nb];
+    for t in 0..n {
+        quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
+    }
+    let (m, _) = matrix(GgmlType::Q4_1, rows, cols, 17);
+    let Matrix::Q4_1 { data, .. } = &m else {
+        unreachable!("a Q4_1 matrix")
+    };
+    let scales = tile_scales(&xq, n, nb);
+    let mut wide = vec![0f32; rows * n];
+    // SAFETY: the features are present (checked above).
+    unsafe { x86_512::q4_1_rows(data, nb, &xq, &scales, n, &mut wide) };
+    for r in 0..rows {
+        for t in 0..n {
+            let mut one = [0f32; 1];
+            // SAFETY: AVX2 and FMA are present (implied by the check above).
+            unsafe {
+                x86::avx2::q4_1(
+                    &data[r * nb..(r + 1) * nb],
+                    &[&xq[t * nb..(t + 1) * nb]],
+                    None,
+                    &mut one,
+                )
+            };
+            assert_eq!(
+                wide[r * n + t].to_bits(),
+                one[0].to_bits(),
+                "row {r} token {t}"
+            );
+        }
+    }
+}
+
+/// The fused f16 attention (one function per head, products inlined; 512-bit where the CPU
+/// has it, and the 256-bit one as well) against the portable one, bit for bit: heads of 64 and 128, keys whose scores rise (rescaling the
+/// accumulator) and fall, values large enough that f16 rounding matters.
+#[test]
+fn fused_f16_attention_matches_the_portable_path_bit_for_bit() {
+    use half::f16;
+    let mut s = 41u64;
+    for hd in [64usize, 128] {
+        for positions in [1usize, 7, 70] {
+            let q: Vec<f32> = (0..hd)
+                .map(|_| f16::from_f32(lcg(&mut s) * 2.0).to_f32())
+                .collect();
+            let rows = |s: &mut u64, amp: f32| -> Vec<Vec<f16>> {
+                (0..positions)
+                    .map(|j| {
+                        (0..hd)
+                            .map(|_| f16::from_f32(lcg(s) * amp * (1.0 + j as f32 * 0.05)))
+                            .collect()
+                    })
+                    .collect()
+            };
+            let k = rows(&mut s, 1.5);
+            let v = rows(&mut s, 40.0);
+            let kr: Vec<&[f16]> = k.iter().map(|r| r.as_slice()).collect();
+            let vr: Vec<&[f16]> = v.iter().map(|r| r.as_slice()).collect();
+            let scale = 1.0 / (hd as f32).sqrt();
+            let (mut acc_a, mut acc_b) = (vec![f16::ZERO; hd], vec![f16::ZERO; hd]);
+            let (mut fused, mut portable) = (vec![0f32; hd], vec![0f32; hd]);
+            <f16 as KvElem>::attend(&q, &kr, &vr, scale, &mut acc_a, &mut fused);
+            attention::attend_portable::<f16>(&q, &kr, &vr, scale, &mut acc_b, &mut portable);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&fused),
+                bits(&portable),
+                "head {hd}, {positions} positions"
+            );
+            // Where the CPU has several vector widths, each one against the portable path.
+            #[cfg(target_arch = "x86_64")]
+            if has_f16c() {
+                let mut narrow = vec![0f32; hd];
+                // SAFETY: AVX2, FMA and F16C are present (checked); lengths are equal
+                // multiples of 64.
+                unsafe { attention::x86::attend_f16(&q, &kr, &vr, scale, &mut acc_b, &mut narrow) };
+                assert_eq!(bits(&narrow), bits(&portable), "256-bit, head {hd}");
+            }
+        }
+    }
+}
+
+/// The 256-bit per-product Q4_1 loop (two rows × a tile of four tokens, leftover rows and
+/// tokens) against the same kernel one row and one token at a time, bit for bit.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn q4_1_row_pairs_match_single_rows_bit_for_bit() {
+    assert!(has_avx2(), "this test needs AVX2 and FMA");
+    let (rows, cols, n) = (5, 256, 2 * TILE + 3);
+    let nb = cols / QK;
+    let mut s = 31u64;
+    let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 4.0).collect();
+    let mut xq = vec![BlockQ8_1::default(); n * nb];
+    for t in 0..n {
+        quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
+    }
+    let (m, _) = matrix(GgmlType::Q4_1, rows, cols, 37);
+    let Matrix::Q4_1 { data, .. } = &m else {
+        unreachable!("a Q4_1 matrix")
+    };
+    let scales = tile_scales(&xq, n, nb);
+    let mut tiled = vec![0f32; rows * n];
+    // SAFETY: AVX2 and FMA are present (checked above).
+    unsafe { x86::avx2::q4_1_rows(data, nb, &xq, &scales, n, &mut tiled) };
+    let mut wide_vnni = tiled.clone();
+    if has_vnni() {
+        // SAFETY: VNNI is present (checked).
+        unsafe { x86::vnni::q4_1_rows(data, nb, &xq, &scales, n, &mut wide_vnni) };
+    }
+    for r in 0..rows {
+        for t in 0..n {
+            let mut one = [0f32; 1];
+            // SAFETY: as above.
+            unsafe {
+                x86::avx2::q4_1(
+                    &data[r * nb..(r + 1) * nb],
+                    &[&xq[t * nb..(t + 1) * nb]],
+                    None,
+                    &mut one,
+                )
+            };
+            assert_eq!(
+                tiled[r * n + t].to_bits(),
+                one[0].to_bits(),
+                "avx2 row {r} token {t}"
+            );
+            assert_eq!(
+                wide_vnni[r * n + t].to_bits(),
+                one[0].to_bits(),
+                "vnni row {r} token {t}"
+            );
+        }
+    }
+}
+
+/// Vectorized Q8_1 quantization against the scalar definition, bit for bit: random blocks,
+/// ties at exactly .5 after scaling, an all-zero block, a block with a NaN (left to the
+/// scalar path) and blocks after it.
+#[test]
+fn simd_q8_1_quantization_matches_the_scalar_definition() {
+    use crate::weights::{quantize_row_q8_1, quantize_row_q8_1_scalar};
+    let mut s = 53u64;
+    let mut x: Vec<f32> = (0..QK * 40).map(|_| lcg(&mut s) * 7.0).collect();
+    // amax 127 makes the scale exactly 1, so these elements land on .5 ties.
+    for (i, v) in x[QK..2 * QK].iter_mut().enumerate() {
+        *v = if i == 0 { 127.0 } else { i as f32 - 0.5 - 16.0 };
+    }
+    x[2 * QK..3 * QK].fill(0.0);
+    x[30 * QK + 3] = f32::NAN;
+    let mut a = vec![BlockQ8_1::default(); 40];
+    let mut b = vec![BlockQ8_1::default(); 40];
+    quantize_row_q8_1(&x, &mut a);
+    quantize_row_q8_1_scalar(&x, &mut b);
+    for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+        assert_eq!(p.qs, q.qs, "block {i}");
+        assert_eq!(p.d.to_bits(), q.d.to_bits(), "block {i} d");
+        assert_eq!(p.s.to_bits(), q.s.to_bits(), "block {i} s");
+    }
+}
