@@ -47,11 +47,13 @@ cargo build -p kvwarden --features fault-injection --target-dir target/fault
 target/debug/kvwarden --threads 2 audit --scenario incident
 
 # The end-to-end suite runs the binary that `cargo test` just built (optimized dev profile).
-"$python" -m pytest tests/python -q
+# The fault suite's long form (scripts/faults.sh --long) is not part of this run.
+long=(--ignore tests/python/test_faults_netns.py --ignore tests/python/test_faults_more.py)
+"$python" -m pytest tests/python -q "${long[@]}"
 # Every fixture becomes router + prefill node + decode node: the router must answer exactly
 # as `serve` does.
 # (test_cluster.py and the fault suite test_faults.py start their own clusters and ran above.)
 # test_gemma3.py and test_quant_models.py start their own `serve` and ran above.
 KVWARDEN_DEPLOYMENT=cluster "$python" -m pytest tests/python -q --ignore tests/python/test_cluster.py \
   --ignore tests/python/test_faults.py --ignore tests/python/test_gemma3.py \
-  --ignore tests/python/test_quant_models.py
+  --ignore tests/python/test_quant_models.py "${long[@]}"

@@ -21,6 +21,7 @@ mod admission;
 pub mod fault;
 mod handle;
 pub mod handoff;
+mod preemption;
 mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};

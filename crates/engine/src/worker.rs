@@ -2,8 +2,9 @@
 //!
 //! Pages are reserved as a request grows, never read before they are written. Full-pool
 //! policy: preempt and recompute. When a running request needs a page and neither the free
-//! list nor the prefix cache has one, the most recently started request gives all of its
-//! pages back and returns to the head of the queue with what it has generated; later it
+//! list nor the prefix cache has one, a younger request (the youngest of the tenant holding
+//! the most pages: `crate::preemption`) gives all of its pages back and returns to the
+//! queue in its arrival place with what it has generated; later it
 //! recomputes that K/V (bit for bit the same: rows do not depend on the batch) and goes on.
 //! Nothing ever runs on partial KV. Admission guarantees each request fits the pool alone,
 //! and the oldest request is never preempted for a younger one, so every request finishes.
@@ -23,6 +24,7 @@ use tokio::sync::oneshot;
 use crate::admission::Admitted;
 use crate::handle::{Command, EngineConfig, Lifecycle, Slot};
 use crate::handoff::{ImportReservation, PrefillOutput, ReserveError, Ticket, VerifiedImport};
+use crate::preemption::{self, Holding};
 use crate::{
     EngineError, EngineMetrics, Event, FinishReason, GenerateRequest, SharedMetrics, StepModel,
     TokenEvent, Usage,
@@ -288,8 +290,11 @@ impl Worker {
                 domain: request.domain.clone(),
             };
             let prompt_len = request.prompt.len();
+            let domain = owner.domain.clone();
             let mut kv = SequenceKv::new(&self.pool, owner);
-            if !self.make_room(kv.pages_needed(prompt_len)) || kv.reserve(prompt_len).is_err() {
+            if !self.make_room(kv.pages_needed(prompt_len), &domain)
+                || kv.reserve(prompt_len).is_err()
+            {
                 break;
             }
             let Some(r) = self.reservations.pop_front() else {
@@ -357,18 +362,19 @@ impl Worker {
         self.running.retain(|r| !r.progress.events.is_closed());
     }
 
-    /// Frees pages by evicting cached prefixes that no request uses, least recently used
-    /// first, if that can make enough room. Cheap when it cannot (the head of the queue may
-    /// wait many steps): the cache counts its evictable pages, so nothing is scanned and
-    /// nothing is evicted in vain.
-    fn make_room(&mut self, pages: usize) -> bool {
+    /// Frees pages for a request of `domain` by evicting cached prefixes that no request
+    /// uses (its own tenant's first when it holds the most: `kv::PrefixCache::evict_for`),
+    /// if that can make enough room. Cheap when it cannot (the head of the queue may wait
+    /// many steps): the cache counts its evictable pages, so nothing is scanned and nothing
+    /// is evicted in vain.
+    fn make_room(&mut self, pages: usize, domain: &kv::IsolationDomain) -> bool {
         let free = self.pool.counts().free;
         if pages <= free {
             return true;
         }
         if let Some(cache) = &mut self.cache {
             if free + cache.evictable_pages() >= pages {
-                cache.evict(pages - free);
+                cache.evict_for(pages - free, domain);
             }
         }
         pages <= self.pool.counts().free
@@ -413,7 +419,8 @@ impl Worker {
             };
             let target = (stream.len() + self.config.page_tokens).min(head.total_tokens);
             let headroom = self.running.len();
-            if !self.make_room(kv.pages_needed(target) + headroom) {
+            let domain = kv.owner().domain.clone();
+            if !self.make_room(kv.pages_needed(target) + headroom, &domain) {
                 break;
             }
             if let Err(e) = kv.reserve(target) {
@@ -447,7 +454,8 @@ impl Worker {
     }
 
     /// Gives every running request the pages its next input needs, oldest first. When the
-    /// pool is dry, the youngest running request is preempted (possibly the one asking).
+    /// pool is dry, a younger request is preempted (the one asking, if it is the youngest),
+    /// chosen fairly between tenants (`crate::preemption::victim`).
     fn grow(&mut self) {
         let mut i = 0;
         while i < self.running.len() {
@@ -455,18 +463,33 @@ impl Worker {
                 let r = &self.running[i];
                 r.kv.pages_needed(r.progress.stream_len())
             };
-            if need == 0 || self.make_room(need) {
+            // The domain is cloned only at a page boundary, not at every step.
+            let room = need == 0 || {
+                let domain = self.running[i].progress.request.domain.clone();
+                self.make_room(need, &domain)
+            };
+            if room {
                 let r = &mut self.running[i];
                 if r.kv.reserve(r.progress.stream_len()).is_ok() {
                     i += 1;
                     continue;
                 }
             }
-            let Some(victim) = self.running.pop() else {
+            let holdings: Vec<Holding<'_>> = self
+                .running
+                .iter()
+                .map(|r| Holding {
+                    tenant: r.progress.request.domain.tenant_name(),
+                    pages: r.kv.owned_pages(),
+                })
+                .collect();
+            let Some(v) = preemption::victim(&holdings, i) else {
                 break;
             };
+            let victim = self.running.remove(v);
             self.preempt(victim);
-            // `i` now indexes the same request, or is past the end if it was the victim.
+            // The victim is `i` or younger: `i` now indexes the same request, or the next
+            // one if it was the victim, or is past the end.
         }
     }
 

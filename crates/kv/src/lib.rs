@@ -22,6 +22,7 @@
 #![forbid(unsafe_code)]
 
 mod error;
+mod evict;
 mod pool;
 mod prefix;
 mod sequence;

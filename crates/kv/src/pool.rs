@@ -2,6 +2,7 @@ use crate::sync::{Arc, AtomicU64, Mutex, MutexGuard, Ordering};
 
 use half::f16;
 
+use crate::evict::{Eviction, Holder};
 use crate::{KvError, Owner, RequestId, Visibility};
 
 /// Element type of stored K/V values.
@@ -112,106 +113,8 @@ struct PoolState {
     free: Vec<PageBuf>,
     leased: usize,
     cached: usize,
-    /// What the prefix cache needs to know of each page, by page index (see [`UseMeta`]).
-    meta: Vec<UseMeta>,
-    /// Pages the prefix cache may evict right now, least recently used first.
-    evictable: EvictList,
-    /// Pages in the prefix cache that nothing uses: what eviction could at most free.
-    idle_cached: usize,
-}
-
-const NIL: u32 = u32::MAX;
-
-/// The state of one shared page as the prefix cache's eviction sees it, kept by the pool
-/// so that the code that drops a page's users (a finished sequence, a dropped lookup) can
-/// make it evictable at once, in O(1), without the cache scanning for it: the same design
-/// as vLLM's free-block queue.
-#[derive(Debug, Clone, Copy)]
-struct UseMeta {
-    /// Sequences and lookup results holding the page ([`PoolInner::pin`]).
-    users: u32,
-    /// The prefix cache holds the page.
-    in_cache: bool,
-    /// Every cache node of the page is a leaf (a node with children cannot go first).
-    leafy: bool,
-    /// In the evictable list: `users == 0 && in_cache && leafy`.
-    listed: bool,
-    prev: u32,
-    next: u32,
-}
-
-impl Default for UseMeta {
-    fn default() -> Self {
-        Self {
-            users: 0,
-            in_cache: false,
-            leafy: false,
-            listed: false,
-            prev: NIL,
-            next: NIL,
-        }
-    }
-}
-
-/// An intrusive doubly linked list of page indices through [`UseMeta`].
-#[derive(Debug)]
-struct EvictList {
-    head: u32,
-    tail: u32,
-}
-
-impl PoolState {
-    fn unlist(&mut self, i: u32) {
-        let UseMeta {
-            prev, next, listed, ..
-        } = self.meta[i as usize];
-        if !listed {
-            return;
-        }
-        match prev {
-            NIL => self.evictable.head = next,
-            p => self.meta[p as usize].next = next,
-        }
-        match next {
-            NIL => self.evictable.tail = prev,
-            n => self.meta[n as usize].prev = prev,
-        }
-        let m = &mut self.meta[i as usize];
-        (m.prev, m.next, m.listed) = (NIL, NIL, false);
-    }
-
-    /// Lists page `i` if it is evictable and unlists it if not. `front`: it goes next
-    /// (a parent whose last child was just evicted was used no later than that child);
-    /// otherwise last (it was just used).
-    fn update(&mut self, i: u32, front: bool) {
-        let m = self.meta[i as usize];
-        let evictable = m.users == 0 && m.in_cache && m.leafy;
-        if evictable == m.listed {
-            return;
-        }
-        if !evictable {
-            self.unlist(i);
-            return;
-        }
-        let (head, tail) = (self.evictable.head, self.evictable.tail);
-        let m = &mut self.meta[i as usize];
-        m.listed = true;
-        if front {
-            (m.prev, m.next) = (NIL, head);
-            match head {
-                NIL => self.evictable.tail = i,
-                h => self.meta[h as usize].prev = i,
-            }
-            self.evictable.head = i;
-        } else {
-            (m.prev, m.next) = (tail, NIL);
-            match tail {
-                NIL => self.evictable.head = i,
-                t => self.meta[t as usize].next = i,
-            }
-            self.evictable.tail = i;
-        }
-    }
+    /// The prefix cache's eviction state of every page (`crate::evict`).
+    eviction: Eviction,
 }
 
 pub(crate) struct PoolInner {
@@ -247,9 +150,7 @@ impl PoolInner {
             st.leased -= 1;
         }
         // The last reference is gone, so no user and no cache holds the page any more.
-        let i = buf.index as usize;
-        debug_assert!(!st.meta[i].listed && !st.meta[i].in_cache && st.meta[i].users == 0);
-        st.meta[i] = UseMeta::default();
+        st.eviction.reset(buf.index);
         st.free.push(buf);
     }
 
@@ -257,93 +158,58 @@ impl PoolInner {
     pub(crate) fn pin(&self, pages: impl IntoIterator<Item = u32>) {
         let mut st = self.lock();
         for i in pages {
-            let m = &mut st.meta[i as usize];
-            m.users += 1;
-            if m.users == 1 && m.in_cache {
-                st.idle_cached -= 1;
-            }
-            st.update(i, false);
+            st.eviction.pin(i);
         }
     }
 
     /// Ends one use of each page; a cached page nothing uses any more becomes the most
-    /// recently used evictable one.
+    /// recently used evictable one of its holder.
     pub(crate) fn unpin(&self, pages: impl IntoIterator<Item = u32>) {
         let mut st = self.lock();
         for i in pages {
-            let m = &mut st.meta[i as usize];
-            debug_assert!(m.users > 0, "unpin without pin");
-            m.users = m.users.saturating_sub(1);
-            if m.users == 0 && m.in_cache {
-                st.idle_cached += 1;
-            }
-            st.update(i, false);
+            st.eviction.unpin(i);
         }
     }
 
-    /// The prefix cache took page `i` (`leafy`: all its nodes are leaves).
-    pub(crate) fn cache_enter(&self, i: u32, leafy: bool) {
-        let mut st = self.lock();
-        let m = &mut st.meta[i as usize];
-        debug_assert!(!m.in_cache);
-        (m.in_cache, m.leafy) = (true, leafy);
-        if m.users == 0 {
-            st.idle_cached += 1;
-        }
-        st.update(i, false);
+    /// The prefix cache took page `i` (`leafy`: all its nodes are leaves) for `holder`.
+    pub(crate) fn cache_enter(&self, i: u32, leafy: bool, holder: Holder) {
+        self.lock().eviction.cache_enter(i, leafy, holder);
     }
 
     /// The prefix cache let go of page `i`.
     pub(crate) fn cache_leave(&self, i: u32) {
-        let mut st = self.lock();
-        let m = &mut st.meta[i as usize];
-        debug_assert!(m.in_cache);
-        m.in_cache = false;
-        if m.users == 0 {
-            st.idle_cached -= 1;
-        }
-        st.update(i, false);
+        self.lock().eviction.cache_leave(i);
     }
 
     /// Whether every cache node of page `i` is a leaf changed.
     pub(crate) fn set_leafy(&self, i: u32, leafy: bool, front: bool) {
-        let mut st = self.lock();
-        st.meta[i as usize].leafy = leafy;
-        st.update(i, front);
+        self.lock().eviction.set_leafy(i, leafy, front);
     }
 
-    /// Takes the least recently used evictable page off the list.
-    pub(crate) fn pop_evictable(&self) -> Option<u32> {
-        let mut st = self.lock();
-        let head = st.evictable.head;
-        if head == NIL {
-            return None;
-        }
-        st.unlist(head);
-        Some(head)
+    /// Takes the next page to evict off the lists (see `crate::evict` for which);
+    /// `for_holder`: who the room is for, and how many pages it wants.
+    pub(crate) fn pop_evictable(&self, for_holder: Option<(Holder, usize)>) -> Option<u32> {
+        self.lock().eviction.pop(for_holder)
     }
 
     /// Cached pages that nothing uses.
     pub(crate) fn idle_cached(&self) -> usize {
-        self.lock().idle_cached
+        self.lock().eviction.idle_cached()
     }
 
-    /// (users, in cache, leafy, listed) of page `i`, for the cache's consistency checks.
-    pub(crate) fn use_meta(&self, i: u32) -> (u32, bool, bool, bool) {
-        let m = self.lock().meta[i as usize];
-        (m.users, m.in_cache, m.leafy, m.listed)
+    /// (users, in cache, leafy, listed, holder) of page `i`, for the cache's checks.
+    pub(crate) fn use_meta(&self, i: u32) -> (u32, bool, bool, bool, Holder) {
+        self.lock().eviction.meta(i)
     }
 
-    /// The evictable list, head first, for the cache's consistency checks.
+    /// Cached pages per holder, for the cache's checks.
+    pub(crate) fn holder_sizes(&self) -> Vec<usize> {
+        self.lock().eviction.holder_sizes()
+    }
+
+    /// The evictable lists, for the cache's consistency checks.
     pub(crate) fn evictable_list(&self) -> Vec<u32> {
-        let st = self.lock();
-        let mut out = Vec::new();
-        let mut at = st.evictable.head;
-        while at != NIL && out.len() <= st.meta.len() {
-            out.push(at);
-            at = st.meta[at as usize].next;
-        }
-        out
+        self.lock().eviction.lists()
     }
 }
 
@@ -392,12 +258,7 @@ impl KvPool {
                     free,
                     leased: 0,
                     cached: 0,
-                    meta: vec![UseMeta::default(); config.pages],
-                    evictable: EvictList {
-                        head: NIL,
-                        tail: NIL,
-                    },
-                    idle_cached: 0,
+                    eviction: Eviction::new(config.pages),
                 }),
                 generations,
             }),

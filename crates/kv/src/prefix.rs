@@ -19,16 +19,24 @@
 //!   continuation". A public page is never stored after a private one in the public tree:
 //!   a page's K/V depends on every token before it.
 //!
-//! Eviction is LRU over the pages that nothing uses and whose nodes are all leaves, kept as a
-//! list by the pool (as vLLM's free-block queue): a page joins its end when its last user
-//! (a sequence, a lookup result in hand) lets go, leaves it when used again, and eviction
-//! takes the head, so each evicted page costs O(1) whatever the size of the trees. Only
-//! pages that no request uses are ever evicted. Eviction is global, so one tenant's load
-//! can evict another's entries: that reveals load, not content, but per-domain quotas
-//! would be needed to hide even that.
+//! Eviction is LRU over the pages that nothing uses and whose nodes are all leaves, kept as
+//! lists by the pool (as vLLM's free-block queue): a page joins the end of its holder's list
+//! when its last user (a sequence, a lookup result in hand) lets go, leaves it when used
+//! again, and eviction takes a list's head, so each evicted page costs O(1) plus O(holders)
+//! whatever the size of the trees. Only pages that no request uses are ever evicted.
+//!
+//! Eviction is fair between tenants (`crate::evict`): a page's holder is its tenant (all of
+//! a tenant's salted domains together, so salting cannot buy a larger share) or, for public
+//! pages, the operator; pages go first from the holder with the most cached pages. One
+//! tenant's flood evicts its own entries before another tenant's.
 
 use std::collections::HashMap;
 
+// The consistency checks the tests run, kept apart from the cache's own work.
+#[path = "prefix_check.rs"]
+mod check;
+
+use crate::evict::Holder;
 use crate::pool::PoolInner;
 use crate::sync::Arc;
 use crate::{IsolationDomain, SharedPage, Visibility};
@@ -169,6 +177,8 @@ pub struct TreeStats {
 const ROOT: usize = 0;
 /// The public tree's place in [`PrefixCache::trees`].
 const PUBLIC: usize = 0;
+/// The holder of public pages in the pool's eviction lists; tenants are numbered after it.
+const PUBLIC_HOLDER: Holder = 0;
 
 struct Node {
     /// `None` only at the root.
@@ -296,6 +306,9 @@ pub struct PrefixCache {
     trees: Vec<Option<Tree>>,
     vacant_trees: Vec<usize>,
     domains: HashMap<IsolationDomain, usize>,
+    /// Each tenant's holder number in the pool's eviction lists (kept: tenants are few,
+    /// the operator's key file names them).
+    holders: HashMap<String, Holder>,
     /// Every cached page, by its index in the pool.
     pages: HashMap<u32, Cached>,
     /// The pool of every cached page, known from the first insert.
@@ -340,6 +353,7 @@ impl PrefixCache {
             trees: vec![Some(Tree::new(None))],
             vacant_trees: Vec::new(),
             domains: HashMap::new(),
+            holders: HashMap::new(),
             pages: HashMap::new(),
             pool: None,
         }
@@ -547,6 +561,7 @@ impl PrefixCache {
             let id = self.tree_mut(t).add_child(at, edge, page.clone());
             let index = page.index();
             let new = !self.pages.contains_key(&index);
+            let holder = self.holder_of(page.visibility());
             let cached = self.pages.entry(index).or_insert_with(|| Cached {
                 page: page.clone(),
                 nodes: Vec::new(),
@@ -557,7 +572,7 @@ impl PrefixCache {
             if let Some(pool) = &self.pool {
                 if new {
                     added += 1;
-                    pool.cache_enter(index, leafy);
+                    pool.cache_enter(index, leafy, holder);
                 } else {
                     pool.set_leafy(index, leafy, false);
                 }
@@ -571,6 +586,26 @@ impl PrefixCache {
         added
     }
 
+    /// Whose share of the cache a page counts against: its tenant's, or the operator's.
+    fn holder_of(&mut self, visibility: &Visibility) -> Holder {
+        let Visibility::Domain(domain) = visibility else {
+            return PUBLIC_HOLDER;
+        };
+        let next = Holder::try_from(self.holders.len() + 1).unwrap_or(Holder::MAX);
+        *self
+            .holders
+            .entry(domain.tenant_name().to_owned())
+            .or_insert(next)
+    }
+
+    /// Cached pages that count against `tenant` (all its domains, salted or not).
+    pub fn tenant_pages(&self, tenant: &str) -> usize {
+        match (self.holders.get(tenant), &self.pool) {
+            (Some(&h), Some(pool)) => pool.holder_sizes().get(h as usize).copied().unwrap_or(0),
+            _ => 0,
+        }
+    }
+
     /// True if every node of cached page `index` is a leaf.
     fn leafy(&self, index: u32) -> bool {
         self.pages.get(&index).is_some_and(|c| {
@@ -580,18 +615,31 @@ impl PrefixCache {
         })
     }
 
-    /// Evicts least recently used pages that nothing uses, leaves first, until
-    /// `pages_wanted` pages went back to the pool or nothing more can go. Each evicted page
-    /// costs O(1) (plus the few tree nodes that hold it). Returns the pages returned to the
-    /// pool.
+    /// Evicts pages that nothing uses, leaves first, until `pages_wanted` pages went back
+    /// to the pool or nothing more can go: from the tenant holding the most cached pages
+    /// first, least recently used first within it (see the module documentation). Each
+    /// evicted page costs O(1) (plus the few tree nodes that hold it) and O(holders).
+    /// Returns the pages returned to the pool.
     pub fn evict(&mut self, pages_wanted: usize) -> usize {
+        self.evict_inner(pages_wanted, None)
+    }
+
+    /// [`PrefixCache::evict`] to make room for a request of `domain`: its tenant counts as
+    /// holding the pages it wants as well as its cached ones, so a tenant whose requests
+    /// need room gives up its own idle entries before it reaches a smaller tenant's.
+    pub fn evict_for(&mut self, pages_wanted: usize, domain: &IsolationDomain) -> usize {
+        let holder = self.holders.get(domain.tenant_name()).copied();
+        self.evict_inner(pages_wanted, holder.map(|h| (h, pages_wanted)))
+    }
+
+    fn evict_inner(&mut self, pages_wanted: usize, for_holder: Option<(Holder, usize)>) -> usize {
         let Some(pool) = self.pool.clone() else {
             return 0;
         };
         let mut freed = 0;
         let mut emptied = Vec::new();
         while freed < pages_wanted {
-            let Some(index) = pool.pop_evictable() else {
+            let Some(index) = pool.pop_evictable(for_holder) else {
                 break;
             };
             let Some(cached) = self.pages.remove(&index) else {
@@ -637,132 +685,5 @@ impl PrefixCache {
     #[doc(hidden)]
     pub fn debug_pages(&self) -> Vec<Arc<SharedPage>> {
         self.pages.values().map(|c| c.page.clone()).collect()
-    }
-
-    /// Test support: checks the cache's structural and isolation invariants: every page in
-    /// a domain's tree is readable by that domain, the public tree holds only public pages
-    /// inside a configured public prefix, child links match parent links, the page table
-    /// names exactly the nodes holding each page, and the pool's eviction state agrees
-    /// (a page is evictable exactly when nothing uses it and all its nodes are leaves).
-    #[doc(hidden)]
-    pub fn debug_check(&self) -> Result<(), String> {
-        let mut counted: HashMap<u32, Vec<(usize, usize)>> = HashMap::new();
-        let p = self.page_tokens;
-        for (domain, &t) in &self.domains {
-            let named = self
-                .trees
-                .get(t)
-                .and_then(|x| x.as_ref())
-                .and_then(|x| x.domain.as_ref());
-            if named != Some(domain) {
-                return Err("domain map and trees disagree".into());
-            }
-        }
-        for (t, tree) in self.trees.iter().enumerate() {
-            let Some(tree) = tree else { continue };
-            let domain = tree.domain.as_ref();
-            if (t == PUBLIC) != domain.is_none() {
-                return Err(format!("tree {t} has the wrong kind"));
-            }
-            if domain.is_some() && tree.live == 0 {
-                return Err("empty domain tree kept".into());
-            }
-            let mut live = 0;
-            for id in tree.live_ids() {
-                live += 1;
-                let node = tree.node(id);
-                let page = node.page.as_ref().ok_or("non-root node without page")?;
-                counted.entry(page.index()).or_default().push((t, id));
-                if tree.nodes[node.parent]
-                    .as_ref()
-                    .map(|n| n.children.get(&node.edge))
-                    != Some(Some(&id))
-                {
-                    return Err(format!("node {id} not linked from its parent"));
-                }
-                if node.edge.len() != p {
-                    return Err(format!("node {id} edge of {} tokens", node.edge.len()));
-                }
-                // Rebuild the node's token path to re-check public pages.
-                let mut path = Vec::new();
-                let mut at = id;
-                while at != ROOT {
-                    let n = tree.node(at);
-                    path.push(n.edge.clone());
-                    at = n.parent;
-                }
-                let depth = path.len();
-                let tokens: Vec<u32> = path.into_iter().rev().flat_map(|e| e.into_vec()).collect();
-                let public_ok = self.public_pages(&tokens) >= depth;
-                match (domain, page.visibility()) {
-                    (_, Visibility::Public) if !public_ok => {
-                        return Err(format!(
-                            "public page at depth {depth} outside public prefixes"
-                        ))
-                    }
-                    (_, Visibility::Public) => {}
-                    (None, Visibility::Domain(_)) => {
-                        return Err("domain page in public tree".into())
-                    }
-                    (Some(d), Visibility::Domain(pd)) if d != pd => {
-                        return Err("foreign domain page in a domain tree".into())
-                    }
-                    (Some(_), Visibility::Domain(_)) => {}
-                }
-                for (edge, &child) in &node.children {
-                    let c = tree.nodes[child].as_ref().ok_or("dangling child")?;
-                    if c.parent != id || &c.edge != edge {
-                        return Err(format!("child {child} of {id} mislinked"));
-                    }
-                }
-            }
-            if live != tree.live {
-                return Err(format!("live count {} but {live} nodes", tree.live));
-            }
-        }
-        if counted.len() != self.pages.len() {
-            return Err("the page table does not match the trees".into());
-        }
-        let Some(pool) = &self.pool else {
-            return if self.pages.is_empty() {
-                Ok(())
-            } else {
-                Err("pages without a pool".into())
-            };
-        };
-        let mut idle = 0;
-        for (index, cached) in &self.pages {
-            let mut want = counted.get(index).cloned().unwrap_or_default();
-            let mut have = cached.nodes.clone();
-            want.sort_unstable();
-            have.sort_unstable();
-            if want != have || cached.page.index() != *index {
-                return Err(format!("page {index}: nodes do not match the trees"));
-            }
-            let (users, in_cache, leafy, listed) = pool.use_meta(*index);
-            if !in_cache || leafy != self.leafy(*index) {
-                return Err(format!("page {index}: the pool's view of it is stale"));
-            }
-            if listed != (users == 0 && leafy) {
-                return Err(format!(
-                    "page {index}: listed {listed} with {users} users, leafy {leafy}"
-                ));
-            }
-            idle += usize::from(users == 0);
-        }
-        if idle != pool.idle_cached() {
-            return Err(format!(
-                "{} idle cached pages counted, {idle} found",
-                pool.idle_cached()
-            ));
-        }
-        if pool
-            .evictable_list()
-            .iter()
-            .any(|i| !self.pages.contains_key(i))
-        {
-            return Err("the evictable list names a page the cache lacks".into());
-        }
-        Ok(())
     }
 }
