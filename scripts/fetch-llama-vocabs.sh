@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fetches llama.cpp's tokenizer test vocabularies (vendor/llama.cpp/models/ggml-vocab-*.gguf
-# with their .inp/.out case files) from the PyPI sdist llama-cpp-python==0.3.36, which
+# with their .inp/.out case files) and its chat-template corpus (models/templates/*.jinja,
+# into templates/ of the same folder) from the PyPI sdist llama-cpp-python==0.3.36, which
 # vendors ggml-org/llama.cpp@0c1e57098 (the reference the goldens were recorded with).
 # The sdist is checked by sha256 and never built: only those files are extracted, into the
 # git-ignored models/llama-vocabs/. Idempotent. Prints the folder on stdout; fails loudly.
@@ -10,8 +11,11 @@ dest="$root/models/llama-vocabs"
 version=0.3.36
 sdist_sha=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 stamp="$dest/.sdist.sha256"
+# The stamp names what was extracted, so a folder from before the templates were added is
+# extracted again.
+want="$sdist_sha vocabs+templates"
 
-if [ "$(cat "$stamp" 2>/dev/null)" = "$sdist_sha" ]; then
+if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   echo "$dest"
   exit 0
 fi
@@ -32,7 +36,7 @@ echo "$sdist_sha  $sdist" | sha256sum --check --status || {
   exit 1
 }
 prefix="llama_cpp_python-$version/vendor/llama.cpp/models"
-tar -xzf "$sdist" -C "$tmp" --wildcards "$prefix/ggml-vocab-*"
+tar -xzf "$sdist" -C "$tmp" --wildcards "$prefix/ggml-vocab-*" "$prefix/templates/*"
 count=$(find "$tmp/$prefix" -name 'ggml-vocab-*.gguf' | wc -l)
 if [ "$count" -lt 10 ]; then
   echo "fetch-llama-vocabs: only $count vocabularies in the sdist; expected llama.cpp's test set" >&2
@@ -41,6 +45,11 @@ fi
 rm -rf "$dest"
 mkdir -p "$(dirname "$dest")"
 mv "$tmp/$prefix" "$dest"
-echo "$sdist_sha" > "$stamp"
-echo "fetch-llama-vocabs: stored $count vocabularies in $dest" >&2
+templates=$(find "$dest/templates" -name '*.jinja' | wc -l)
+if [ "$templates" -lt 20 ]; then
+  echo "fetch-llama-vocabs: only $templates chat templates in the sdist; expected llama.cpp's corpus" >&2
+  exit 1
+fi
+echo "$want" > "$stamp"
+echo "fetch-llama-vocabs: stored $count vocabularies and $templates chat templates in $dest" >&2
 echo "$dest"

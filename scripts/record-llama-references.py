@@ -44,6 +44,10 @@ MODELS = [
     ("SmolLM2-135M-Instruct.Q2_K", "scripts/fetch-quant-models.sh"),
     ("SmolLM2-135M-Instruct.Q2_K-pure", "scripts/fetch-quant-models.sh"),
     ("gemma-3-270m-q4_k_m", "scripts/fetch-gemma3.sh"),
+    # Random weights, written by kvwarden: the architectures no small real file exists for.
+    ("synth-qwen2-q4_k", "scripts/make-synthetic-models.sh"),
+    ("synth-qwen3-q6_k", "scripts/make-synthetic-models.sh"),
+    ("synth-llama3-q5_k", "scripts/make-synthetic-models.sh"),
 ]
 
 SYSTEM = "You are a helpful assistant."

@@ -16,6 +16,7 @@ mod bytes;
 mod decoder;
 mod pretokenize;
 mod spm;
+mod strftime;
 mod template;
 
 use std::collections::HashMap;

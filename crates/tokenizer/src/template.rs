@@ -48,6 +48,10 @@ pub struct ChatTemplate {
     eos_token: String,
 }
 
+/// Seconds since the Unix epoch (UTC) that `strftime_now` renders, when pinned (tests compare
+/// with renderings recorded on another day); unpinned, it is the time of rendering.
+static PINNED_NOW: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(i64::MIN);
+
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ChatTemplate")
@@ -78,6 +82,13 @@ impl ChatTemplate {
                 format!("{RAISE_MARKER}{msg}"),
             ))
         });
+        // Templates that print today's date (Llama 3.x, Mistral, Granite) call this, as
+        // Hugging Face's and llama.cpp's renderers provide it.
+        env.add_function("strftime_now", |format: String| -> Result<Value, Error> {
+            crate::strftime::format(now(), &format)
+                .map(Value::from)
+                .map_err(|e| Error::new(ErrorKind::InvalidOperation, e))
+        });
         env.add_template_owned(TEMPLATE_NAME, source.to_owned())
             .map_err(TemplateError::Compile)?;
         Ok(ChatTemplate {
@@ -85,6 +96,12 @@ impl ChatTemplate {
             bos_token: String::new(),
             eos_token: String::new(),
         })
+    }
+
+    /// Pins the time every template's `strftime_now` renders (seconds since the Unix epoch,
+    /// UTC), for comparing with a rendering recorded at that time.
+    pub fn pin_now(unix_seconds: i64) {
+        PINNED_NOW.store(unix_seconds, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Sets the text the `bos_token` and `eos_token` template variables render as.
@@ -124,12 +141,32 @@ impl ChatTemplate {
                 add_generation_prompt,
                 bos_token => self.bos_token.clone(),
                 eos_token => self.eos_token.clone(),
+                // What llama.cpp's server passes every template: today's date for the
+                // templates that print it (Llama 3.x), and thinking left on for those with
+                // a reasoning switch (as their own default is).
+                date_string => today("%d %b %Y"),
+                enable_thinking => true,
             })
             .map_err(|e| match raised_message(&e) {
                 Some(msg) => TemplateError::Raised(msg),
                 None => TemplateError::Render(e),
             })
     }
+}
+
+/// Seconds since the Unix epoch: the pinned time, if any ([`ChatTemplate::pin_now`]).
+fn now() -> i64 {
+    let pinned = PINNED_NOW.load(std::sync::atomic::Ordering::Relaxed);
+    if pinned != i64::MIN {
+        return pinned;
+    }
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+fn today(format: &str) -> String {
+    crate::strftime::format(now(), format).unwrap_or_default()
 }
 
 fn raised_message(e: &Error) -> Option<String> {
