@@ -47,7 +47,6 @@ MODELS = [
     # Random weights, written by kvwarden: the architectures no small real file exists for.
     ("synth-qwen2-q4_k", "scripts/make-synthetic-models.sh"),
     ("synth-qwen3-q6_k", "scripts/make-synthetic-models.sh"),
-    ("synth-llama3-q5_k", "scripts/make-synthetic-models.sh"),
 ]
 
 SYSTEM = "You are a helpful assistant."

@@ -17,6 +17,8 @@ cd "$(dirname "$0")/.."
 # minutes on 2 cores) to the K-quant presets: crates/model/tests/llama_references.rs and
 # tests/python/test_quant_models.py run on them.
 ./scripts/fetch-quant-models.sh
+# Synthetic random-weight qwen2 and qwen3 files (crates/model/tests/llama_references.rs).
+./scripts/make-synthetic-models.sh
 python=$(./scripts/python-env.sh)
 
 cargo fmt --all -- --check

@@ -105,8 +105,10 @@ fn write_value(out: &mut Vec<u8>, v: &MetaValue) {
         MetaValue::Bool(x) => out.push(*x as u8),
         MetaValue::String(s) => write_str(out, s),
         MetaValue::Array(items) => {
-            // An empty array is written as an array of u8: the element type is unknowable.
-            let elem_ty = items.first().map_or(0, MetaValue::type_id);
+            // An empty array's element type is unknowable; it is written as an array of
+            // strings, the type llama.cpp's loader insists on for the tokenizer arrays that
+            // can be empty (a vocabulary without merges).
+            let elem_ty = items.first().map_or(8, MetaValue::type_id);
             out.extend_from_slice(&elem_ty.to_le_bytes());
             out.extend_from_slice(&(items.len() as u64).to_le_bytes());
             for item in items {

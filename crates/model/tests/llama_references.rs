@@ -43,6 +43,12 @@ const EXACT: Tolerance = Tolerance {
     rel: 1e-5,
 };
 
+/// The synthetic files' measured drift (see their tests), with a margin.
+const SYNTHETIC: Tolerance = Tolerance {
+    abs: 0.15,
+    rel: 0.2,
+};
+
 /// One test per file: `(test name, file name under models/ without .gguf, tolerance)`.
 macro_rules! reference_test {
     ($test:ident, $file:literal, $tol:expr) => {
@@ -71,6 +77,13 @@ reference_test!(
     EXACT
 );
 reference_test!(gemma3_270m_q4_k_m, "gemma-3-270m-q4_k_m", EXACT);
+// Random weights (scripts/make-synthetic-models.sh): the architectures no small real file
+// exists for. Not bit-exact yet: greedy tokens agree on every decisive step, but on the
+// longest prompt (about 420 byte tokens) log-probabilities drift apart by up to 0.06 (qwen2)
+// and 0.085 nats (qwen3), 0.12 measured from the top-1; the short prompts are closer. The
+// cause is not found (a position-dependent difference: RoPE or attention at long context).
+reference_test!(synthetic_qwen2_q4_k, "synth-qwen2-q4_k", SYNTHETIC);
+reference_test!(synthetic_qwen3_q6_k, "synth-qwen3-q6_k", SYNTHETIC);
 
 /// What one file's replay found.
 #[derive(Default)]
