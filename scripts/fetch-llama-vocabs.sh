@@ -15,6 +15,12 @@ stamp="$dest/.sdist.sha256"
 # extracted again.
 want="$sdist_sha vocabs+templates"
 
+# Tests call this concurrently (several test binaries and threads): one fetches while the
+# others wait, then find the stamp, instead of replacing the folder under a reader.
+mkdir -p "$(dirname "$dest")"
+exec 9>"$(dirname "$dest")/.llama-vocabs.lock"
+flock 9
+
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   echo "$dest"
   exit 0
