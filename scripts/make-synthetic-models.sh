@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Writes the synthetic random-weight models of the architectures no small real file exists
-# for (qwen2, qwen3), into models/ (git-ignored), with `kvwarden synth-model`: the
+# for (qwen2, qwen3, Llama 3), into models/ (git-ignored), with `kvwarden synth-model`: the
 # files crates/model/tests/llama_references.rs compares with llama.cpp's recorded output.
 # Deterministic (fixed seeds), so the bytes are the recorded ones. Uses KVWARDEN, or
 # target/debug/kvwarden (built here first, so it is the checkout's). Idempotent.
@@ -22,4 +22,5 @@ while read -r name arch ty; do
 done <<'LIST'
 synth-qwen2-q4_k qwen2 q4_k
 synth-qwen3-q6_k qwen3 q6_k
+synth-llama3-q5_k llama3 q5_k
 LIST

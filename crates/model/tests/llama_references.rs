@@ -84,6 +84,7 @@ reference_test!(gemma3_270m_q4_k_m, "gemma-3-270m-q4_k_m", EXACT);
 // cause is not found (a position-dependent difference: RoPE or attention at long context).
 reference_test!(synthetic_qwen2_q4_k, "synth-qwen2-q4_k", SYNTHETIC);
 reference_test!(synthetic_qwen3_q6_k, "synth-qwen3-q6_k", SYNTHETIC);
+reference_test!(synthetic_llama3_q5_k, "synth-llama3-q5_k", SYNTHETIC);
 
 /// What one file's replay found.
 #[derive(Default)]
