@@ -8,7 +8,6 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use tokenizer::Tokenizer;
 
@@ -45,25 +44,6 @@ const VOCABS: &[(&str, Expect)] = &[
     ("refact", Expect::Pass),
     ("starcoder", Expect::Pass),
 ];
-
-/// The folder holding the vocabularies, fetched when absent (never skipped).
-fn vocab_dir() -> PathBuf {
-    let root = common::workspace_root();
-    let script = root.join("scripts/fetch-llama-vocabs.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-    assert!(
-        out.status.success(),
-        "{} failed ({}): {}",
-        script.display(),
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let dir = String::from_utf8(out.stdout).expect("script prints a UTF-8 path");
-    PathBuf::from(dir.trim())
-}
 
 /// Reads the cases the way test-tokenizer-0.cpp does: inputs separated by
 /// `"\n__ggml_vocab_test__\n"`, one output line of space-separated ids per input, and a map
@@ -115,7 +95,7 @@ fn describe(tok: &Tokenizer) -> String {
 
 #[test]
 fn llama_cpp_vocabularies() {
-    let dir = vocab_dir();
+    let dir = common::llama_cpp_models_dir();
     let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("cannot list {}: {e}", dir.display()))
         .filter_map(|e| {
@@ -190,7 +170,7 @@ fn llama_cpp_vocabularies() {
 }
 
 fn load(stem: &str) -> Tokenizer {
-    let path = vocab_dir().join(format!("ggml-vocab-{stem}.gguf"));
+    let path = common::llama_cpp_models_dir().join(format!("ggml-vocab-{stem}.gguf"));
     let file = gguf::GgufFile::open(&path)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     Tokenizer::from_gguf(&file).unwrap_or_else(|e| panic!("{stem}: {e}"))
@@ -227,7 +207,7 @@ fn sentencepiece_spaces_and_special_tokens() {
 /// yes, other BPE vocabularies to no, and `tokenizer.ggml.add_bos_token` overrides both).
 #[test]
 fn add_bos_follows_llama_cpp() {
-    let dir = vocab_dir();
+    let dir = common::llama_cpp_models_dir();
     for (stem, add_bos) in [
         ("llama-spm", true),
         ("llama-bpe", true),

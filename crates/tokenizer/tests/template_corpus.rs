@@ -8,29 +8,7 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
-
 use tokenizer::{ChatMessage, ChatTemplate};
-
-/// The folder holding the corpus, fetched when absent (never skipped).
-fn corpus_dir() -> PathBuf {
-    let root = common::workspace_root();
-    let script = root.join("scripts/fetch-llama-vocabs.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
-    assert!(
-        out.status.success(),
-        "{} failed ({}): {}",
-        script.display(),
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let dir = String::from_utf8(out.stdout).expect("script prints a UTF-8 path");
-    PathBuf::from(dir.trim()).join("templates")
-}
 
 /// Templates whose rendering differs from llama.cpp's for a known reason, kept listed so a
 /// new difference (or one of these fixed) fails the test. llama.cpp's server decides per
@@ -64,7 +42,7 @@ fn llama_cpp_templates_render_as_llama_cpp_or_refuse_by_name() {
         serde_json::from_value(meta["messages"].clone()).expect("recorded conversation");
     ChatTemplate::pin_now(meta["recorded_at_unix"].as_i64().expect("recording time"));
     let tok = common::tokenizer();
-    let dir = corpus_dir();
+    let dir = common::llama_cpp_models_dir().join("templates");
     let templates = refs["templates"].as_object().expect("templates");
     assert!(
         templates.len() >= 20,

@@ -87,3 +87,23 @@ pub fn ids(tok: &Tokenizer, entries: &[&str]) -> Vec<u32> {
         })
         .collect()
 }
+
+/// llama.cpp's tokenizer vocabularies and chat-template corpus (`templates/`), fetched by
+/// `scripts/fetch-llama-vocabs.sh` when absent (never skipped).
+pub fn llama_cpp_models_dir() -> PathBuf {
+    let root = workspace_root();
+    let script = root.join("scripts/fetch-llama-vocabs.sh");
+    let out = Command::new("bash")
+        .arg(&script)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+    assert!(
+        out.status.success(),
+        "{} failed ({}): {}",
+        script.display(),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dir = String::from_utf8(out.stdout).expect("script prints a UTF-8 path");
+    PathBuf::from(dir.trim())
+}
