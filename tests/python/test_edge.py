@@ -199,3 +199,39 @@ def test_metrics_on_a_listener_of_their_own(make_server):
     # Not on the API address, and nothing but /metrics on the metrics one.
     assert requests.get(s.url + "/metrics", timeout=10).status_code == 404
     assert requests.get(m.group(1) + "/v1/models", timeout=10).status_code == 404
+
+
+def test_a_client_that_stops_reading_holds_pages_no_longer_than_its_generation(make_server):
+    """A client that never reads its stream (a tiny receive buffer, nothing read): the
+    response is absorbed by socket buffers, so the send timeout never fires, and the
+    request costs what any request of its length costs. Its pages are leased while it
+    generates and released when its generation ends, though the client never read a byte;
+    other clients are served meanwhile."""
+    s = make_server("--kv-pool-tokens", "4096", "--send-timeout", "2", name="slow-reader")
+    leased = lambda: s.metrics().get('kvwarden_kv_pages{state="leased"}', 0)
+    body = json.dumps({
+        "model": MODEL_NAME, "prompt": "Tell me a long story about", "max_tokens": 300,
+        "stream": True, "ignore_eos": True,
+    })
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    reader.connect(address(s))
+    reader.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+    )
+    try:
+        deadline = time.time() + 30
+        while leased() == 0:
+            assert time.time() < deadline, "the unread request never leased a page"
+            time.sleep(0.05)
+        # Another client is answered while the unread one generates.
+        r = s.post("/v1/completions", {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 4,
+                                       "temperature": 0})
+        assert r.status_code == 200, r.text
+        deadline = time.time() + 120
+        while leased() != 0:
+            assert time.time() < deadline, f"pages still leased: {leased()}"
+            time.sleep(0.2)
+    finally:
+        reader.close()
