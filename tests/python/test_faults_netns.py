@@ -15,6 +15,8 @@ both nodes:
 4. The link is restored: the router's requests get through again (the path is used again).
 5. The decode node is killed (SIGKILL) mid-transfer: that client gets 502/503/504; the
    node, restarted in its namespace on its address, is used again.
+6. The decode node hangs (SIGSTOP) mid-transfer: that client gets a fault status within the
+   bound; resumed (SIGCONT), the node serves again.
 
 Throughout, canaries of two tenants: zero leaks, only fault statuses; at the end both nodes
 hold no leased page. Namespaces that cannot be created fail the test (it needs root).
@@ -241,6 +243,29 @@ def test_transfer_link_cut_and_degraded(tmp_path):
             wait_until(lambda: all(canaries.ok[t] > before[t] for t in CANARIES), 120,
                        "the router used the restarted decode node")
 
+            # 6. The decode node hung (SIGSTOP) mid-transfer, then resumed: that client gets
+            # a fault status within the bound, and the resumed node serves again.
+            canaries.paused.set()
+            wait_until(lambda: leased(decode) == 0 and leased(prefill) == 0, 60, "canaries drained")
+            net.shape("rate", "16mbit", "burst", "64kb", "latency", "2s")
+            out = {}
+            t = threading.Thread(target=post_long, args=(router, "Third report. " + long_prompt, out))
+            t.start()
+            wait_until(lambda: leased(prefill) > 0, 60, "the third long prefill started")
+            wait_until(lambda: leased(prefill) == 0, 120, "the third long prefill finished")
+            decode.proc.send_signal(signal.SIGSTOP)
+            t.join(timeout=CUT_BOUND)
+            decode.proc.send_signal(signal.SIGCONT)
+            assert not t.is_alive(), "the client of a transfer to a hung node hung"
+            assert "r" in out, out
+            assert_fault_status(out["r"])
+            stop_status = (out["r"].status_code, out["r"].json()["error"]["code"])
+            net.shape()
+            canaries.paused.clear()
+            before = dict(canaries.ok)
+            wait_until(lambda: all(canaries.ok[t] > before[t] for t in CANARIES), 120,
+                       "both tenants served after the hung decode node resumed")
+
         assert canaries.leaks == [], canaries.leaks[:3]
         assert canaries.wrong == [], canaries.wrong[:3]
         # Quiescence: no page leased on either node, every page free or cached.
@@ -251,7 +276,8 @@ def test_transfer_link_cut_and_degraded(tmp_path):
             pages = {s: m[f'kvwarden_kv_pages{{state="{s}"}}'] for s in ("total", "free", "leased", "cached")}
             assert pages["leased"] == 0 and pages["free"] + pages["cached"] == pages["total"], (n.role, pages)
         print(f"\nnetns faults: transfer link cut mid-push, down, degraded (tbf), restored; decode "
-              f"SIGKILL mid-push and restart; cut push answered {cut_status}, killed push {kill_status}; "
+              f"SIGKILL mid-push and restart, SIGSTOP mid-push; cut push answered {cut_status}, killed "
+              f"push {kill_status}, hung push {stop_status}; "
               f"canaries ok {canaries.ok}, errors {canaries.errors}, leaks {len(canaries.leaks)}, "
               f"wrong {len(canaries.wrong)}")
     finally:
