@@ -7,7 +7,9 @@ test_edge.py do not cover (issue 10):
    the router serves again.
 2. SIGKILL of the prefill node before any request reaches it: requests get 503 in OpenAI's
    shape (no node to admit them), never a hang; restarted on its address, it is used again
-   without operator action.
+   without operator action. Then SIGSTOP of it before admission (a hung node): requests end
+   with a fault status after the handoff timeout, no decode node holds pages for them, and
+   resumed (SIGCONT) it serves again.
 3. 1,000 idle keep-alive connections on the router: a normal client is still served, and
    the header timeout closes every idle one.
 
@@ -49,6 +51,7 @@ def test_a_stopped_router_and_a_prefill_node_killed_before_admission(tmp_path):
         tmp_path, api_key=ALICE, router_args=["--handoff-timeout-secs", 5],
     )
     stopped = False
+    hung = None
     try:
         assert golden_ok(c)
         # 1. The router hung mid-stream.
@@ -88,11 +91,33 @@ def test_a_stopped_router_and_a_prefill_node_killed_before_admission(tmp_path):
         prefill.restart()
         wait_until(lambda: golden_ok(c), 120, "the router used the restarted prefill node")
         assert all(leased(n) == 0 for n in c.nodes)
+
+        # 3. The prefill node hung (SIGSTOP) before any request reaches it: its admission
+        # answers nothing, so the router's handoff timeout ends each request with a fault
+        # status; resumed, the node serves again.
+        prefill = c.prefill_nodes()[0]
+        prefill.proc.send_signal(signal.SIGSTOP)
+        hung = prefill
+        hung_statuses = set()
+        for _ in range(2):
+            r = c.post("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2})
+            hung_statuses.add(r.status_code)
+            assert r.status_code in (502, 503, 504), r.text
+            assert r.json()["error"]["code"] in (
+                "service_unavailable", "kv_handoff_failed", "upstream_timeout"), r.text
+        assert all(leased(n) == 0 for n in c.decode_nodes()), "a decode node held pages for a request a hung prefill node never admitted"
+        prefill.proc.send_signal(signal.SIGCONT)
+        hung = None
+        wait_until(lambda: golden_ok(c), 120, "the router used the resumed prefill node")
+        wait_until(lambda: all(leased(n) == 0 for n in c.nodes), 60, "pages back to idle")
         print(f"\nmore faults: router SIGSTOP mid-stream, prefill SIGKILL before admission "
-              f"(statuses {sorted(statuses)}), restarted and used again")
+              f"(statuses {sorted(statuses)}), restarted and used again; prefill SIGSTOP before "
+              f"admission (statuses {sorted(hung_statuses)}), resumed and used again")
     finally:
         if stopped:
             c.proc.send_signal(signal.SIGCONT)
+        if hung is not None:
+            hung.proc.send_signal(signal.SIGCONT)
         c.stop()
 
 
