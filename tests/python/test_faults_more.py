@@ -9,7 +9,8 @@ test_edge.py do not cover (issue 10):
    shape (no node to admit them), never a hang; restarted on its address, it is used again
    without operator action. Then SIGSTOP of it before admission (a hung node): requests end
    with a fault status after the handoff timeout, no decode node holds pages for them, and
-   resumed (SIGCONT) it serves again.
+   resumed (SIGCONT) it serves again. And SIGKILL of it mid-prefill: that client gets a fault
+   status, no decode node holds pages for it, and the restarted node is used again.
 3. 1,000 idle keep-alive connections on the router: a normal client is still served, and
    the header timeout closes every idle one.
 
@@ -92,7 +93,37 @@ def test_a_stopped_router_and_a_prefill_node_killed_before_admission(tmp_path):
         wait_until(lambda: golden_ok(c), 120, "the router used the restarted prefill node")
         assert all(leased(n) == 0 for n in c.nodes)
 
-        # 3. The prefill node hung (SIGSTOP) before any request reaches it: its admission
+        # 3. The prefill node killed mid-prefill (a long prompt under way): that client gets
+        # a fault status; the node, restarted, is used again.
+        prefill = c.prefill_nodes()[0]
+        long_prompt = (GOLDEN[3]["prompt_tokens"] * 400)[:6000]
+        result = {}
+
+        def long_request():
+            try:
+                result["r"] = requests.post(
+                    c.url + "/v1/completions",
+                    json={"model": MODEL_NAME, "prompt": long_prompt, "max_tokens": 4, "temperature": 0},
+                    headers={"Authorization": f"Bearer {ALICE}"}, timeout=120,
+                )
+            except requests.RequestException as e:
+                result["e"] = e
+
+        lt = threading.Thread(target=long_request)
+        lt.start()
+        wait_until(lambda: leased(prefill) > 64, 60, "the long prefill started")
+        prefill.proc.send_signal(signal.SIGKILL)
+        prefill.proc.wait(timeout=30)
+        lt.join(timeout=120)
+        assert not lt.is_alive(), "the client of a prefill node killed mid-prefill hung"
+        assert "r" in result, result
+        assert result["r"].status_code in (502, 503, 504), result["r"].text
+        killed_status = result["r"].status_code
+        assert all(leased(n) == 0 for n in c.decode_nodes()), "a decode node held pages for a prefill that died"
+        prefill.restart()
+        wait_until(lambda: golden_ok(c), 120, "the router used the prefill node restarted after a mid-prefill kill")
+
+        # 4. The prefill node hung (SIGSTOP) before any request reaches it: its admission
         # answers nothing, so the router's handoff timeout ends each request with a fault
         # status; resumed, the node serves again.
         prefill = c.prefill_nodes()[0]
@@ -112,7 +143,8 @@ def test_a_stopped_router_and_a_prefill_node_killed_before_admission(tmp_path):
         wait_until(lambda: all(leased(n) == 0 for n in c.nodes), 60, "pages back to idle")
         print(f"\nmore faults: router SIGSTOP mid-stream, prefill SIGKILL before admission "
               f"(statuses {sorted(statuses)}), restarted and used again; prefill SIGSTOP before "
-              f"admission (statuses {sorted(hung_statuses)}), resumed and used again")
+              f"admission (statuses {sorted(hung_statuses)}), resumed and used again; prefill SIGKILL "
+              f"mid-prefill ({killed_status}), restarted and used again")
     finally:
         if stopped:
             c.proc.send_signal(signal.SIGCONT)
