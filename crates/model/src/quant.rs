@@ -174,16 +174,29 @@ impl QuantFormat for Q5_0 {
     /// Per block the five-bit values are unpacked once for the tile; each token's lanes
     /// then follow [`Q5_0::dot_scalar`] exactly.
     fn dot_tile(w: &[u8], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2_fma_f16c() && !acts.is_empty() {
-            // SAFETY: AVX2, FMA and F16C are present (checked above); the function checks
-            // the slice lengths it reads.
-            unsafe { simd::five_bit_rows(w, acts, false, out) };
-            return;
-        }
-        for (a, o) in acts.iter().zip(out.iter_mut()) {
-            *o = Self::dot_scalar(w, a);
-        }
+        five_bit_tile(w, acts, out, false, Self::dot_scalar);
+    }
+}
+
+/// Q5_0's or Q5_1's (`with_min`) tile: the SIMD rows where the CPU has them, else the
+/// portable definition token by token.
+fn five_bit_tile(
+    w: &[u8],
+    acts: &[&[BlockQ8_1]],
+    out: &mut [f32],
+    with_min: bool,
+    scalar: fn(&[u8], &[BlockQ8_1]) -> f32,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if simd::has_avx2_fma_f16c() && !acts.is_empty() {
+        // SAFETY: AVX2, FMA and F16C are present (checked above); the function checks the
+        // slice lengths it reads.
+        unsafe { simd::five_bit_rows(w, acts, with_min, out) };
+        return;
+    }
+    let _ = with_min;
+    for (a, o) in acts.iter().zip(out.iter_mut()) {
+        *o = scalar(w, a);
     }
 }
 
@@ -223,16 +236,7 @@ impl QuantFormat for Q5_1 {
 
     /// As [`Q5_0`]'s, following [`Q5_1::dot_scalar`].
     fn dot_tile(w: &[u8], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2_fma_f16c() && !acts.is_empty() {
-            // SAFETY: AVX2, FMA and F16C are present (checked above); the function checks
-            // the slice lengths it reads.
-            unsafe { simd::five_bit_rows(w, acts, true, out) };
-            return;
-        }
-        for (a, o) in acts.iter().zip(out.iter_mut()) {
-            *o = Self::dot_scalar(w, a);
-        }
+        five_bit_tile(w, acts, out, true, Self::dot_scalar);
     }
 }
 
