@@ -46,7 +46,7 @@ for t in "${targets[@]}"; do
   log=$(mktemp)
   echo "fuzz.sh: $t for ${seconds}s" >&2
   # The first corpus directory receives new inputs; the committed seeds are only read.
-  if ! "${fuzz[@]}" run "${common[@]}" "$t" "fuzz/corpus/$t" "fuzz/seeds/$t" -- \
+  if ! LSAN_OPTIONS="suppressions=$PWD/fuzz/lsan.supp${LSAN_OPTIONS:+:$LSAN_OPTIONS}" "${fuzz[@]}" run "${common[@]}" "$t" "fuzz/corpus/$t" "fuzz/seeds/$t" -- \
     -max_total_time="$seconds" -timeout=30 -rss_limit_mb=4096 -print_final_stats=1 \
     >"$log" 2>&1; then
     tail -n 60 "$log" >&2
