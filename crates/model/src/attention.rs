@@ -150,48 +150,27 @@ fn attend_group<T: KvElem>(
     let n_new = q_rows.len() / dim;
     let mut out = vec![0f32; n_new * group * hd];
     let mut acc = vec![T::Acc::default(); hd];
-    let mut qh = vec![0f32; hd];
-    for t in 0..n_new {
+    let mut heads = vec![0f32; group * hd];
+    for (t, out) in out.chunks_exact_mut(group * hd).enumerate() {
         let visible = first + t + 1;
         // Every slot was read (and checked) through `SequenceKv::runs` like any other
         // layer's; the window only leaves the older ones out of the sum.
         let from = window.map_or(0, |w| visible.saturating_sub(w));
-        for h in 0..group {
-            let head = g * group + h;
-            for (qv, &x) in qh
-                .iter_mut()
-                .zip(&q_rows[t * dim + head * hd..t * dim + (head + 1) * hd])
-            {
-                // llama.cpp converts Q to the cache's element type before the product.
-                *qv = T::round_query(x);
-            }
-            let o = &mut out[(t * group + h) * hd..(t * group + h + 1) * hd];
-            attend_head(
-                &qh,
-                &k_rows[from..visible],
-                &v_rows[from..visible],
-                scale,
-                &mut acc,
-                o,
-            );
+        let row = &q_rows[t * dim + g * group * hd..t * dim + (g + 1) * group * hd];
+        for (h, &x) in heads.iter_mut().zip(row) {
+            // llama.cpp converts Q to the cache's element type before the product.
+            *h = T::round_query(x);
         }
+        let qs: Vec<&[f32]> = heads.chunks_exact(hd).collect();
+        let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(hd).collect();
+        T::attend_heads(
+            &qs,
+            &k_rows[from..visible],
+            &v_rows[from..visible],
+            scale,
+            &mut acc,
+            &mut outs,
+        );
     }
     out
-}
-
-/// One query head over its visible positions, computed as llama.cpp's CPU flash-attention
-/// kernel does (the reference our goldens come from): one pass in position order with a
-/// running maximum, the V sum accumulated in the cache's element type (f16 for an f16
-/// cache, rounding after every update), normalized at the end. Matching its roundings keeps
-/// greedy output within llama.cpp's near-tie margins; the order is fixed, so the result does
-/// not depend on the batch.
-fn attend_head<T: KvElem>(
-    q: &[f32],
-    k: &[&[T]],
-    v: &[&[T]],
-    scale: f32,
-    acc: &mut [T::Acc],
-    out: &mut [f32],
-) {
-    T::attend(q, k, v, scale, acc, out);
 }

@@ -21,23 +21,27 @@ pub trait KvElem: Copy + Send + Sync {
     /// `out[i] = acc[i] * inv`.
     fn acc_finish(acc: &[Self::Acc], inv: f32, out: &mut [f32]);
 
-    /// One query head over its visible positions (`k[j]`, `v[j]` for each), as llama.cpp's
-    /// CPU flash-attention kernel computes it: one pass in position order with a running
-    /// maximum, the V sum accumulated in [`Self::Acc`] with a rounding after every update,
-    /// normalized at the end. The order is fixed, so the result does not depend on the batch.
-    fn attend(
-        q: &[f32],
+    /// Query heads that share their K/V rows, each over its visible positions (`k[j]`,
+    /// `v[j]` for each), as llama.cpp's CPU flash-attention kernel computes one head: one
+    /// pass in position order with a running maximum, the V sum accumulated in
+    /// [`Self::Acc`] with a rounding after every update, normalized at the end. The order
+    /// is fixed, so the result does not depend on the batch, nor on how many heads are
+    /// computed together.
+    fn attend_heads(
+        qs: &[&[f32]],
         k: &[&[Self]],
         v: &[&[Self]],
         scale: f32,
         acc: &mut [Self::Acc],
-        out: &mut [f32],
+        outs: &mut [&mut [f32]],
     ) {
-        attend_portable(q, k, v, scale, acc, out);
+        for (q, out) in qs.iter().zip(outs.iter_mut()) {
+            attend_portable(q, k, v, scale, acc, out);
+        }
     }
 }
 
-/// [`KvElem::attend`] through the element type's operations, one call per step.
+/// One head of [`KvElem::attend_heads`] through the element type's operations, one call per step.
 pub fn attend_portable<T: KvElem>(
     q: &[f32],
     k: &[&[T]],
@@ -66,6 +70,90 @@ pub fn attend_portable<T: KvElem>(
     }
     let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
     T::acc_finish(acc, inv, out);
+}
+
+/// Keys whose scores and exponentials are computed ahead of their V updates.
+const KEY_BLOCK: usize = 32;
+
+/// Query heads attended together by the fused kernels (the rest in further passes).
+const MAX_HEADS: usize = 4;
+
+/// llama.cpp's running-maximum bookkeeping for one block of keys, done ahead of the V
+/// updates: each key either raises the maximum (the accumulator is rescaled by
+/// `exp(old - new)` and the key weighs 1) or weighs `exp(s - max)`. The scores depend only
+/// on the query and the key, and the maximum only on the scores, so computing them (and
+/// the `exp` calls) first gives the same values as the one-pass loop of
+/// [`attend_portable`] while letting the independent products and calls overlap.
+#[derive(Clone, Copy)]
+struct Plan {
+    max: f32,
+    sum: f32,
+    /// Per key of the current block: `exp` of its argument, and whether it raised the max.
+    exp: [f32; KEY_BLOCK],
+    raises: [bool; KEY_BLOCK],
+}
+
+impl Default for Plan {
+    fn default() -> Self {
+        Self {
+            max: f32::NEG_INFINITY,
+            sum: 0.0,
+            exp: [0.0; KEY_BLOCK],
+            raises: [false; KEY_BLOCK],
+        }
+    }
+}
+
+impl Plan {
+    /// Key `j`'s score in the current block (`dot(q, k) * scale`).
+    #[inline(always)]
+    fn set_score(&mut self, j: usize, score: f32) {
+        self.exp[j] = score;
+    }
+
+    /// Turns the first `n` scores of the block into weights, in key order.
+    #[inline(always)]
+    fn settle(&mut self, n: usize) {
+        for (e, r) in self.exp.iter_mut().zip(self.raises.iter_mut()).take(n) {
+            let s = *e;
+            *r = s > self.max;
+            if *r {
+                *e = self.max - s;
+                self.max = s;
+            } else {
+                *e = s - self.max;
+            }
+        }
+        super::libm_expf::expf_in_place(&mut self.exp[..n]);
+    }
+
+    /// `(ms, vs)`: the accumulator's rescale factor and key `j`'s weight.
+    #[inline(always)]
+    fn weights(&self, j: usize) -> (f32, f32) {
+        if self.raises[j] {
+            (self.exp[j], 1.0)
+        } else {
+            (1.0, self.exp[j])
+        }
+    }
+
+    #[inline(always)]
+    fn rescales(&self, j: usize) -> bool {
+        self.raises[j]
+    }
+
+    #[inline(always)]
+    fn add_to_sum(&mut self, ms: f32, vs: f32) {
+        self.sum = self.sum.mul_add(ms, vs);
+    }
+
+    fn inverse_sum(&self) -> f32 {
+        if self.sum == 0.0 {
+            0.0
+        } else {
+            1.0 / self.sum
+        }
+    }
 }
 
 impl KvElem for f32 {
@@ -142,35 +230,41 @@ impl KvElem for half::f16 {
         }
     }
 
-    fn attend(
-        q: &[f32],
+    fn attend_heads(
+        qs: &[&[f32]],
         k: &[&[half::f16]],
         v: &[&[half::f16]],
         scale: f32,
         acc: &mut [half::f16],
-        out: &mut [f32],
+        outs: &mut [&mut [f32]],
     ) {
-        let hd = q.len();
         #[cfg(target_arch = "x86_64")]
-        if has_f16c()
-            && hd > 0
-            && hd.is_multiple_of(64)
-            && acc.len() == hd
-            && out.len() == hd
-            && k.iter().chain(v).all(|r| r.len() == hd)
-        {
-            if super::features().wide {
-                // SAFETY: AVX-512 F, BW, DQ, VL with F16C and FMA are present (checked); the
-                // lengths are as required (checked).
-                unsafe { x86::attend_f16_wide(q, k, v, scale, acc, out) };
+        if let Some(hd) = qs.first().map(|q| q.len()) {
+            if has_f16c()
+                && matches!(hd, 64 | 128 | 256)
+                && qs.len() == outs.len()
+                && qs.iter().all(|q| q.len() == hd)
+                && outs.iter().all(|o| o.len() == hd)
+                && k.iter().chain(v).all(|r| r.len() == hd)
+            {
+                for (qs, outs) in qs.chunks(MAX_HEADS).zip(outs.chunks_mut(MAX_HEADS)) {
+                    if super::features().wide {
+                        // SAFETY: AVX-512 F, BW, DQ, VL with F16C and FMA are present
+                        // (checked); 1..=MAX_HEADS heads; the lengths are as required
+                        // (checked).
+                        unsafe { x86::attend_f16_wide(qs, k, v, scale, outs) };
+                    } else {
+                        // SAFETY: AVX2, FMA and F16C are present (checked); the rest as
+                        // above.
+                        unsafe { x86::attend_f16(qs, k, v, scale, outs) };
+                    }
+                }
                 return;
             }
-            // SAFETY: AVX2, FMA and F16C are present (checked); every row, the accumulator
-            // and the output have the head's length, a multiple of 64, as required.
-            unsafe { x86::attend_f16(q, k, v, scale, acc, out) };
-            return;
         }
-        attend_portable(q, k, v, scale, acc, out);
+        for (q, out) in qs.iter().zip(outs.iter_mut()) {
+            attend_portable(q, k, v, scale, acc, out);
+        }
     }
 }
 
@@ -280,126 +374,263 @@ pub(super) mod x86 {
         }
     }
 
-    /// [`super::attend_portable`] for f16 rows whose length is a multiple of 64, in one
-    /// function so the per-position products inline instead of being dispatched per call:
-    /// the same operations in the same order (the K·Q steps of [`dot_f16_ggml_steps`], the
-    /// same `exp`, the rounding `acc * s` and [`mad_f16`] updates), so the same bits.
+    /// [`super::attend_portable`] for up to [`super::MAX_HEADS`] query heads that read the
+    /// same f16 K/V rows of length 64, 128 or 256, each head computed exactly as the
+    /// portable path computes it: the K·Q steps of [`dot_f16_ggml_steps`], the same `exp`,
+    /// an f16 rounding after every `acc * s` and every `fma(v, w, acc)`, so the same bits.
+    ///
+    /// Why it is faster: each head's V sum is a chain of dependent roundings, so one head
+    /// alone waits on latency. The heads' chains are independent, so they are interleaved
+    /// (and each K/V row is converted once for all of them); the scores and `exp` calls of a
+    /// block of keys are computed ahead ([`super::Plan`]), leaving only the V updates serial.
     ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `q`, `acc`, `out` and every row of `k` and
-    /// `v` have the same length, a multiple of 64.
+    /// The CPU must support AVX2, FMA and F16C; `qs.len() == outs.len()`, between 1 and
+    /// [`super::MAX_HEADS`]; every query, output and row of `k` and `v` has the same
+    /// length, 64, 128 or 256.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn attend_f16(
-        q: &[f32],
+        qs: &[&[f32]],
         k: &[&[half::f16]],
         v: &[&[half::f16]],
         scale: f32,
-        acc: &mut [half::f16],
-        out: &mut [f32],
+        outs: &mut [&mut [f32]],
     ) {
-        acc.fill(half::f16::ZERO);
-        let mut max = f32::NEG_INFINITY;
-        let mut sum = 0f32;
-        for (kr, vr) in k.iter().zip(v) {
-            // SAFETY: the lengths are equal multiples of 64 (the caller's contract).
-            let s = unsafe { dot_f16_ggml_steps(q, kr) } * scale;
-            let mut ms = 1.0f32;
-            let mut vs = 1.0f32;
-            if s > max {
-                let old = max;
-                max = s;
-                ms = (old - max).exp();
-                // SAFETY: as above; `acc.len()` is a multiple of 8.
-                unsafe { scale_f16(acc, ms) };
-            } else {
-                vs = (s - max).exp();
-            }
-            // SAFETY: as above.
-            unsafe { mad_f16(acc, vr, vs) };
-            sum = sum.mul_add(ms, vs);
-        }
-        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-        for (o, &a) in out.iter_mut().zip(acc.iter()) {
-            *o = a.to_f32() * inv;
+        match (qs[0].len(), qs.len()) {
+            (64, 1) => narrow::<8, 1>(qs, k, v, scale, outs),
+            (64, _) => narrow::<8, 2>(qs, k, v, scale, outs),
+            (128, _) => narrow::<16, 1>(qs, k, v, scale, outs),
+            _ => narrow::<32, 1>(qs, k, v, scale, outs),
         }
     }
 
-    /// `acc[i] = f16(acc[i] * s)`: one rounding to f16, to nearest even, as the scalar path.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `acc.len()` is a multiple of 8.
+    /// [`attend_f16`] for `8 * C` lanes, `H` heads at a time (the rest in further passes):
+    /// 16 ymm registers hold two 64-lane accumulators at most.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scale_f16(acc: &mut [half::f16], s: f32) {
-        let sv = _mm256_set1_ps(s);
-        for ac in acc.chunks_exact_mut(8) {
-            // SAFETY: each chunk is 8 f16 values (16 bytes) in bounds; unaligned loads and
-            // stores are allowed.
-            unsafe {
-                let a = _mm256_cvtph_ps(_mm_loadu_si128(ac.as_ptr() as *const __m128i));
-                let r = _mm256_cvtps_ph(_mm256_mul_ps(a, sv), _MM_FROUND_TO_NEAREST_INT);
-                _mm_storeu_si128(ac.as_mut_ptr() as *mut __m128i, r);
+    fn narrow<const C: usize, const H: usize>(
+        qs: &[&[f32]],
+        k: &[&[half::f16]],
+        v: &[&[half::f16]],
+        scale: f32,
+        outs: &mut [&mut [f32]],
+    ) {
+        for (qs, outs) in qs.chunks(H).zip(outs.chunks_mut(H)) {
+            let heads = qs.len();
+            let mut acc = [[_mm256_setzero_ps(); C]; H];
+            let mut plans = [super::Plan::default(); H];
+            for (b, (kb, vb)) in k
+                .chunks(super::KEY_BLOCK)
+                .zip(v.chunks(super::KEY_BLOCK))
+                .enumerate()
+            {
+                for (j, kr) in kb.iter().enumerate() {
+                    // As in `wide`.
+                    let at = b * super::KEY_BLOCK + j;
+                    if let Some(ahead) = v.get(at + V_PREFETCH_AHEAD) {
+                        prefetch_row(ahead);
+                    }
+                    if let Some(ahead) = k.get(at + K_PREFETCH_AHEAD) {
+                        prefetch_row(ahead);
+                    }
+                    for (plan, q) in plans.iter_mut().zip(qs) {
+                        // SAFETY: query and row have the head's length, a multiple of 64
+                        // (the caller's contract).
+                        plan.set_score(j, unsafe { dot_f16_ggml_steps(q, kr) } * scale);
+                    }
+                }
+                for plan in plans.iter_mut().take(heads) {
+                    plan.settle(kb.len());
+                }
+                for (j, vr) in vb.iter().enumerate() {
+                    assert!(vr.len() == 8 * C);
+                    let mut x = [_mm256_setzero_ps(); C];
+                    for (c, x) in x.iter_mut().enumerate() {
+                        // SAFETY: 8 f16 values at 8*c lie within the row (asserted
+                        // length); unaligned loads are allowed.
+                        *x = unsafe {
+                            _mm256_cvtph_ps(_mm_loadu_si128(
+                                vr.as_ptr().add(8 * c) as *const __m128i
+                            ))
+                        };
+                    }
+                    for (plan, acc) in plans.iter_mut().zip(acc.iter_mut()).take(heads) {
+                        let (ms, vs) = plan.weights(j);
+                        if plan.rescales(j) {
+                            let m = _mm256_set1_ps(ms);
+                            for a in acc.iter_mut() {
+                                *a = round_f16_256(_mm256_mul_ps(*a, m));
+                            }
+                        }
+                        let w = _mm256_set1_ps(vs);
+                        for (a, x) in acc.iter_mut().zip(x) {
+                            *a = round_f16_256(_mm256_fmadd_ps(x, w, *a));
+                        }
+                        plan.add_to_sum(ms, vs);
+                    }
+                }
+            }
+            for ((plan, acc), out) in plans.iter().zip(&acc).zip(outs.iter_mut()) {
+                let inv = plan.inverse_sum();
+                assert!(out.len() == 8 * C);
+                for (a, o) in acc.iter().zip(out.chunks_exact_mut(8)) {
+                    let mut lanes = [0f32; 8];
+                    // SAFETY: `lanes` is 8 writable f32; unaligned stores are allowed.
+                    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
+                    for (o, x) in o.iter_mut().zip(lanes) {
+                        *o = x * inv;
+                    }
+                }
             }
         }
+    }
+
+    /// `x` rounded to f16 (to nearest even) and back: what storing the accumulator in the
+    /// cache's element type and reading it again gives.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn round_f16_256(x: __m256) -> __m256 {
+        _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
+    }
+
+    /// [`round_f16_256`] on 16 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+    fn round_f16_512(x: __m512) -> __m512 {
+        _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
     }
 
     /// [`attend_f16`] with 16-lane registers: ggml's K·Q order is defined on 16-lane
     /// accumulators (the 256-bit path holds each as two halves), and the V updates are
-    /// lane-wise, so this is the same arithmetic in half the instructions.
+    /// lane-wise, so this is the same arithmetic in half the instructions; 32 registers
+    /// hold more heads' accumulators at once.
     ///
     /// # Safety
-    /// The CPU must support AVX-512 F, BW, DQ and VL, FMA and F16C; lengths as for
+    /// The CPU must support AVX-512 F, BW, DQ and VL, FMA and F16C; arguments as for
     /// [`attend_f16`].
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
     pub unsafe fn attend_f16_wide(
-        q: &[f32],
+        qs: &[&[f32]],
         k: &[&[half::f16]],
         v: &[&[half::f16]],
         scale: f32,
-        acc: &mut [half::f16],
-        out: &mut [f32],
+        outs: &mut [&mut [f32]],
     ) {
-        acc.fill(half::f16::ZERO);
-        let mut max = f32::NEG_INFINITY;
-        let mut sum = 0f32;
-        for (kr, vr) in k.iter().zip(v) {
-            let s = dot_wide(q, kr) * scale;
-            let mut ms = 1.0f32;
-            let mut vs = 1.0f32;
-            if s > max {
-                let old = max;
-                max = s;
-                ms = (old - max).exp();
-                update_wide(acc, None, ms);
-            } else {
-                vs = (s - max).exp();
-            }
-            update_wide(acc, Some(vr), vs);
-            sum = sum.mul_add(ms, vs);
-        }
-        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-        for (o, &a) in out.iter_mut().zip(acc.iter()) {
-            *o = a.to_f32() * inv;
+        match (qs[0].len(), qs.len()) {
+            (64, 1) => wide::<4, 1>(qs, k, v, scale, outs),
+            (64, 2) => wide::<4, 2>(qs, k, v, scale, outs),
+            (64, 3) => wide::<4, 3>(qs, k, v, scale, outs),
+            (64, _) => wide::<4, 4>(qs, k, v, scale, outs),
+            (128, 1) => wide::<8, 1>(qs, k, v, scale, outs),
+            (128, _) => wide::<8, 2>(qs, k, v, scale, outs),
+            _ => wide::<16, 1>(qs, k, v, scale, outs),
         }
     }
 
-    /// [`dot_f16_ggml_steps`] on 16-lane registers (lengths equal multiples of 64).
+    /// [`attend_f16_wide`] for `16 * C` lanes, `H` heads at a time.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-    fn dot_wide(q: &[f32], k: &[half::f16]) -> f32 {
-        let mut acc = [_mm512_setzero_ps(); 4];
-        for (qc, kc) in q.chunks_exact(64).zip(k.chunks_exact(64)) {
-            for (j, a) in acc.iter_mut().enumerate() {
-                // SAFETY: 16 elements at offset 16*j lie within the 64-element chunks;
-                // unaligned loads are allowed.
-                unsafe {
-                    let qv = _mm512_loadu_ps(qc.as_ptr().add(j * 16));
-                    let kv = _mm512_cvtph_ps(_mm256_loadu_si256(
-                        kc.as_ptr().add(j * 16) as *const __m256i
-                    ));
-                    *a = _mm512_fmadd_ps(qv, kv, *a);
+    fn wide<const C: usize, const H: usize>(
+        qs: &[&[f32]],
+        k: &[&[half::f16]],
+        v: &[&[half::f16]],
+        scale: f32,
+        outs: &mut [&mut [f32]],
+    ) {
+        for (qs, outs) in qs.chunks(H).zip(outs.chunks_mut(H)) {
+            let heads = qs.len();
+            let mut acc = [[_mm512_setzero_ps(); C]; H];
+            let mut plans = [super::Plan::default(); H];
+            for (b, (kb, vb)) in k
+                .chunks(super::KEY_BLOCK)
+                .zip(v.chunks(super::KEY_BLOCK))
+                .enumerate()
+            {
+                for (j, kr) in kb.iter().enumerate() {
+                    assert!(kr.len() == 16 * C);
+                    // A long context's rows come from memory (the weights streamed through
+                    // the caches since this layer last ran), 128 bytes per page-strided
+                    // row, which the hardware prefetcher does not run ahead of: ask for the
+                    // next block's V rows and K rows two blocks on (measured best of
+                    // 8..64 ahead: +8% decode at 512 positions).
+                    let at = b * super::KEY_BLOCK + j;
+                    if let Some(ahead) = v.get(at + V_PREFETCH_AHEAD) {
+                        prefetch_row(ahead);
+                    }
+                    if let Some(ahead) = k.get(at + K_PREFETCH_AHEAD) {
+                        prefetch_row(ahead);
+                    }
+                    let mut x = [_mm512_setzero_ps(); C];
+                    for (c, x) in x.iter_mut().enumerate() {
+                        // SAFETY: 16 f16 values at 16*c lie within the row (asserted
+                        // length); unaligned loads are allowed.
+                        *x = unsafe {
+                            _mm512_cvtph_ps(_mm256_loadu_si256(
+                                kr.as_ptr().add(16 * c) as *const __m256i
+                            ))
+                        };
+                    }
+                    for (plan, q) in plans.iter_mut().zip(qs) {
+                        plan.set_score(j, dot_wide(q, &x) * scale);
+                    }
+                }
+                for plan in plans.iter_mut().take(heads) {
+                    plan.settle(kb.len());
+                }
+                for (j, vr) in vb.iter().enumerate() {
+                    assert!(vr.len() == 16 * C);
+                    let mut x = [_mm512_setzero_ps(); C];
+                    for (c, x) in x.iter_mut().enumerate() {
+                        // SAFETY: as for the K row.
+                        *x = unsafe {
+                            _mm512_cvtph_ps(_mm256_loadu_si256(
+                                vr.as_ptr().add(16 * c) as *const __m256i
+                            ))
+                        };
+                    }
+                    for (plan, acc) in plans.iter_mut().zip(acc.iter_mut()).take(heads) {
+                        let (ms, vs) = plan.weights(j);
+                        if plan.rescales(j) {
+                            let m = _mm512_set1_ps(ms);
+                            for a in acc.iter_mut() {
+                                *a = round_f16_512(_mm512_mul_ps(*a, m));
+                            }
+                        }
+                        let w = _mm512_set1_ps(vs);
+                        for (a, x) in acc.iter_mut().zip(x) {
+                            *a = round_f16_512(_mm512_fmadd_ps(x, w, *a));
+                        }
+                        plan.add_to_sum(ms, vs);
+                    }
                 }
             }
+            for ((plan, acc), out) in plans.iter().zip(&acc).zip(outs.iter_mut()) {
+                let inv = plan.inverse_sum();
+                assert!(out.len() == 16 * C);
+                for (a, o) in acc.iter().zip(out.chunks_exact_mut(16)) {
+                    let mut lanes = [0f32; 16];
+                    // SAFETY: `lanes` is 16 writable f32; unaligned stores are allowed.
+                    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *a) };
+                    for (o, x) in o.iter_mut().zip(lanes) {
+                        *o = x * inv;
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`dot_f16_ggml_steps`] on 16-lane registers, the K row already converted: 64-lane
+    /// steps into four accumulators, reduced `(a0 + a2) + (a1 + a3)`, then the lane tree.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+    fn dot_wide<const C: usize>(q: &[f32], k: &[__m512; C]) -> f32 {
+        assert!(q.len() == 16 * C);
+        let mut acc = [_mm512_setzero_ps(); 4];
+        for (c, kx) in k.iter().enumerate() {
+            // SAFETY: 16 elements at 16*c lie within `q` (asserted length); unaligned loads
+            // are allowed.
+            let qv = unsafe { _mm512_loadu_ps(q.as_ptr().add(16 * c)) };
+            acc[c % 4] = _mm512_fmadd_ps(qv, *kx, acc[c % 4]);
         }
         let v = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
         let lo = _mm512_castps512_ps256(v);
@@ -407,29 +638,17 @@ pub(super) mod x86 {
         hsum(_mm256_add_ps(hi, lo))
     }
 
-    /// `acc[i] = f16(fma(v[i], w, acc[i]))` with `v`, or `acc[i] = f16(acc[i] * w)` without:
-    /// the scalar path's single rounding per element, 16 lanes at a time.
+    /// Keys between a row's prefetch and its use.
+    const K_PREFETCH_AHEAD: usize = 2 * super::KEY_BLOCK;
+    const V_PREFETCH_AHEAD: usize = super::KEY_BLOCK;
+
+    /// Asks for every cache line of `row`.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-    fn update_wide(acc: &mut [half::f16], v: Option<&[half::f16]>, w: f32) {
-        let wv = _mm512_set1_ps(w);
-        for (c, ac) in acc.chunks_exact_mut(16).enumerate() {
-            // SAFETY: each chunk is 16 f16 values (32 bytes) in bounds of `acc` and, at the
-            // same offset, of `v` (equal lengths); unaligned loads and stores are allowed.
-            unsafe {
-                let a = _mm512_cvtph_ps(_mm256_loadu_si256(ac.as_ptr() as *const __m256i));
-                let r = match v {
-                    Some(v) => {
-                        let x = _mm512_cvtph_ps(_mm256_loadu_si256(
-                            v.as_ptr().add(c * 16) as *const __m256i
-                        ));
-                        _mm512_fmadd_ps(x, wv, a)
-                    }
-                    None => _mm512_mul_ps(a, wv),
-                };
-                let h = _mm512_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT);
-                _mm256_storeu_si256(ac.as_mut_ptr() as *mut __m256i, h);
-            }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn prefetch_row(row: &[half::f16]) {
+        for line in row.chunks(32) {
+            // A prefetch reads nothing and cannot fault; the address is inside `row`.
+            _mm_prefetch::<_MM_HINT_T0>(line.as_ptr() as *const i8);
         }
     }
 }

@@ -314,6 +314,7 @@ fn has_vnni() -> bool {
 
 mod activation;
 mod attention;
+mod libm_expf;
 mod quant_dot;
 mod quantize;
 #[cfg(target_arch = "x86_64")]

@@ -330,50 +330,69 @@ fn wide_q4_1_tiles_match_the_256_bit_kernel_bit_for_bit() {
     }
 }
 
-/// The fused f16 attention (one function per head, products inlined; 512-bit where the CPU
-/// has it, and the 256-bit one as well) against the portable one, bit for bit: heads of 64 and 128, keys whose scores rise (rescaling the
-/// accumulator) and fall, values large enough that f16 rounding matters.
+/// The fused f16 attention (several heads at once, 512-bit where the CPU has it, and the
+/// 256-bit one as well) against the portable one head at a time, bit for bit: heads of 64,
+/// 128 and 256, one to five heads (so also a second pass), key counts below, at and across
+/// key blocks, scores that rise (rescaling the accumulator) and fall, values large enough
+/// that f16 rounding matters.
 #[test]
 fn fused_f16_attention_matches_the_portable_path_bit_for_bit() {
     use half::f16;
     let mut s = 41u64;
-    for hd in [64usize, 128] {
-        for positions in [1usize, 7, 70] {
-            let q: Vec<f32> = (0..hd)
-                .map(|_| f16::from_f32(lcg(&mut s) * 2.0).to_f32())
-                .collect();
-            let rows = |s: &mut u64, amp: f32| -> Vec<Vec<f16>> {
-                (0..positions)
-                    .map(|j| {
+    for hd in [64usize, 128, 256] {
+        for positions in [1usize, 7, 32, 33, 70] {
+            for heads in 1..=5usize {
+                let q: Vec<Vec<f32>> = (0..heads)
+                    .map(|h| {
                         (0..hd)
-                            .map(|_| f16::from_f32(lcg(s) * amp * (1.0 + j as f32 * 0.05)))
+                            .map(|_| f16::from_f32(lcg(&mut s) * (1.0 + h as f32)).to_f32())
                             .collect()
                     })
-                    .collect()
-            };
-            let k = rows(&mut s, 1.5);
-            let v = rows(&mut s, 40.0);
-            let kr: Vec<&[f16]> = k.iter().map(|r| r.as_slice()).collect();
-            let vr: Vec<&[f16]> = v.iter().map(|r| r.as_slice()).collect();
-            let scale = 1.0 / (hd as f32).sqrt();
-            let (mut acc_a, mut acc_b) = (vec![f16::ZERO; hd], vec![f16::ZERO; hd]);
-            let (mut fused, mut portable) = (vec![0f32; hd], vec![0f32; hd]);
-            <f16 as KvElem>::attend(&q, &kr, &vr, scale, &mut acc_a, &mut fused);
-            attention::attend_portable::<f16>(&q, &kr, &vr, scale, &mut acc_b, &mut portable);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&fused),
-                bits(&portable),
-                "head {hd}, {positions} positions"
-            );
-            // Where the CPU has several vector widths, each one against the portable path.
-            #[cfg(target_arch = "x86_64")]
-            if has_f16c() {
-                let mut narrow = vec![0f32; hd];
-                // SAFETY: AVX2, FMA and F16C are present (checked); lengths are equal
-                // multiples of 64.
-                unsafe { attention::x86::attend_f16(&q, &kr, &vr, scale, &mut acc_b, &mut narrow) };
-                assert_eq!(bits(&narrow), bits(&portable), "256-bit, head {hd}");
+                    .collect();
+                let rows = |s: &mut u64, amp: f32| -> Vec<Vec<f16>> {
+                    (0..positions)
+                        .map(|j| {
+                            (0..hd)
+                                .map(|_| f16::from_f32(lcg(s) * amp * (1.0 + j as f32 * 0.05)))
+                                .collect()
+                        })
+                        .collect()
+                };
+                let k = rows(&mut s, 1.5);
+                let v = rows(&mut s, 40.0);
+                let kr: Vec<&[f16]> = k.iter().map(|r| r.as_slice()).collect();
+                let vr: Vec<&[f16]> = v.iter().map(|r| r.as_slice()).collect();
+                let qs: Vec<&[f32]> = q.iter().map(|r| r.as_slice()).collect();
+                let scale = 1.0 / (hd as f32).sqrt();
+                let mut acc = vec![f16::ZERO; hd];
+                let mut portable = vec![vec![0f32; hd]; heads];
+                for (qh, out) in qs.iter().zip(portable.iter_mut()) {
+                    attention::attend_portable::<f16>(qh, &kr, &vr, scale, &mut acc, out);
+                }
+                let bits = |v: &[Vec<f32>]| {
+                    v.iter()
+                        .flat_map(|r| r.iter().map(|x| x.to_bits()))
+                        .collect::<Vec<_>>()
+                };
+                let mut fused = vec![vec![0f32; hd]; heads];
+                let mut outs: Vec<&mut [f32]> =
+                    fused.iter_mut().map(|r| r.as_mut_slice()).collect();
+                <f16 as KvElem>::attend_heads(&qs, &kr, &vr, scale, &mut acc, &mut outs);
+                let what = format!("head {hd}, {positions} positions, {heads} heads");
+                assert_eq!(bits(&fused), bits(&portable), "{what}");
+                // Where the CPU has several vector widths, each one against the portable path.
+                #[cfg(target_arch = "x86_64")]
+                if has_f16c() {
+                    let mut narrow = vec![vec![0f32; hd]; heads];
+                    for (qs, outs) in qs.chunks(4).zip(narrow.chunks_mut(4)) {
+                        let mut outs: Vec<&mut [f32]> =
+                            outs.iter_mut().map(|r| r.as_mut_slice()).collect();
+                        // SAFETY: AVX2, FMA and F16C are present (checked); 1 to 4 heads;
+                        // every length is the head's, 64, 128 or 256.
+                        unsafe { attention::x86::attend_f16(qs, &kr, &vr, scale, &mut outs) };
+                    }
+                    assert_eq!(bits(&narrow), bits(&portable), "256-bit, {what}");
+                }
             }
         }
     }
