@@ -45,36 +45,56 @@ pub(crate) fn attention(
             }
         }
     }
-    // Tasks: (item, KV head, block of new rows). Rows are independent, so splitting a long
-    // prompt's rows keeps both cores busy without changing any row's arithmetic.
+    // Tasks: (item, KV head, its query heads h0..h1, block of new rows). Rows and heads are
+    // independent, so splitting them keeps both cores busy without changing any head's
+    // arithmetic. A KV head's query heads stay together where there is enough other work
+    // (the fused kernel interleaves them and reads each K/V row once for all), and are
+    // split in two where there is not (a single decode stream has as few tasks as KV heads).
     const ROWS_PER_TASK: usize = 16;
-    let tasks: Vec<(usize, usize, usize, usize)> = (0..items.len())
+    let row_blocks: usize = (0..items.len())
+        .filter(|&i| views[i].is_some())
+        .map(|i| items[i].tokens.len().div_ceil(ROWS_PER_TASK))
+        .sum();
+    let head_parts = if row_blocks * c.n_kv_heads < 2 * rayon::current_num_threads() {
+        group.min(2)
+    } else {
+        1
+    };
+    let per_part = group.div_ceil(head_parts);
+    let tasks: Vec<Task> = (0..items.len())
         .filter(|&i| views[i].is_some())
         .flat_map(|i| {
             let n = items[i].tokens.len();
             (0..c.n_kv_heads).flat_map(move |g| {
-                (0..n)
-                    .step_by(ROWS_PER_TASK)
-                    .map(move |t0| (i, g, t0, (t0 + ROWS_PER_TASK).min(n)))
+                (0..group).step_by(per_part).flat_map(move |h0| {
+                    (0..n).step_by(ROWS_PER_TASK).map(move |t0| Task {
+                        item: i,
+                        g,
+                        heads: h0..(h0 + per_part).min(group),
+                        rows: t0..(t0 + ROWS_PER_TASK).min(n),
+                    })
+                })
             })
         })
         .collect();
-    let results: Vec<(usize, usize, usize, Vec<f32>)> = tasks
+    let results: Vec<(&Task, Vec<f32>)> = tasks
         .par_iter()
-        .map(|&(i, g, t0, t1)| {
+        .map(|task| {
+            let i = task.item;
             let runs = views[i].as_deref().unwrap_or(&[]);
             let it = &items[i];
             let shape = HeadShape {
-                g,
+                g: task.g,
                 group,
+                heads: task.heads.clone(),
                 hd,
                 kv_dim: c.kv_dim(),
                 scale,
                 window,
             };
-            let rows = &q[(starts[i] + t0) * dim..(starts[i] + t1) * dim];
-            // Position of row t0 in the sequence.
-            let first = it.kv.len() + t0;
+            let rows = &q[(starts[i] + task.rows.start) * dim..(starts[i] + task.rows.end) * dim];
+            // Position of the task's first row in the sequence.
+            let first = it.kv.len() + task.rows.start;
             let out = match runs.first().map(|r| r.k) {
                 Some(KvSlice::F32(_)) => {
                     let typed: Vec<_> = runs
@@ -97,15 +117,28 @@ pub(crate) fn attention(
                     attend_group::<f16>(&typed, rows, first, dim, &shape)
                 }
             };
-            (i, g, t0, out)
+            (task, out)
         })
         .collect();
-    for (i, g, t0, out) in results {
-        for (t, row) in out.chunks_exact(group * hd).enumerate() {
-            let r = starts[i] + t0 + t;
-            attn[r * dim + g * group * hd..r * dim + (g + 1) * group * hd].copy_from_slice(row);
+    for (task, out) in results {
+        let width = task.heads.len() * hd;
+        let from = (task.g * group + task.heads.start) * hd;
+        for (t, row) in out.chunks_exact(width).enumerate() {
+            let r = starts[task.item] + task.rows.start + t;
+            attn[r * dim + from..r * dim + from + width].copy_from_slice(row);
         }
     }
+}
+
+/// One unit of parallel attention work.
+struct Task {
+    item: usize,
+    /// The KV head.
+    g: usize,
+    /// Which of its query heads (0..group).
+    heads: std::ops::Range<usize>,
+    /// Which of the item's new rows.
+    rows: std::ops::Range<usize>,
 }
 
 struct HeadShape {
@@ -113,6 +146,8 @@ struct HeadShape {
     g: usize,
     /// Query heads per KV head.
     group: usize,
+    /// The query heads of this KV head that the task computes.
+    heads: std::ops::Range<usize>,
     hd: usize,
     kv_dim: usize,
     scale: f32,
@@ -120,7 +155,7 @@ struct HeadShape {
     window: Option<usize>,
 }
 
-/// Causal attention of the query heads that share KV head `shape.g`, for each of the new
+/// Causal attention of query heads `shape.heads` of KV head `shape.g`, for each of the new
 /// rows in `q_rows` (which sit at the end of the cached positions).
 /// `q_rows` are consecutive new rows, the first at sequence position `first`.
 fn attend_group<T: KvElem>(
@@ -133,6 +168,7 @@ fn attend_group<T: KvElem>(
     let HeadShape {
         g,
         group,
+        ref heads,
         hd,
         kv_dim,
         scale,
@@ -148,20 +184,22 @@ fn attend_group<T: KvElem>(
         }
     }
     let n_new = q_rows.len() / dim;
-    let mut out = vec![0f32; n_new * group * hd];
+    let width = heads.len() * hd;
+    let mut out = vec![0f32; n_new * width];
     let mut acc = vec![T::Acc::default(); hd];
-    let mut heads = vec![0f32; group * hd];
-    for (t, out) in out.chunks_exact_mut(group * hd).enumerate() {
+    let mut q_heads = vec![0f32; width];
+    for (t, out) in out.chunks_exact_mut(width).enumerate() {
         let visible = first + t + 1;
         // Every slot was read (and checked) through `SequenceKv::runs` like any other
         // layer's; the window only leaves the older ones out of the sum.
         let from = window.map_or(0, |w| visible.saturating_sub(w));
-        let row = &q_rows[t * dim + g * group * hd..t * dim + (g + 1) * group * hd];
-        for (h, &x) in heads.iter_mut().zip(row) {
+        let at = t * dim + (g * group + heads.start) * hd;
+        let row = &q_rows[at..at + width];
+        for (h, &x) in q_heads.iter_mut().zip(row) {
             // llama.cpp converts Q to the cache's element type before the product.
             *h = T::round_query(x);
         }
-        let qs: Vec<&[f32]> = heads.chunks_exact(hd).collect();
+        let qs: Vec<&[f32]> = q_heads.chunks_exact(hd).collect();
         let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(hd).collect();
         T::attend_heads(
             &qs,
