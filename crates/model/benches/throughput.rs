@@ -1,6 +1,8 @@
 //! Single-stream throughput on the default model (or `BENCH_MODEL`), in llama-bench's terms:
-//! prompt processing of N tokens (pp) and generation of M tokens (tg). `bench/serve.py` and
-//! `bench/quants.sh` run it next to llama.cpp's `llama-bench` on the same file.
+//! prompt processing of N tokens (pp) and generation of M tokens (tg), one token per step
+//! from an empty context as llama-bench measures it (or after `BENCH_DEPTH` positions, its
+//! `-d`). `bench/serve.py` and `bench/quants.sh` run it next to llama.cpp's `llama-bench` on
+//! the same file.
 use std::time::Instant;
 
 use kv::{IsolationDomain, KvDtype, KvPool, Owner, PoolConfig, RequestId, ScrubPolicy, SequenceKv};
@@ -13,7 +15,11 @@ fn main() {
             .and_then(|v| v.parse().ok())
             .unwrap_or(default)
     };
-    let (np, ng) = (arg("BENCH_PP", 512), arg("BENCH_TG", 128));
+    let (np, ng, depth) = (
+        arg("BENCH_PP", 512),
+        arg("BENCH_TG", 128),
+        arg("BENCH_DEPTH", 0),
+    );
     let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     // BENCH_MODEL: another file under models/ (bench/quants.sh measures the K-quant ones).
     let name =
@@ -28,23 +34,36 @@ fn main() {
     let model = Model::load(&file).expect("model");
     let pool = KvPool::new(PoolConfig {
         layout: model.kv_layout(16, KvDtype::F16),
-        pages: (np + ng) / 16 + 2,
+        pages: (np.max(depth + ng)) / 16 + 2,
         scrub: ScrubPolicy::Zero,
     });
     let mut best = (0f64, 0f64);
     for rep in 0..3 {
-        let mut seq = SequenceKv::new(
-            &pool,
-            Owner {
-                request: RequestId(rep),
-                domain: IsolationDomain::tenant("bench"),
-            },
-        );
-        seq.reserve(np + ng).unwrap();
+        let owner = |id: u64| Owner {
+            request: RequestId(id),
+            domain: IsolationDomain::tenant("bench"),
+        };
+        let mut seq = SequenceKv::new(&pool, owner(2 * rep));
+        seq.reserve(np).unwrap();
         let prompt: Vec<u32> = (0..np as u32).map(|i| 100 + (i * 37) % 5000).collect();
         let t0 = Instant::now();
-        let mut logits = Vec::new();
         for chunk in prompt.chunks(512) {
+            let mut items = [BatchItem {
+                kv: &mut seq,
+                tokens: chunk,
+                logits: LogitsWanted::Last,
+            }];
+            model.forward(&mut items).pop().unwrap().unwrap();
+        }
+        let pp = np as f64 / t0.elapsed().as_secs_f64();
+        drop(seq);
+        // Generation as llama-bench measures it: one token per step from an empty context
+        // (BENCH_DEPTH positions first, as its `-d`).
+        let mut seq = SequenceKv::new(&pool, owner(2 * rep + 1));
+        seq.reserve(depth + ng).unwrap();
+        let mut logits = Vec::new();
+        let context: Vec<u32> = (0..depth as u32).map(|i| 100 + (i * 53) % 5000).collect();
+        for chunk in context.chunks(512) {
             let mut items = [BatchItem {
                 kv: &mut seq,
                 tokens: chunk,
@@ -52,10 +71,13 @@ fn main() {
             }];
             logits = model.forward(&mut items).pop().unwrap().unwrap();
         }
-        let pp = np as f64 / t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        for _ in 0..ng {
-            let input = [argmax(&logits)];
+        for step in 0..ng {
+            let input = [if logits.is_empty() && step == 0 {
+                1
+            } else {
+                argmax(&logits)
+            }];
             let mut items = [BatchItem {
                 kv: &mut seq,
                 tokens: &input,
@@ -66,5 +88,10 @@ fn main() {
         let tg = ng as f64 / t1.elapsed().as_secs_f64();
         best = (best.0.max(pp), best.1.max(tg));
     }
-    println!("kvwarden pp{np}={:.1} tg{ng}={:.1}", best.0, best.1);
+    let at = if depth > 0 {
+        format!("@d{depth}")
+    } else {
+        String::new()
+    };
+    println!("kvwarden pp{np}={:.1} tg{ng}{at}={:.1}", best.0, best.1);
 }
