@@ -195,10 +195,8 @@ fn attend_group<T: KvElem>(
         let from = window.map_or(0, |w| visible.saturating_sub(w));
         let at = t * dim + (g * group + heads.start) * hd;
         let row = &q_rows[at..at + width];
-        for (h, &x) in q_heads.iter_mut().zip(row) {
-            // llama.cpp converts Q to the cache's element type before the product.
-            *h = T::round_query(x);
-        }
+        // llama.cpp converts Q to the cache's element type before the product.
+        T::round_queries(row, &mut q_heads);
         let qs: Vec<&[f32]> = q_heads.chunks_exact(hd).collect();
         let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(hd).collect();
         T::attend_heads(

@@ -11,6 +11,12 @@ pub trait KvElem: Copy + Send + Sync {
     type Acc: Copy + Default + Send;
     /// The query as the product sees it.
     fn round_query(x: f32) -> f32;
+    /// `out[i] = round_query(q[i])`.
+    fn round_queries(q: &[f32], out: &mut [f32]) {
+        for (o, &x) in out.iter_mut().zip(q) {
+            *o = Self::round_query(x);
+        }
+    }
     /// `Σ q[i] * k[i]`, eight running lanes then a fixed reduction.
     fn dot(q: &[f32], k: &[Self]) -> f32;
     fn acc_clear(acc: &mut [Self::Acc]);
@@ -195,6 +201,20 @@ impl KvElem for half::f16 {
 
     fn round_query(x: f32) -> f32 {
         half::f16::from_f32(x).to_f32()
+    }
+
+    fn round_queries(q: &[f32], out: &mut [f32]) {
+        let n = q.len().min(out.len());
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if has_f16c() {
+            // SAFETY: AVX2, FMA and F16C are present (checked); the function stays within
+            // the first `n` elements of both slices.
+            done = unsafe { x86::round_f16_slice(&q[..n], &mut out[..n]) };
+        }
+        for (o, &x) in out[done..n].iter_mut().zip(&q[done..n]) {
+            *o = Self::round_query(x);
+        }
     }
 
     fn dot(q: &[f32], k: &[half::f16]) -> f32 {
@@ -483,6 +503,22 @@ pub(super) mod x86 {
                 }
             }
         }
+    }
+
+    /// `out[i] = f32(f16(q[i]))` (to nearest even, as the scalar conversion) over whole
+    /// groups of 8; returns how many were done.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn round_f16_slice(q: &[f32], out: &mut [f32]) -> usize {
+        let mut done = 0;
+        for (o, x) in out.chunks_exact_mut(8).zip(q.chunks_exact(8)) {
+            // SAFETY: both chunks are 8 f32; unaligned loads and stores are allowed.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), round_f16_256(_mm256_loadu_ps(x.as_ptr()))) };
+            done += 8;
+        }
+        done
     }
 
     /// `x` rounded to f16 (to nearest even) and back: what storing the accumulator in the

@@ -180,14 +180,28 @@ fn by_row_blocks(ws: &[&Matrix], input: &Input<'_>, n: usize, outs: &mut [&mut [
     });
     if n != 1 {
         for ((w, buf), out) in ws.iter().zip(&by_row).zip(outs.iter_mut()) {
-            let rows = w.rows();
-            for r in 0..rows {
-                for t in 0..n {
-                    out[t * rows + r] = buf[r * n + t];
-                }
-            }
+            transpose_to_token_major(buf, w.rows(), n, out);
         }
     }
+}
+
+/// `out[t * rows + r] = by_row[r * n + t]`, in parallel over groups of tokens. A group
+/// reads a few adjacent values per row and appends to as many output rows, so both sides
+/// stream; one thread writing token by token across a 49,152-row output layer measured 6%
+/// of a loaded server's time, with the other core idle.
+fn transpose_to_token_major(by_row: &[f32], rows: usize, n: usize, out: &mut [f32]) {
+    const TOKENS_PER_TASK: usize = 4;
+    out.par_chunks_mut(TOKENS_PER_TASK * rows)
+        .enumerate()
+        .for_each(|(g, group)| {
+            let t0 = g * TOKENS_PER_TASK;
+            let nt = group.len() / rows;
+            for (r, src) in by_row.chunks_exact(n).enumerate() {
+                for (dt, &v) in src[t0..t0 + nt].iter().enumerate() {
+                    group[dt * rows + r] = v;
+                }
+            }
+        });
 }
 
 /// The activation scales of every whole tile, laid out for the kernels:

@@ -475,3 +475,32 @@ fn simd_q8_1_quantization_matches_the_scalar_definition() {
         assert_eq!(p.s.to_bits(), q.s.to_bits(), "block {i} s");
     }
 }
+
+/// The vectorized query rounding against the scalar conversion, bit for bit: ties, values
+/// beyond f16's range, subnormals, and a length that leaves a remainder.
+#[test]
+fn query_rounding_matches_the_scalar_conversion() {
+    use half::f16;
+    let mut s = 9u64;
+    let mut q: Vec<f32> = (0..203).map(|_| lcg(&mut s) * 70_000.0).collect();
+    q.extend([
+        1.0 + 1.0 / 2048.0,
+        1.0 + 3.0 / 2048.0,
+        65520.0,
+        -65504.0,
+        1e-7,
+        -3e-8,
+        f32::INFINITY,
+        0.0,
+        -0.0,
+    ]);
+    let mut fast = vec![0f32; q.len()];
+    <f16 as KvElem>::round_queries(&q, &mut fast);
+    for (x, y) in q.iter().zip(&fast) {
+        assert_eq!(
+            f16::from_f32(*x).to_f32().to_bits(),
+            y.to_bits(),
+            "round({x})"
+        );
+    }
+}
