@@ -1,7 +1,7 @@
 //! Register-tiled Q4_1 product for CPUs with AVX-512 VNNI. Prefill: a micro-tile of [`ROWS`]
-//! weight rows × one tile of 4 tokens, two tokens per 512-bit register (token `2k` in the low
-//! half, `2k + 1` in the high half). Each weight block is unpacked once for four tokens and
-//! each activation pair loaded once for [`ROWS`] rows.
+//! weight rows × two tiles of 4 tokens (one at the end when the count is odd), two tokens per
+//! 512-bit register (token `2k` in the low half, `2k + 1` in the high half). Each weight block
+//! is unpacked once for eight tokens and each activation pair loaded once for [`ROWS`] rows.
 //!
 //! Every lane does exactly what the 256-bit kernels do for its token (the same `dpbusd`
 //! sums, the same `d_w * d_a` product, the same fused multiply-add into the same lane, the
