@@ -300,8 +300,11 @@ fn features() -> Features {
     static FEATURES: std::sync::OnceLock<Features> = std::sync::OnceLock::new();
     *FEATURES.get_or_init(|| {
         use std::arch::is_x86_feature_detected as has;
+        // `KVWARDEN_CPU=avx2` keeps the kernels off AVX-512 on a CPU that has it: to measure
+        // or test the 256-bit paths (which AVX2-only machines run) on the same machine.
+        let cap_avx2 = std::env::var("KVWARDEN_CPU").is_ok_and(|v| v == "avx2");
         let avx2 = has!("avx2") && has!("fma");
-        let vnni = avx2 && has!("avx512vnni") && has!("avx512vl");
+        let vnni = avx2 && !cap_avx2 && has!("avx512vnni") && has!("avx512vl");
         Features {
             avx2,
             f16c: avx2 && has!("f16c"),
