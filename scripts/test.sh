@@ -32,7 +32,7 @@ if grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null; then
   # 256-bit ones, which AVX2-only machines run.
   KVWARDEN_CPU=avx2 cargo test -p model --test golden_completions --test llama_references
 else
-  echo "test.sh: NOT RUN: the ignored model::kernels tests (AVX-512 VNNI kernels against the 256-bit ones; this CPU lacks AVX-512 VNNI)" >&2
+  echo "test.sh: NOT RUN: the ignored model tests (AVX-512 VNNI kernels against the 256-bit ones; this CPU lacks AVX-512 VNNI)" >&2
 fi
 bash crates/kv/loom.sh
 # Every cargo-fuzz target (fuzz/) for a short fixed time: a crash fails the run, its input

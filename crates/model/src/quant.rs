@@ -106,6 +106,60 @@ pub trait QuantFormat: Send + Sync + 'static {
             *o = Self::dot(w, a);
         }
     }
+    /// `out[r * n + t] = dot(w[r], x[t])` for the rows of `w` (`row_bytes` each, `nb`
+    /// activation blocks) and the `n` tokens of `x`; formats with a kernel over several
+    /// rows at once override it.
+    fn rows(w: &[u8], row_bytes: usize, x: &[Self::Act], nb: usize, n: usize, out: &mut [f32]) {
+        tokens_by_tiles::<Self>(w, row_bytes, x, nb, n, 0, out);
+    }
+}
+
+/// [`QuantFormat::rows`] for tokens `t0..n`, one row and up to [`TILE`] tokens at a time
+/// through [`QuantFormat::dot_tile`].
+fn tokens_by_tiles<F: QuantFormat + ?Sized>(
+    w: &[u8],
+    row_bytes: usize,
+    x: &[F::Act],
+    nb: usize,
+    n: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let mut acts: [&[F::Act]; TILE] = [&[]; TILE];
+    for (r, row) in w.chunks_exact(row_bytes).enumerate() {
+        let mut t = t0;
+        while t < n {
+            let k = (n - t).min(TILE);
+            for (j, a) in acts.iter_mut().enumerate().take(k) {
+                *a = &x[(t + j) * nb..(t + j + 1) * nb];
+            }
+            F::dot_tile(row, &acts[..k], &mut out[r * n + t..r * n + t + k]);
+            t += k;
+        }
+    }
+}
+
+/// Q5_0's or Q5_1's (`with_min`) rows: whole tiles of tokens through the 512-bit register
+/// tile where the CPU has it, the rest through [`QuantFormat::dot_tile`].
+fn five_bit_matrix_rows<F: QuantFormat<Act = BlockQ8_1>>(
+    w: &[u8],
+    row_bytes: usize,
+    x: &[BlockQ8_1],
+    nb: usize,
+    n: usize,
+    with_min: bool,
+    out: &mut [f32],
+) {
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if n >= TILE && crate::kernels::wide_available() && simd::has_avx2_fma_f16c() {
+        // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ, VL,
+        // VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
+        // bounds-checks its slices.
+        done = unsafe { crate::kernels::five_bit_tiles(w, nb, x, n, with_min, out) };
+    }
+    let _ = with_min;
+    tokens_by_tiles::<F>(w, row_bytes, x, nb, n, done, out);
 }
 
 /// Activation rows a weight row is unpacked once for.
@@ -176,6 +230,10 @@ impl QuantFormat for Q5_0 {
     fn dot_tile(w: &[u8], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
         five_bit_tile(w, acts, out, false, Self::dot_scalar);
     }
+
+    fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8_1], nb: usize, n: usize, out: &mut [f32]) {
+        five_bit_matrix_rows::<Self>(w, row_bytes, x, nb, n, false, out);
+    }
 }
 
 /// Q5_0's or Q5_1's (`with_min`) tile: the SIMD rows where the CPU has them, else the
@@ -237,6 +295,10 @@ impl QuantFormat for Q5_1 {
     /// As [`Q5_0`]'s, following [`Q5_1::dot_scalar`].
     fn dot_tile(w: &[u8], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
         five_bit_tile(w, acts, out, true, Self::dot_scalar);
+    }
+
+    fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8_1], nb: usize, n: usize, out: &mut [f32]) {
+        five_bit_matrix_rows::<Self>(w, row_bytes, x, nb, n, true, out);
     }
 }
 
@@ -579,21 +641,9 @@ impl<F: QuantFormat> BlockMatrix for QuantMatrix<F> {
     }
 
     fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
-        let x = F::Act::pick(acts);
-        let nb = self.cols / F::Act::ELEMS;
-        let mut acts: [&[F::Act]; TILE] = [&[]; TILE];
-        for r in 0..nr {
-            let w = self.row(r0 + r);
-            let mut t = 0;
-            while t < n {
-                let k = (n - t).min(TILE);
-                for (j, a) in acts.iter_mut().enumerate().take(k) {
-                    *a = &x[(t + j) * nb..(t + j + 1) * nb];
-                }
-                F::dot_tile(w, &acts[..k], &mut out[r * n + t..r * n + t + k]);
-                t += k;
-            }
-        }
+        let rb = Self::row_bytes(self.cols);
+        let w = &self.data[r0 * rb..(r0 + nr) * rb];
+        F::rows(w, rb, F::Act::pick(acts), self.cols / F::Act::ELEMS, n, out);
     }
 
     fn row_f32(&self, r: usize, out: &mut [f32]) {

@@ -234,3 +234,69 @@ fn k_quant_tiles_equal_one_token_at_a_time() {
         }
     }
 }
+
+/// The register-tiled 512-bit Q5_0 and Q5_1 products against the 256-bit tile kernel
+/// (`dot_tile`) one token at a time, bit for bit: row counts not a multiple of the
+/// micro-tile's rows, token counts not a multiple of the tile (the wide kernel does the
+/// whole tiles, `QuantFormat::rows` the rest), the whole five-bit range, tokens of very
+/// different magnitudes. It needs AVX-512 VNNI, so it is ignored by default like the other
+/// wide-kernel tests (`kernels/tests.rs`), and run by `scripts/test.sh` where the CPU has it.
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
+fn wide_five_bit_tiles_match_the_256_bit_kernel_bit_for_bit() {
+    assert!(
+        crate::kernels::wide_available(),
+        "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
+    );
+    let mut s = 31u64;
+    for ty in [GgmlType::Q5_0, GgmlType::Q5_1] {
+        for (rows, n) in [(11, 15), (4, 4), (9, 66)] {
+            let cols = 8 * QK;
+            let nb = cols / QK;
+            let rb = nb * ty.block_bytes();
+            let vals: Vec<f32> = (0..rows * cols)
+                .map(|i| lcg(&mut s) * (0.5 + 9.0 * (i / cols % 3) as f32))
+                .collect();
+            let w = ty.quantize(&vals);
+            assert_eq!(w.len(), rows * rb);
+            let x: Vec<f32> = (0..n * cols)
+                .map(|i| lcg(&mut s) * (1.0 + 37.0 * (i / cols % 5) as f32))
+                .collect();
+            let mut xq = vec![BlockQ8_1::default(); n * nb];
+            for (row, o) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(nb)) {
+                quantize_row_q8_1(row, o);
+            }
+            let mut wide = vec![f32::NAN; rows * n];
+            // SAFETY: the features are present (checked above, F16C with them on every
+            // AVX-512 CPU, and checked again here).
+            let done = unsafe {
+                assert!(is_x86_feature_detected!("f16c"));
+                crate::kernels::five_bit_tiles(&w, nb, &xq, n, ty == GgmlType::Q5_1, &mut wide)
+            };
+            assert_eq!(done, n / TILE * TILE);
+            let mut all = vec![f32::NAN; rows * n];
+            if ty == GgmlType::Q5_0 {
+                Q5_0::rows(&w, rb, &xq, nb, n, &mut all);
+            } else {
+                Q5_1::rows(&w, rb, &xq, nb, n, &mut all);
+            }
+            for r in 0..rows {
+                for t in 0..n {
+                    let mut one = [0f32; 1];
+                    let a: &[&[BlockQ8_1]] = &[&xq[t * nb..(t + 1) * nb]];
+                    if ty == GgmlType::Q5_0 {
+                        Q5_0::dot_tile(&w[r * rb..(r + 1) * rb], a, &mut one);
+                    } else {
+                        Q5_1::dot_tile(&w[r * rb..(r + 1) * rb], a, &mut one);
+                    }
+                    let at = format!("{ty:?} {rows}x{n} row {r} token {t}");
+                    if t < done {
+                        assert_eq!(wide[r * n + t].to_bits(), one[0].to_bits(), "{at}");
+                    }
+                    assert_eq!(all[r * n + t].to_bits(), one[0].to_bits(), "{at}");
+                }
+            }
+        }
+    }
+}

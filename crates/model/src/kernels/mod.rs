@@ -261,7 +261,15 @@ fn rows_kernel(
             rows_q4_1(rows, nb, x_q8, scales, n, out);
         }
         Matrix::Q8_0 { data, .. } => {
-            rows_q8_0(&data[r0 * nb..(r0 + nr) * nb], nb, x_q8, n, out);
+            let rows = &data[r0 * nb..(r0 + nr) * nb];
+            #[cfg(target_arch = "x86_64")]
+            if n >= TILE && x86_512::available() {
+                // SAFETY: the CPU has the features `available` checks, the function's only
+                // requirement; it bounds-checks its slices.
+                unsafe { x86_512::q8_0_rows(rows, nb, x_q8, n, out) };
+                return;
+            }
+            rows_q8_0(rows, nb, x_q8, n, out);
         }
         Matrix::Blocks(m) => m.rows_kernel(r0, nr, acts, n, out),
     }
@@ -343,6 +351,8 @@ pub use activation::{ggml_expf, silu, swiglu};
 pub use attention::{dot_f16_ggml, KvElem};
 pub use quant_dot::{dot_q4_0, dot_q4_1, dot_q8_0, rows_q4_0, rows_q4_1, rows_q8_0, scalar};
 pub use quantize::quantize_blocks_q8_1;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86_512::{available as wide_available, five_bit_tiles};
 
 #[cfg(test)]
 mod tests;

@@ -330,6 +330,55 @@ fn wide_q4_1_tiles_match_the_256_bit_kernel_bit_for_bit() {
     }
 }
 
+/// The register-tiled 512-bit Q8_0 product against the 256-bit kernel, as the Q4_1 test
+/// above: whole micro-tiles, leftover rows, several tiles and the tokens after the last,
+/// with tokens of very different magnitudes (so different activation scales).
+/// Ignored like the tests above, and run by `scripts/test.sh` where the CPU has the features.
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
+fn wide_q8_0_tiles_match_the_256_bit_kernel_bit_for_bit() {
+    assert!(
+        x86_512::available(),
+        "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
+    );
+    let (rows, cols, n) = (x86_512::ROWS * 2 + 3, 256, 3 * TILE + 3);
+    let nb = cols / QK;
+    let mut s = 23u64;
+    let x: Vec<f32> = (0..n * cols)
+        .map(|i| lcg(&mut s) * (1.0 + 37.0 * (i / cols % 5) as f32))
+        .collect();
+    let mut xq = vec![BlockQ8_1::default(); n * nb];
+    for t in 0..n {
+        quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
+    }
+    let (m, _) = matrix(GgmlType::Q8_0, rows, cols, 29);
+    let Matrix::Q8_0 { data, .. } = &m else {
+        unreachable!("a Q8_0 matrix")
+    };
+    let mut wide = vec![0f32; rows * n];
+    // SAFETY: the features are present (checked above).
+    unsafe { x86_512::q8_0_rows(data, nb, &xq, n, &mut wide) };
+    for r in 0..rows {
+        for t in 0..n {
+            let mut one = [0f32; 1];
+            // SAFETY: AVX2 and FMA are present (implied by the check above).
+            unsafe {
+                x86::avx2::q8_0(
+                    &data[r * nb..(r + 1) * nb],
+                    &[&xq[t * nb..(t + 1) * nb]],
+                    &mut one,
+                )
+            };
+            assert_eq!(
+                wide[r * n + t].to_bits(),
+                one[0].to_bits(),
+                "row {r} token {t}"
+            );
+        }
+    }
+}
+
 /// The fused f16 attention (several heads at once, 512-bit where the CPU has it, and the
 /// 256-bit one as well) against the portable one head at a time, bit for bit: heads of 64,
 /// 128 and 256, one to five heads (so also a second pass), key counts below, at and across

@@ -1,18 +1,28 @@
-//! Register-tiled Q4_1 product for CPUs with AVX-512 VNNI. Prefill: a micro-tile of [`ROWS`]
-//! weight rows × two tiles of 4 tokens (one at the end when the count is odd), two tokens per
-//! 512-bit register (token `2k` in the low half, `2k + 1` in the high half). Each weight block
-//! is unpacked once for eight tokens and each activation pair loaded once for [`ROWS`] rows.
+//! Register-tiled Q4_1, Q8_0, Q5_0 and Q5_1 products for CPUs with AVX-512 VNNI, two
+//! tokens per 512-bit register (token `2k` in the low half, `2k + 1` in the high half).
+//! Prefill: Q4_1 as a micro-tile of [`ROWS`] weight rows × two tiles of 4 tokens (one at the
+//! end when the count is odd), each weight block unpacked once for eight tokens and each
+//! activation pair loaded once for [`ROWS`] rows; Q8_0 and Q5 as [`ROWS_Q8_Q5`] rows × one
+//! tile of 4 tokens, each weight block unpacked once for four tokens and each activation
+//! pair loaded once for all the micro-tile's rows.
 //!
 //! Every lane does exactly what the 256-bit kernels do for its token (the same `dpbusd`
 //! sums, the same `d_w * d_a` product, the same fused multiply-add into the same lane, the
 //! same `m_w * s_a` running sum and final reduction), so results are bit-identical to them,
 //! and so to llama.cpp: the wider registers only run two tokens' lanes side by side.
+//!
+//! Q8_0 and Q5_0 have signed weights, which `dpbusd` (unsigned × signed bytes) cannot take
+//! directly. Instead of the 256-bit kernels' sign trick (one extra instruction per row and
+//! token pair), the weights go in unsigned with an offset (`w + 128`, or Q5_0's raw `q`
+//! for `q - 16`), and each lane starts from minus the offset times its four activations'
+//! sum, computed once per token pair for all rows. Integer sums are exact, so each lane
+//! ends on exactly the 256-bit kernel's `i32`.
 
 use std::arch::x86_64::*;
 
 use super::x86::{hsum, unpack_nibbles};
 use super::TILE;
-use crate::weights::{BlockQ4_1, BlockQ8_1};
+use crate::weights::{BlockQ4_1, BlockQ8_0, BlockQ8_1};
 
 /// Weight rows per micro-tile: 4 rows × 2 token pairs = 8 accumulators, well within the 32
 /// vector registers.
@@ -196,6 +206,274 @@ fn micro_tile<const R: usize, const P: usize>(
                 out[r][p][t] = hsum(halves[t]) + s[t];
             }
         }
+    }
+    out
+}
+
+/// Tokens `2k` and `2k + 1` of a tile: block `i` of each, in the low and high halves.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
+fn act_pairs(acts: &[&[BlockQ8_1]; TILE], i: usize) -> (__m512i, __m512i) {
+    let (a0, a1, a2, a3) = (&acts[0][i], &acts[1][i], &acts[2][i], &acts[3][i]);
+    // SAFETY: each activation's `qs` is 32 readable bytes; unaligned loads are allowed.
+    unsafe {
+        let load = |a: &BlockQ8_1| _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
+        (
+            _mm512_inserti64x4(_mm512_castsi256_si512(load(a0)), load(a1), 1),
+            _mm512_inserti64x4(_mm512_castsi256_si512(load(a2)), load(a3), 1),
+        )
+    }
+}
+
+/// `[d0 x8, d1 x8]` and `[d2 x8, d3 x8]` from the four tokens' `d` in `dv`'s low lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
+fn spread(dv: __m128, pair01: __m512i, pair23: __m512i) -> (__m512, __m512) {
+    let dv = _mm512_castps128_ps512(dv);
+    (
+        _mm512_permutexvar_ps(pair01, dv),
+        _mm512_permutexvar_ps(pair23, dv),
+    )
+}
+
+/// Minus `k` times the sum of each lane's four signed activation bytes: the start value
+/// that turns `Σ (w + k)·a` into `Σ w·a`. Exact: at most 4 · 128 · 128 in magnitude.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
+fn offset_start(k: __m512i, a: __m512i) -> __m512i {
+    let zero = _mm512_setzero_si512();
+    _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, k, a))
+}
+
+/// The four tokens' results of two accumulators `[t0 | t1]`, `[t2 | t3]`, each reduced as
+/// the 256-bit kernels reduce one, plus that token's offset sum (`0.0` where there is none,
+/// added all the same since the 256-bit kernels add theirs).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
+fn finish(acc01: __m512, acc23: __m512, summs: Option<__m128>) -> [f32; TILE] {
+    let mut s = [0f32; TILE];
+    if let Some(v) = summs {
+        // SAFETY: `s` is 4 writable f32.
+        unsafe { _mm_storeu_ps(s.as_mut_ptr(), v) };
+    }
+    let halves = [
+        _mm512_castps512_ps256(acc01),
+        _mm512_extractf32x8_ps(acc01, 1),
+        _mm512_castps512_ps256(acc23),
+        _mm512_extractf32x8_ps(acc23, 1),
+    ];
+    let mut out = [0f32; TILE];
+    for t in 0..TILE {
+        out[t] = hsum(halves[t]);
+        if summs.is_some() {
+            out[t] += s[t];
+        }
+    }
+    out
+}
+
+/// Q8_0: as [`q4_1_rows`] (whole tiles through [`q8_0_tile`], leftover rows one at a time,
+/// the tokens after the last tile through the 256-bit kernel).
+///
+/// # Safety
+/// The CPU must support the features [`available`] checks. Slices are bounds-checked.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
+pub unsafe fn q8_0_rows(w: &[BlockQ8_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
+    let nr = w.len() / nb;
+    let tiles = n / TILE;
+    let pair01 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let pair23 = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+    for tile in 0..tiles {
+        let t0 = tile * TILE;
+        let acts: [&[BlockQ8_1]; TILE] =
+            std::array::from_fn(|j| &x[(t0 + j) * nb..(t0 + j + 1) * nb]);
+        let mut r = 0;
+        while r + ROWS <= nr {
+            let rows: [&[BlockQ8_0]; ROWS] =
+                std::array::from_fn(|i| &w[(r + i) * nb..(r + i + 1) * nb]);
+            let res = q8_0_tile::<ROWS>(rows, acts, pair01, pair23);
+            for (i, row) in res.iter().enumerate() {
+                out[(r + i) * n + t0..(r + i) * n + t0 + TILE].copy_from_slice(row);
+            }
+            r += ROWS;
+        }
+        while r < nr {
+            let res = q8_0_tile::<1>([&w[r * nb..(r + 1) * nb]], acts, pair01, pair23);
+            out[r * n + t0..r * n + t0 + TILE].copy_from_slice(&res[0]);
+            r += 1;
+        }
+    }
+    let whole = tiles * TILE;
+    let mut acts: [&[BlockQ8_1]; TILE] = [&[]; TILE];
+    for (a, chunk) in acts.iter_mut().zip(x[whole * nb..n * nb].chunks_exact(nb)) {
+        *a = chunk;
+    }
+    let k = n - whole;
+    if k > 0 {
+        for (r, row) in w.chunks_exact(nb).enumerate() {
+            // SAFETY: AVX2, FMA, AVX-512 VNNI and VL are among this function's features.
+            unsafe {
+                super::x86::vnni::q8_0(row, &acts[..k], &mut out[r * n + whole..(r + 1) * n])
+            };
+        }
+    }
+}
+
+/// `R` Q8_0 rows against one whole tile of 4 tokens: `[row][token]`. Weights go in as
+/// `w + 128` (a sign-bit flip), the lanes starting at `-128 · Σa`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
+fn q8_0_tile<const R: usize>(
+    rows: [&[BlockQ8_0]; R],
+    acts: [&[BlockQ8_1]; TILE],
+    pair01: __m512i,
+    pair23: __m512i,
+) -> [[f32; TILE]; R] {
+    let mut acc01 = [_mm512_setzero_ps(); R];
+    let mut acc23 = [_mm512_setzero_ps(); R];
+    let flip = _mm256_set1_epi8(-128);
+    let k128 = _mm512_set1_epi8(-128);
+    for i in 0..rows[0].len() {
+        let (a01, a23) = act_pairs(&acts, i);
+        let dv = _mm_setr_ps(acts[0][i].d, acts[1][i].d, acts[2][i].d, acts[3][i].d);
+        let (da01, da23) = spread(dv, pair01, pair23);
+        let (c01, c23) = (offset_start(k128, a01), offset_start(k128, a23));
+        for r in 0..R {
+            let wb = &rows[r][i];
+            // SAFETY: `qs` is 32 readable bytes; `loadu` has no alignment requirement.
+            let wq = unsafe { _mm256_loadu_si256(wb.qs.as_ptr() as *const __m256i) };
+            let wu = _mm512_broadcast_i64x4(_mm256_xor_si256(wq, flip));
+            let dw = _mm512_set1_ps(wb.d);
+            let p01 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c01, wu, a01));
+            let p23 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c23, wu, a23));
+            acc01[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da01), p01, acc01[r]);
+            acc23[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da23), p23, acc23[r]);
+        }
+    }
+    let mut out = [[0f32; TILE]; R];
+    for r in 0..R {
+        out[r] = finish(acc01[r], acc23[r], None);
+    }
+    out
+}
+
+/// Q5_0 (`with_min` false) or Q5_1 rows (`w` ggml's blocks as bytes, `nb` blocks a row)
+/// against the whole tiles of the `n` tokens, `out[r * n + t]`; returns how many tokens
+/// it did (a multiple of [`TILE`]); the caller does the rest with the 256-bit kernel.
+///
+/// # Safety
+/// The CPU must support the features [`available`] checks. Slices are bounds-checked.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn five_bit_tiles(
+    w: &[u8],
+    nb: usize,
+    x: &[BlockQ8_1],
+    n: usize,
+    with_min: bool,
+    out: &mut [f32],
+) -> usize {
+    if with_min {
+        five_bit_tiles_for::<true>(w, nb, x, n, out)
+    } else {
+        five_bit_tiles_for::<false>(w, nb, x, n, out)
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn five_bit_tiles_for<const MIN: bool>(
+    w: &[u8],
+    nb: usize,
+    x: &[BlockQ8_1],
+    n: usize,
+    out: &mut [f32],
+) -> usize {
+    let rb = nb * if MIN { 24 } else { 22 };
+    let nr = w.len() / rb;
+    let tiles = n / TILE;
+    let pair01 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    let pair23 = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+    for tile in 0..tiles {
+        let t0 = tile * TILE;
+        let acts: [&[BlockQ8_1]; TILE] =
+            std::array::from_fn(|j| &x[(t0 + j) * nb..(t0 + j + 1) * nb]);
+        let mut r = 0;
+        while r + ROWS <= nr {
+            let rows: [&[u8]; ROWS] = std::array::from_fn(|i| &w[(r + i) * rb..(r + i + 1) * rb]);
+            let res = five_bit_tile::<ROWS, MIN>(rows, acts, pair01, pair23);
+            for (i, row) in res.iter().enumerate() {
+                out[(r + i) * n + t0..(r + i) * n + t0 + TILE].copy_from_slice(row);
+            }
+            r += ROWS;
+        }
+        while r < nr {
+            let res = five_bit_tile::<1, MIN>([&w[r * rb..(r + 1) * rb]], acts, pair01, pair23);
+            out[r * n + t0..r * n + t0 + TILE].copy_from_slice(&res[0]);
+            r += 1;
+        }
+    }
+    tiles * TILE
+}
+
+/// `R` Q5_0/Q5_1 rows against one whole tile of 4 tokens: `[row][token]`, lane for lane
+/// `quant_simd::five_bit_rows`. Q5_0's values `q - 16` go in as `q`, the lanes starting at
+/// `-16 · Σa`; its offset sum stays `0.0`, which the 256-bit kernel adds too.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn five_bit_tile<const R: usize, const MIN: bool>(
+    rows: [&[u8]; R],
+    acts: [&[BlockQ8_1]; TILE],
+    pair01: __m512i,
+    pair23: __m512i,
+) -> [[f32; TILE]; R] {
+    let (bytes, qh_at) = if MIN { (24, 4) } else { (22, 2) };
+    let mut acc01 = [_mm512_setzero_ps(); R];
+    let mut acc23 = [_mm512_setzero_ps(); R];
+    let mut summs = [_mm_setzero_ps(); R];
+    let zero = _mm512_setzero_si512();
+    let k16 = _mm512_set1_epi8(16);
+    let sixteen = _mm256_set1_epi8(16);
+    let mask = _mm_set1_epi8(0x0f);
+    for i in 0..rows[0].len() / bytes {
+        let (a01, a23) = act_pairs(&acts, i);
+        let dv = _mm_setr_ps(acts[0][i].d, acts[1][i].d, acts[2][i].d, acts[3][i].d);
+        let sv = _mm_setr_ps(acts[0][i].s, acts[1][i].s, acts[2][i].s, acts[3][i].s);
+        let (da01, da23) = spread(dv, pair01, pair23);
+        let (c01, c23) = if MIN {
+            (zero, zero)
+        } else {
+            (offset_start(k16, a01), offset_start(k16, a23))
+        };
+        for r in 0..R {
+            let wb = &rows[r][i * bytes..(i + 1) * bytes];
+            let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
+                wb[0], wb[1], wb[2], wb[3],
+            ])));
+            let qh = u32::from_le_bytes([wb[qh_at], wb[qh_at + 1], wb[qh_at + 2], wb[qh_at + 3]]);
+            let qs = &wb[qh_at + 4..qh_at + 20];
+            // SAFETY: `qs` is 16 readable bytes (sliced just above); the load is unaligned.
+            let q = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
+            let nibbles = _mm256_set_m128i(
+                _mm_and_si128(_mm_srli_epi16::<4>(q), mask),
+                _mm_and_si128(q, mask),
+            );
+            // Bit j of `qh` is element j's (byte j's) fifth bit.
+            let values = _mm256_mask_add_epi8(nibbles, qh, nibbles, sixteen);
+            let wq = _mm512_broadcast_i64x4(values);
+            if MIN {
+                let m = _mm_cvtss_f32(_mm_movehdup_ps(scales));
+                summs[r] = _mm_add_ps(summs[r], _mm_mul_ps(_mm_set1_ps(m), sv));
+            }
+            let dw = _mm512_set1_ps(_mm_cvtss_f32(scales));
+            let p01 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c01, wq, a01));
+            let p23 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c23, wq, a23));
+            acc01[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da01), p01, acc01[r]);
+            acc23[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da23), p23, acc23[r]);
+        }
+    }
+    let mut out = [[0f32; TILE]; R];
+    for r in 0..R {
+        out[r] = finish(acc01[r], acc23[r], Some(summs[r]));
     }
     out
 }
