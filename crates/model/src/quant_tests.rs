@@ -251,7 +251,8 @@ fn wide_five_bit_tiles_match_the_256_bit_kernel_bit_for_bit() {
     );
     let mut s = 31u64;
     for ty in [GgmlType::Q5_0, GgmlType::Q5_1] {
-        for (rows, n) in [(11, 15), (4, 4), (9, 66)] {
+        // The micro-tile has 8 rows: two and some left over, fewer than one, one and one.
+        for (rows, n) in [(19, 15), (4, 4), (9, 66), (11, 7)] {
             let cols = 8 * QK;
             let nb = cols / QK;
             let rb = nb * ty.block_bytes();

@@ -342,7 +342,7 @@ fn wide_q8_0_tiles_match_the_256_bit_kernel_bit_for_bit() {
         x86_512::available(),
         "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
     );
-    let (rows, cols, n) = (x86_512::ROWS * 2 + 3, 256, 3 * TILE + 3);
+    let (rows, cols, n) = (x86_512::ROWS_Q8_Q5 * 2 + 3, 256, 3 * TILE + 3);
     let nb = cols / QK;
     let mut s = 23u64;
     let x: Vec<f32> = (0..n * cols)
