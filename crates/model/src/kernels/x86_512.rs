@@ -2,9 +2,9 @@
 //! tokens per 512-bit register (token `2k` in the low half, `2k + 1` in the high half).
 //! Prefill: Q4_1 as a micro-tile of [`ROWS`] weight rows × two tiles of 4 tokens (one at the
 //! end when the count is odd), each weight block unpacked once for eight tokens and each
-//! activation pair loaded once for [`ROWS`] rows; Q8_0 and Q5 as [`ROWS_Q8_Q5`] rows × one
-//! tile of 4 tokens, each weight block unpacked once for four tokens and each activation
-//! pair loaded once for all the micro-tile's rows.
+//! activation pair loaded once for [`ROWS`] rows; Q8_0 as [`ROWS_Q8_Q5`] rows × one tile,
+//! Q5_0 and Q5_1 as half as many rows × two tiles (one tile at the end, with all the rows),
+//! each activation pair loaded once for all the micro-tile's rows.
 //!
 //! Every lane does exactly what the 256-bit kernels do for its token (the same `dpbusd`
 //! sums, the same `d_w * d_a` product, the same fused multiply-add into the same lane, the
@@ -29,11 +29,12 @@ use crate::weights::{BlockQ4_1, BlockQ8_0, BlockQ8_1};
 /// vector registers.
 pub const ROWS: usize = 4;
 
-/// Weight rows per micro-tile of the Q8_0, Q5_0 and Q5_1 kernels: 8 rows × 2 token pairs
-/// = 16 accumulators, with the pairs' activations, offsets and scales still within the 32
-/// registers. On Zen 4 (512-bit operations split in two) 8 rows gave Q8_0 prefill ~8% and
-/// the Q5_0 kernel ~13% over 4, by sharing each activation pair's loads, offsets and scales
-/// more widely.
+/// Weight rows per one-tile micro-tile of the Q8_0, Q5_0 and Q5_1 kernels (half as many
+/// for Q5's two-tile passes): 8 rows × 2 token pairs = 16 accumulators, with the pairs'
+/// activations, offsets and scales still within the 32 registers. On Zen 4 (512-bit
+/// operations split in two) 8 rows gave Q8_0 prefill ~8% and the Q5_0 kernel ~13% over 4,
+/// by sharing each activation pair's loads, offsets and scales more widely; Q5's unpacking
+/// costs more than Q8_0's, so there two tiles × 4 rows did a little better again.
 pub const ROWS_Q8_Q5: usize = 8;
 
 /// Whether this CPU runs [`q4_1_rows`].
