@@ -65,6 +65,7 @@ impl Q2K {
     }
 
     /// The float part shared by both paths; `lanes` gives a super-block's scaled sums.
+    #[inline(always)]
     fn dot_with(
         w: &[u8],
         a: &[BlockQ8K],
@@ -93,6 +94,7 @@ impl QuantFormat for Q2K {
     const TYPE: GgmlType = GgmlType::Q2_K;
     type Act = BlockQ8K;
 
+    #[inline(always)]
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() {
@@ -126,6 +128,7 @@ impl Q3K {
     }
 
     /// The float part shared by both paths; `lanes` gives a super-block's scaled sums.
+    #[inline(always)]
     fn dot_with(
         w: &[u8],
         a: &[BlockQ8K],
@@ -147,6 +150,7 @@ impl QuantFormat for Q3K {
     const TYPE: GgmlType = GgmlType::Q3_K;
     type Act = BlockQ8K;
 
+    #[inline(always)]
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() {

@@ -15,7 +15,6 @@
 use std::marker::PhantomData;
 
 use gguf::{GgmlType, QK_K};
-use half::f16;
 
 use crate::weights::{BlockQ8_1, QK};
 
@@ -42,6 +41,18 @@ impl Default for BlockQ8K {
 /// the scale comes from the signed value of largest magnitude (`-127 / max`), values round
 /// to nearest even and are capped at 127.
 pub fn quantize_row_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd::has_avx2_fma_f16c() {
+        // SAFETY: AVX2, FMA and F16C are present (checked), the function's requirement.
+        // (Compiled there, the rounding is one instruction instead of a `rintf` call.)
+        unsafe { simd::quantize_row_q8_k_for_avx2(x, out) };
+        return;
+    }
+    quantize_row_q8_k_portable(x, out);
+}
+
+#[inline(always)]
+fn quantize_row_q8_k_portable(x: &[f32], out: &mut [BlockQ8K]) {
     for (blk, o) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
         let mut max = 0f32;
         let mut amax = 0f32;
@@ -101,6 +112,7 @@ pub trait QuantFormat: Send + Sync + 'static {
     fn dot(w: &[u8], a: &[Self::Act]) -> f32;
     /// One weight row against up to [`TILE`] activation rows, `out[t]` exactly
     /// `dot(w, acts[t])`; formats whose unpacking dominates share it across the tile.
+    #[inline(always)]
     fn dot_tile(w: &[u8], acts: &[&[Self::Act]], out: &mut [f32]) {
         for (a, o) in acts.iter().zip(out.iter_mut()) {
             *o = Self::dot(w, a);
@@ -109,6 +121,7 @@ pub trait QuantFormat: Send + Sync + 'static {
     /// `out[r * n + t] = dot(w[r], x[t])` for the rows of `w` (`row_bytes` each, `nb`
     /// activation blocks) and the `n` tokens of `x`; formats with a kernel over several
     /// rows at once override it.
+    #[inline(always)]
     fn rows(w: &[u8], row_bytes: usize, x: &[Self::Act], nb: usize, n: usize, out: &mut [f32]) {
         tokens_by_tiles::<Self>(w, row_bytes, x, nb, n, 0, out);
     }
@@ -116,6 +129,7 @@ pub trait QuantFormat: Send + Sync + 'static {
 
 /// [`QuantFormat::rows`] for tokens `t0..n`, one row and up to [`TILE`] tokens at a time
 /// through [`QuantFormat::dot_tile`].
+#[inline(always)]
 fn tokens_by_tiles<F: QuantFormat + ?Sized>(
     w: &[u8],
     row_bytes: usize,
@@ -141,6 +155,7 @@ fn tokens_by_tiles<F: QuantFormat + ?Sized>(
 
 /// Q5_0's or Q5_1's (`with_min`) rows: whole tiles of tokens through the 512-bit register
 /// tile where the CPU has it, the rest through [`QuantFormat::dot_tile`].
+#[inline(always)]
 fn five_bit_matrix_rows<F: QuantFormat<Act = BlockQ8_1>>(
     w: &[u8],
     row_bytes: usize,
@@ -170,8 +185,43 @@ pub const TILE: usize = 4;
 #[cfg(target_arch = "x86_64")]
 const MAX_TILED_SUPER_BLOCKS: usize = 64;
 
+/// Binds `$lanes` to a zeroed buffer for a tile's integer lanes of `$n` super-blocks (at
+/// most [`MAX_TILED_SUPER_BLOCKS`]), on the stack, and runs `$body`. Zeroing the largest size
+/// for every row and tile was 5% of a Q4_K_M prefill, so rows of up to 2,048 columns use a
+/// short one. A macro rather than a function taking a closure: the body must stay inside
+/// the caller to be compiled with its target features (see `simd::compiled_for_avx2`).
+#[cfg(target_arch = "x86_64")]
+macro_rules! with_tile_lanes {
+    ($n:expr, |$lanes:ident| $body:block) => {
+        if $n <= 8 {
+            let $lanes = &mut [[[0i32; 8]; TILE]; 8][..$n];
+            $body
+        } else {
+            let $lanes = &mut [[[0i32; 8]; TILE]; MAX_TILED_SUPER_BLOCKS][..$n];
+            $body
+        }
+    };
+}
+
+/// The f16 at `b[i..i + 2]`, as f32. Converted with integer operations (exact, as every
+/// f16 is an f32) so that it inlines into the callers' SIMD-compiled code; the `half` crate
+/// tests the CPU and calls out for each value.
+#[inline(always)]
 fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+    f16_bits_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
+}
+
+#[inline(always)]
+fn f16_bits_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h & 0x8000) << 16;
+    let exponent = u32::from((h >> 10) & 0x1f);
+    let mantissa = u32::from(h & 0x3ff);
+    match exponent {
+        // Zero and subnormals: mantissa × 2^-24, exact in f32.
+        0 => f32::from_bits((mantissa as f32 * f32::from_bits(0x3380_0000)).to_bits() | sign),
+        0x1f => f32::from_bits(sign | 0x7f80_0000 | (mantissa << 13)),
+        _ => f32::from_bits(sign | ((exponent + 112) << 23) | (mantissa << 13)),
+    }
 }
 
 /// The 32 five-bit values of a Q5_0/Q5_1 block from its `qh` (4 bytes) and `qs` (16).
@@ -219,6 +269,7 @@ impl QuantFormat for Q5_0 {
     const TYPE: GgmlType = GgmlType::Q5_0;
     type Act = BlockQ8_1;
 
+    #[inline(always)]
     fn dot(w: &[u8], a: &[BlockQ8_1]) -> f32 {
         let mut out = [0f32];
         Self::dot_tile(w, &[a], &mut out);
@@ -227,10 +278,12 @@ impl QuantFormat for Q5_0 {
 
     /// Per block the five-bit values are unpacked once for the tile; each token's lanes
     /// then follow [`Q5_0::dot_scalar`] exactly.
+    #[inline(always)]
     fn dot_tile(w: &[u8], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
         five_bit_tile(w, acts, out, false, Self::dot_scalar);
     }
 
+    #[inline(always)]
     fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8_1], nb: usize, n: usize, out: &mut [f32]) {
         five_bit_matrix_rows::<Self>(w, row_bytes, x, nb, n, false, out);
     }
@@ -238,6 +291,7 @@ impl QuantFormat for Q5_0 {
 
 /// Q5_0's or Q5_1's (`with_min`) tile: the SIMD rows where the CPU has them, else the
 /// portable definition token by token.
+#[inline(always)]
 fn five_bit_tile(
     w: &[u8],
     acts: &[&[BlockQ8_1]],
@@ -286,6 +340,7 @@ impl QuantFormat for Q5_1 {
     const TYPE: GgmlType = GgmlType::Q5_1;
     type Act = BlockQ8_1;
 
+    #[inline(always)]
     fn dot(w: &[u8], a: &[BlockQ8_1]) -> f32 {
         let mut out = [0f32];
         Self::dot_tile(w, &[a], &mut out);
@@ -293,10 +348,12 @@ impl QuantFormat for Q5_1 {
     }
 
     /// As [`Q5_0`]'s, following [`Q5_1::dot_scalar`].
+    #[inline(always)]
     fn dot_tile(w: &[u8], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
         five_bit_tile(w, acts, out, true, Self::dot_scalar);
     }
 
+    #[inline(always)]
     fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8_1], nb: usize, n: usize, out: &mut [f32]) {
         five_bit_matrix_rows::<Self>(w, row_bytes, x, nb, n, true, out);
     }
@@ -330,6 +387,7 @@ impl Q4K {
     }
 
     /// The float part shared by both paths; `lanes` gives a super-block's scaled sums.
+    #[inline(always)]
     fn dot_with(
         w: &[u8],
         a: &[BlockQ8K],
@@ -364,20 +422,22 @@ impl QuantFormat for Q4K {
 
     /// The tile's integer lanes first (each super-block unpacked once for every token),
     /// then each token through [`Q4K::dot_with`], the same float part as `dot`.
+    #[inline(always)]
     fn dot_tile(w: &[u8], acts: &[&[BlockQ8K]], out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() && acts.len() > 1 && w.len() / 144 <= MAX_TILED_SUPER_BLOCKS {
-            let mut lanes = [[[0i32; 8]; TILE]; MAX_TILED_SUPER_BLOCKS];
-            for (i, wb) in w.chunks_exact(144).enumerate() {
-                let sc: [u8; 8] = std::array::from_fn(|j| gguf::k4_scale_min(j, &wb[4..16]).0);
-                let a = std::array::from_fn(|t| &acts[t.min(acts.len() - 1)][i].qs);
-                // SAFETY: AVX2 is present (checked above); the function checks the slice
-                // lengths it reads.
-                lanes[i] = unsafe { simd::q4_k_lanes_n(&wb[16..144], a, &sc) };
-            }
-            for (t, (a, o)) in acts.iter().zip(out.iter_mut()).enumerate() {
-                *o = Self::dot_with(w, a, |i, _, _, _| lanes[i][t]);
-            }
+            with_tile_lanes!(w.len() / 144, |lanes| {
+                for (i, wb) in w.chunks_exact(144).enumerate() {
+                    let sc: [u8; 8] = std::array::from_fn(|j| gguf::k4_scale_min(j, &wb[4..16]).0);
+                    let a = std::array::from_fn(|t| &acts[t.min(acts.len() - 1)][i].qs);
+                    // SAFETY: AVX2 is present (checked above); the function checks the slice
+                    // lengths it reads.
+                    lanes[i] = unsafe { simd::q4_k_lanes_n(&wb[16..144], a, &sc) };
+                }
+                for (t, (a, o)) in acts.iter().zip(out.iter_mut()).enumerate() {
+                    *o = Self::dot_with(w, a, |i, _, _, _| lanes[i][t]);
+                }
+            });
             return;
         }
         for (a, o) in acts.iter().zip(out.iter_mut()) {
@@ -385,6 +445,7 @@ impl QuantFormat for Q4K {
         }
     }
 
+    #[inline(always)]
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() {
@@ -417,6 +478,7 @@ impl QuantFormat for Q5K {
     const TYPE: GgmlType = GgmlType::Q5_K;
     type Act = BlockQ8K;
 
+    #[inline(always)]
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() {
@@ -457,6 +519,7 @@ impl Q5K {
     }
 
     /// The float part shared by both paths; `lanes` gives a super-block's scaled sums.
+    #[inline(always)]
     fn dot_with(
         w: &[u8],
         a: &[BlockQ8K],
@@ -484,20 +547,22 @@ impl QuantFormat for Q6K {
     type Act = BlockQ8K;
 
     /// As [`Q4K`]'s: the tile's lanes first, then each token through [`Q6K::dot_with`].
+    #[inline(always)]
     fn dot_tile(w: &[u8], acts: &[&[BlockQ8K]], out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() && acts.len() > 1 && w.len() / 210 <= MAX_TILED_SUPER_BLOCKS {
-            let mut lanes = [[[0i32; 8]; TILE]; MAX_TILED_SUPER_BLOCKS];
-            for (i, wb) in w.chunks_exact(210).enumerate() {
-                let sc: [i8; 16] = std::array::from_fn(|g| wb[192 + g] as i8);
-                let a = std::array::from_fn(|t| &acts[t.min(acts.len() - 1)][i].qs);
-                // SAFETY: AVX2 is present (checked above); the function checks the slice
-                // lengths it reads.
-                lanes[i] = unsafe { simd::q6_k_lanes_n(&wb[..128], &wb[128..192], a, &sc) };
-            }
-            for (t, (a, o)) in acts.iter().zip(out.iter_mut()).enumerate() {
-                *o = Self::dot_with(w, a, |b, _, _, _| lanes[b][t]);
-            }
+            with_tile_lanes!(w.len() / 210, |lanes| {
+                for (i, wb) in w.chunks_exact(210).enumerate() {
+                    let sc: [i8; 16] = std::array::from_fn(|g| wb[192 + g] as i8);
+                    let a = std::array::from_fn(|t| &acts[t.min(acts.len() - 1)][i].qs);
+                    // SAFETY: AVX2 is present (checked above); the function checks the slice
+                    // lengths it reads.
+                    lanes[i] = unsafe { simd::q6_k_lanes_n(&wb[..128], &wb[128..192], a, &sc) };
+                }
+                for (t, (a, o)) in acts.iter().zip(out.iter_mut()).enumerate() {
+                    *o = Self::dot_with(w, a, |b, _, _, _| lanes[b][t]);
+                }
+            });
             return;
         }
         for (a, o) in acts.iter().zip(out.iter_mut()) {
@@ -505,6 +570,7 @@ impl QuantFormat for Q6K {
         }
     }
 
+    #[inline(always)]
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() {
@@ -550,6 +616,7 @@ impl Q6K {
 
     /// The float part shared by both paths: `lanes` gives a super-block's eight unsigned
     /// lane sums (values taken as 0..63).
+    #[inline(always)]
     fn dot_with(
         w: &[u8],
         a: &[BlockQ8K],
@@ -643,7 +710,14 @@ impl<F: QuantFormat> BlockMatrix for QuantMatrix<F> {
     fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
         let rb = Self::row_bytes(self.cols);
         let w = &self.data[r0 * rb..(r0 + nr) * rb];
-        F::rows(w, rb, F::Act::pick(acts), self.cols / F::Act::ELEMS, n, out);
+        let (x, nb) = (F::Act::pick(acts), self.cols / F::Act::ELEMS);
+        #[cfg(target_arch = "x86_64")]
+        if simd::has_avx2_fma_f16c() {
+            // SAFETY: AVX2, FMA and F16C are present (checked), the function's requirement.
+            unsafe { simd::rows_for_avx2::<F>(w, rb, x, nb, n, out) };
+            return;
+        }
+        F::rows(w, rb, x, nb, n, out);
     }
 
     fn row_f32(&self, r: usize, out: &mut [f32]) {

@@ -14,6 +14,36 @@ pub fn has_avx2_fma_f16c() -> bool {
         && std::arch::is_x86_feature_detected!("f16c")
 }
 
+/// [`super::QuantFormat::rows`] compiled for AVX2, FMA and F16C. The formats' float parts
+/// are written with `mul_add` and `round_ties_even` in portable Rust; compiled for the
+/// baseline x86-64 they call the library's `fmaf` and `rintf` (a fifth of a Q4_K_M prefill).
+/// Here they become single instructions with the same results, both operations being
+/// exactly specified. Everything `rows` reaches is `#[inline(always)]` (and closure-free
+/// where it matters) so that it is compiled here rather than called.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn rows_for_avx2<F: super::QuantFormat>(
+    w: &[u8],
+    row_bytes: usize,
+    x: &[F::Act],
+    nb: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    F::rows(w, row_bytes, x, nb, n, out);
+}
+
+/// [`super::quantize_row_q8_k`] compiled for AVX2, FMA and F16C, as [`rows_for_avx2`].
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_row_q8_k_for_avx2(x: &[f32], out: &mut [super::BlockQ8K]) {
+    super::quantize_row_q8_k_portable(x, out);
+}
+
 /// 32 bytes from `b[at..at + 32]`.
 #[target_feature(enable = "avx2")]
 fn load<T: Copy>(b: &[T], at: usize) -> __m256i {

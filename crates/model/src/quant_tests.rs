@@ -301,3 +301,17 @@ fn wide_five_bit_tiles_match_the_256_bit_kernel_bit_for_bit() {
         }
     }
 }
+
+/// The integer f16 conversion the formats' float parts use, on every f16 against `half`'s.
+#[test]
+fn f16_conversion_matches_half_on_every_value() {
+    for h in 0..=u16::MAX {
+        let want = half::f16::from_bits(h).to_f32();
+        let got = super::f16_bits_to_f32(h);
+        if want.is_nan() {
+            assert!(got.is_nan(), "{h:#06x}");
+        } else {
+            assert_eq!(want.to_bits(), got.to_bits(), "{h:#06x}");
+        }
+    }
+}
