@@ -1,0 +1,344 @@
+//! The x86 builds of the f16 attention (256- and 512-bit) and their building blocks.
+
+use std::arch::x86_64::*;
+
+use super::super::x86::hsum;
+
+/// [`super::dot_f16_ggml`] over whole 64-element steps, 16-lane accumulators held as
+/// pairs of 8-lane halves; the final cross-lane tree is `hsum` of `hi + lo`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `q.len() == k.len()`, a multiple of 64.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f16_ggml_steps(q: &[f32], k: &[half::f16]) -> f32 {
+    let mut acc = [_mm256_setzero_ps(); 8]; // [j * 2 + half]
+    for (qc, kc) in q.chunks_exact(64).zip(k.chunks_exact(64)) {
+        for (h, a) in acc.iter_mut().enumerate() {
+            // SAFETY: 8 elements at offset 8*h lie within the 64-element chunks;
+            // unaligned loads are allowed.
+            unsafe {
+                let qv = _mm256_loadu_ps(qc.as_ptr().add(h * 8));
+                let kv = _mm256_cvtph_ps(_mm_loadu_si128(kc.as_ptr().add(h * 8) as *const __m128i));
+                *a = _mm256_fmadd_ps(qv, kv, *a);
+            }
+        }
+    }
+    // Accumulator j covers lanes 16j..16j+16: halves (lo, hi) = acc[2j], acc[2j+1].
+    let lo = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
+    let hi = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
+    hsum(_mm256_add_ps(hi, lo))
+}
+
+/// `acc[i] = f16(fma(v[i], w, acc[i]))`, the same single rounding per element as the
+/// scalar path (f16 conversion rounds to nearest even in both), so they agree bit for bit.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `acc.len() == v.len()`, a multiple of 8.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn mad_f16(acc: &mut [half::f16], v: &[half::f16], w: f32) {
+    let wv = _mm256_set1_ps(w);
+    for (ac, vc) in acc.chunks_exact_mut(8).zip(v.chunks_exact(8)) {
+        // SAFETY: each chunk is 8 f16 values (16 bytes) in bounds; unaligned loads and
+        // stores are allowed.
+        unsafe {
+            let x = _mm256_cvtph_ps(_mm_loadu_si128(vc.as_ptr() as *const __m128i));
+            let a = _mm256_cvtph_ps(_mm_loadu_si128(ac.as_ptr() as *const __m128i));
+            let r = _mm256_cvtps_ph(_mm256_fmadd_ps(x, wv, a), _MM_FROUND_TO_NEAREST_INT);
+            _mm_storeu_si128(ac.as_mut_ptr() as *mut __m128i, r);
+        }
+    }
+}
+
+/// [`super::attend_portable`] for up to [`super::MAX_HEADS`] query heads that read the
+/// same f16 K/V rows of length 64, 128 or 256, each head computed exactly as the
+/// portable path computes it: the K·Q steps of [`dot_f16_ggml_steps`], the same `exp`,
+/// an f16 rounding after every `acc * s` and every `fma(v, w, acc)`, so the same bits.
+///
+/// Why it is faster: each head's V sum is a chain of dependent roundings, so one head
+/// alone waits on latency. The heads' chains are independent, so they are interleaved
+/// (and each K/V row is converted once for all of them); the scores and `exp` calls of a
+/// block of keys are computed ahead ([`super::Plan`]), leaving only the V updates serial.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `qs.len() == outs.len()`, between 1 and
+/// [`super::MAX_HEADS`]; every query, output and row of `k` and `v` has the same
+/// length, 64, 128 or 256.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn attend_f16(
+    qs: &[&[f32]],
+    k: &[&[half::f16]],
+    v: &[&[half::f16]],
+    scale: f32,
+    outs: &mut [&mut [f32]],
+) {
+    match (qs[0].len(), qs.len()) {
+        (64, 1) => narrow::<8, 1>(qs, k, v, scale, outs),
+        (64, _) => narrow::<8, 2>(qs, k, v, scale, outs),
+        (128, _) => narrow::<16, 1>(qs, k, v, scale, outs),
+        _ => narrow::<32, 1>(qs, k, v, scale, outs),
+    }
+}
+
+/// [`attend_f16`] for `8 * C` lanes, `H` heads at a time (the rest in further passes):
+/// 16 ymm registers hold two 64-lane accumulators at most.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn narrow<const C: usize, const H: usize>(
+    qs: &[&[f32]],
+    k: &[&[half::f16]],
+    v: &[&[half::f16]],
+    scale: f32,
+    outs: &mut [&mut [f32]],
+) {
+    for (qs, outs) in qs.chunks(H).zip(outs.chunks_mut(H)) {
+        let heads = qs.len();
+        let mut acc = [[_mm256_setzero_ps(); C]; H];
+        let mut plans = [super::Plan::default(); H];
+        for (b, (kb, vb)) in k
+            .chunks(super::KEY_BLOCK)
+            .zip(v.chunks(super::KEY_BLOCK))
+            .enumerate()
+        {
+            for (j, kr) in kb.iter().enumerate() {
+                // As in `wide`.
+                let at = b * super::KEY_BLOCK + j;
+                if let Some(ahead) = v.get(at + V_PREFETCH_AHEAD) {
+                    prefetch_row(ahead);
+                }
+                if let Some(ahead) = k.get(at + K_PREFETCH_AHEAD) {
+                    prefetch_row(ahead);
+                }
+                for (plan, q) in plans.iter_mut().zip(qs) {
+                    // SAFETY: query and row have the head's length, a multiple of 64
+                    // (the caller's contract).
+                    plan.set_score(j, unsafe { dot_f16_ggml_steps(q, kr) } * scale);
+                }
+            }
+            for plan in plans.iter_mut().take(heads) {
+                plan.settle(kb.len());
+            }
+            for (j, vr) in vb.iter().enumerate() {
+                assert!(vr.len() == 8 * C);
+                let mut x = [_mm256_setzero_ps(); C];
+                for (c, x) in x.iter_mut().enumerate() {
+                    // SAFETY: 8 f16 values at 8*c lie within the row (asserted
+                    // length); unaligned loads are allowed.
+                    *x = unsafe {
+                        _mm256_cvtph_ps(_mm_loadu_si128(vr.as_ptr().add(8 * c) as *const __m128i))
+                    };
+                }
+                for (plan, acc) in plans.iter_mut().zip(acc.iter_mut()).take(heads) {
+                    let (ms, vs) = plan.weights(j);
+                    if plan.rescales(j) {
+                        let m = _mm256_set1_ps(ms);
+                        for a in acc.iter_mut() {
+                            *a = round_f16_256(_mm256_mul_ps(*a, m));
+                        }
+                    }
+                    let w = _mm256_set1_ps(vs);
+                    for (a, x) in acc.iter_mut().zip(x) {
+                        *a = round_f16_256(_mm256_fmadd_ps(x, w, *a));
+                    }
+                    plan.add_to_sum(ms, vs);
+                }
+            }
+        }
+        for ((plan, acc), out) in plans.iter().zip(&acc).zip(outs.iter_mut()) {
+            let inv = plan.inverse_sum();
+            assert!(out.len() == 8 * C);
+            for (a, o) in acc.iter().zip(out.chunks_exact_mut(8)) {
+                let mut lanes = [0f32; 8];
+                // SAFETY: `lanes` is 8 writable f32; unaligned stores are allowed.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
+                for (o, x) in o.iter_mut().zip(lanes) {
+                    *o = x * inv;
+                }
+            }
+        }
+    }
+}
+
+/// `out[i] = f32(f16(q[i]))` (to nearest even, as the scalar conversion) over whole
+/// groups of 8; returns how many were done.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn round_f16_slice(q: &[f32], out: &mut [f32]) -> usize {
+    let mut done = 0;
+    for (o, x) in out.chunks_exact_mut(8).zip(q.chunks_exact(8)) {
+        // SAFETY: both chunks are 8 f32; unaligned loads and stores are allowed.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), round_f16_256(_mm256_loadu_ps(x.as_ptr()))) };
+        done += 8;
+    }
+    done
+}
+
+/// `x` rounded to f16 (to nearest even) and back: what storing the accumulator in the
+/// cache's element type and reading it again gives.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn round_f16_256(x: __m256) -> __m256 {
+    _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
+}
+
+/// [`round_f16_256`] on 16 lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+fn round_f16_512(x: __m512) -> __m512 {
+    _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
+}
+
+/// [`attend_f16`] with 16-lane registers: ggml's K·Q order is defined on 16-lane
+/// accumulators (the 256-bit path holds each as two halves), and the V updates are
+/// lane-wise, so this is the same arithmetic in half the instructions; 32 registers
+/// hold more heads' accumulators at once.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, DQ and VL, FMA and F16C; arguments as for
+/// [`attend_f16`].
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+pub unsafe fn attend_f16_wide(
+    qs: &[&[f32]],
+    k: &[&[half::f16]],
+    v: &[&[half::f16]],
+    scale: f32,
+    outs: &mut [&mut [f32]],
+) {
+    match (qs[0].len(), qs.len()) {
+        (64, 1) => wide::<4, 1>(qs, k, v, scale, outs),
+        (64, 2) => wide::<4, 2>(qs, k, v, scale, outs),
+        (64, 3) => wide::<4, 3>(qs, k, v, scale, outs),
+        (64, _) => wide::<4, 4>(qs, k, v, scale, outs),
+        (128, 1) => wide::<8, 1>(qs, k, v, scale, outs),
+        (128, _) => wide::<8, 2>(qs, k, v, scale, outs),
+        _ => wide::<16, 1>(qs, k, v, scale, outs),
+    }
+}
+
+/// [`attend_f16_wide`] for `16 * C` lanes, `H` heads at a time.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+fn wide<const C: usize, const H: usize>(
+    qs: &[&[f32]],
+    k: &[&[half::f16]],
+    v: &[&[half::f16]],
+    scale: f32,
+    outs: &mut [&mut [f32]],
+) {
+    for (qs, outs) in qs.chunks(H).zip(outs.chunks_mut(H)) {
+        let heads = qs.len();
+        let mut acc = [[_mm512_setzero_ps(); C]; H];
+        let mut plans = [super::Plan::default(); H];
+        for (b, (kb, vb)) in k
+            .chunks(super::KEY_BLOCK)
+            .zip(v.chunks(super::KEY_BLOCK))
+            .enumerate()
+        {
+            for (j, kr) in kb.iter().enumerate() {
+                assert!(kr.len() == 16 * C);
+                // A long context's rows come from memory (the weights streamed through
+                // the caches since this layer last ran), 128 bytes per page-strided
+                // row, which the hardware prefetcher does not run ahead of: ask for the
+                // next block's V rows and K rows two blocks on (measured best of
+                // 8..64 ahead: +8% decode at 512 positions).
+                let at = b * super::KEY_BLOCK + j;
+                if let Some(ahead) = v.get(at + V_PREFETCH_AHEAD) {
+                    prefetch_row(ahead);
+                }
+                if let Some(ahead) = k.get(at + K_PREFETCH_AHEAD) {
+                    prefetch_row(ahead);
+                }
+                let mut x = [_mm512_setzero_ps(); C];
+                for (c, x) in x.iter_mut().enumerate() {
+                    // SAFETY: 16 f16 values at 16*c lie within the row (asserted
+                    // length); unaligned loads are allowed.
+                    *x = unsafe {
+                        _mm512_cvtph_ps(_mm256_loadu_si256(
+                            kr.as_ptr().add(16 * c) as *const __m256i
+                        ))
+                    };
+                }
+                for (plan, q) in plans.iter_mut().zip(qs) {
+                    plan.set_score(j, dot_wide(q, &x) * scale);
+                }
+            }
+            for plan in plans.iter_mut().take(heads) {
+                plan.settle(kb.len());
+            }
+            for (j, vr) in vb.iter().enumerate() {
+                assert!(vr.len() == 16 * C);
+                let mut x = [_mm512_setzero_ps(); C];
+                for (c, x) in x.iter_mut().enumerate() {
+                    // SAFETY: as for the K row.
+                    *x = unsafe {
+                        _mm512_cvtph_ps(_mm256_loadu_si256(
+                            vr.as_ptr().add(16 * c) as *const __m256i
+                        ))
+                    };
+                }
+                for (plan, acc) in plans.iter_mut().zip(acc.iter_mut()).take(heads) {
+                    let (ms, vs) = plan.weights(j);
+                    if plan.rescales(j) {
+                        let m = _mm512_set1_ps(ms);
+                        for a in acc.iter_mut() {
+                            *a = round_f16_512(_mm512_mul_ps(*a, m));
+                        }
+                    }
+                    let w = _mm512_set1_ps(vs);
+                    for (a, x) in acc.iter_mut().zip(x) {
+                        *a = round_f16_512(_mm512_fmadd_ps(x, w, *a));
+                    }
+                    plan.add_to_sum(ms, vs);
+                }
+            }
+        }
+        for ((plan, acc), out) in plans.iter().zip(&acc).zip(outs.iter_mut()) {
+            let inv = plan.inverse_sum();
+            assert!(out.len() == 16 * C);
+            for (a, o) in acc.iter().zip(out.chunks_exact_mut(16)) {
+                let mut lanes = [0f32; 16];
+                // SAFETY: `lanes` is 16 writable f32; unaligned stores are allowed.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *a) };
+                for (o, x) in o.iter_mut().zip(lanes) {
+                    *o = x * inv;
+                }
+            }
+        }
+    }
+}
+
+/// [`dot_f16_ggml_steps`] on 16-lane registers, the K row already converted: 64-lane
+/// steps into four accumulators, reduced `(a0 + a2) + (a1 + a3)`, then the lane tree.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+fn dot_wide<const C: usize>(q: &[f32], k: &[__m512; C]) -> f32 {
+    assert!(q.len() == 16 * C);
+    let mut acc = [_mm512_setzero_ps(); 4];
+    for (c, kx) in k.iter().enumerate() {
+        // SAFETY: 16 elements at 16*c lie within `q` (asserted length); unaligned loads
+        // are allowed.
+        let qv = unsafe { _mm512_loadu_ps(q.as_ptr().add(16 * c)) };
+        acc[c % 4] = _mm512_fmadd_ps(qv, *kx, acc[c % 4]);
+    }
+    let v = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
+    let lo = _mm512_castps512_ps256(v);
+    let hi = _mm512_extractf32x8_ps(v, 1);
+    hsum(_mm256_add_ps(hi, lo))
+}
+
+/// Keys between a row's prefetch and its use.
+const K_PREFETCH_AHEAD: usize = 2 * super::KEY_BLOCK;
+const V_PREFETCH_AHEAD: usize = super::KEY_BLOCK;
+
+/// Asks for every cache line of `row`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch_row(row: &[half::f16]) {
+    for line in row.chunks(32) {
+        // A prefetch reads nothing and cannot fault; the address is inside `row`.
+        _mm_prefetch::<_MM_HINT_T0>(line.as_ptr() as *const i8);
+    }
+}
