@@ -43,11 +43,24 @@ const EXACT: Tolerance = Tolerance {
     rel: 1e-5,
 };
 
-/// The synthetic files' measured drift (see their tests), with a margin.
-const SYNTHETIC: Tolerance = Tolerance {
+/// Decode steps where llama.cpp itself computed attention differently. Its CPU flash
+/// attention splits a single query's keys into one chunk per thread, and merges the chunks'
+/// partial softmax sums, once its KV view (used cells padded to 256) reaches 512
+/// (`use_split_kv_path` in ggml-cpu `ops.cpp`); that sum's order depends on its thread count,
+/// not on the model, so no batch-invariant engine reproduces it. kvwarden keeps the
+/// one-pass order it uses below that length. Only the synthetic files' longest prompt
+/// (444 byte-level tokens) gets there; on those steps the measured drift is up to 0.085
+/// nats (0.12 from the top-1), and every other step of every file is exact.
+const LLAMA_SPLIT_KV: Tolerance = Tolerance {
     abs: 0.15,
     rel: 0.2,
 };
+
+/// Whether llama.cpp's step `step` of a case with a `prompt`-token prompt ran its split-KV
+/// decode: a single new token, with more than 256 cells used (so a padded view of 512).
+fn llama_split_kv(prompt: usize, step: usize) -> bool {
+    step >= 1 && prompt + step > 256
+}
 
 /// One test per file: `(test name, file name under models/ without .gguf, tolerance)`.
 macro_rules! reference_test {
@@ -78,13 +91,12 @@ reference_test!(
 );
 reference_test!(gemma3_270m_q4_k_m, "gemma-3-270m-q4_k_m", EXACT);
 // Random weights (scripts/make-synthetic-models.sh): the architectures no small real file
-// exists for. Not bit-exact yet: greedy tokens agree on every decisive step, but on the
-// longest prompt (about 420 byte tokens) log-probabilities drift apart by up to 0.06 (qwen2)
-// and 0.085 nats (qwen3), 0.12 measured from the top-1; the short prompts are closer. The
-// cause is not found (a position-dependent difference: RoPE or attention at long context).
-reference_test!(synthetic_qwen2_q4_k, "synth-qwen2-q4_k", SYNTHETIC);
-reference_test!(synthetic_qwen3_q6_k, "synth-qwen3-q6_k", SYNTHETIC);
-reference_test!(synthetic_llama3_q5_k, "synth-llama3-q5_k", SYNTHETIC);
+// exists for (qwen2's QKV biases, qwen3's Q/K norms, Llama 3's RoPE frequency factors), as
+// exact as the real files except where llama.cpp switched its own attention
+// ([`LLAMA_SPLIT_KV`]).
+reference_test!(synthetic_qwen2_q4_k, "synth-qwen2-q4_k", EXACT);
+reference_test!(synthetic_qwen3_q6_k, "synth-qwen3-q6_k", EXACT);
+reference_test!(synthetic_llama3_q5_k, "synth-llama3-q5_k", EXACT);
 
 /// What one file's replay found.
 #[derive(Default)]
@@ -98,6 +110,10 @@ struct Report {
     worst_rel: String,
     decisive_steps: usize,
     greedy_failures: Vec<String>,
+    /// The same over llama.cpp's split-KV decode steps, kept apart.
+    split_kv_steps: usize,
+    split_kv_max_err: f32,
+    split_kv_max_rel_err: f32,
 }
 
 fn check_file(name: &str, tol: &Tolerance) {
@@ -140,7 +156,8 @@ fn check_file(name: &str, tol: &Tolerance) {
     let report = replay(&model, &refs);
     eprintln!(
         "{name}: {} cases, {} steps, {} logprobs; max |logprob error| {:.2e} ({}), from the \
-         top-1 {:.2e} ({}); greedy equal over {} decisive steps",
+         top-1 {:.2e} ({}); greedy equal over {} decisive steps; {} steps where llama.cpp \
+         split the KV: max error {:.2e}, from the top-1 {:.2e}",
         refs["cases"].as_array().map_or(0, Vec::len),
         report.steps,
         report.logprobs,
@@ -148,7 +165,10 @@ fn check_file(name: &str, tol: &Tolerance) {
         report.worst,
         report.max_rel_err,
         report.worst_rel,
-        report.decisive_steps
+        report.decisive_steps,
+        report.split_kv_steps,
+        report.split_kv_max_err,
+        report.split_kv_max_rel_err
     );
     assert!(
         report.greedy_failures.is_empty(),
@@ -165,6 +185,16 @@ fn check_file(name: &str, tol: &Tolerance) {
         report.worst_rel,
         tol.abs,
         tol.rel
+    );
+    assert!(
+        report.split_kv_max_err <= LLAMA_SPLIT_KV.abs
+            && report.split_kv_max_rel_err <= LLAMA_SPLIT_KV.rel,
+        "{name}: on llama.cpp's split-KV steps, max |logprob error| {:.2e}, from the top-1 \
+         {:.2e}; tolerances {:.0e} and {:.0e}",
+        report.split_kv_max_err,
+        report.split_kv_max_rel_err,
+        LLAMA_SPLIT_KV.abs,
+        LLAMA_SPLIT_KV.rel
     );
     // The comparison compared something.
     assert!(
@@ -201,6 +231,7 @@ fn replay(model: &Model, refs: &Value) -> Report {
         );
         seq.reserve(prompt.len() + steps.len())
             .expect("pool holds the case");
+        let prompt_len = prompt.len();
         let mut input = prompt;
         let mut decisive = true;
         for (si, step) in steps.iter().enumerate() {
@@ -231,20 +262,30 @@ fn replay(model: &Model, refs: &Value) -> Report {
             // step's logprobs by the same ~1e-4; measured against the step's top-1 that
             // shift cancels and what remains is the difference of the logits themselves.
             let (top1, top1_lp) = top[0];
+            let split_kv = llama_split_kv(prompt_len, si);
             for &(id, lp) in &top {
                 let err = (ours[id] - lp).abs();
+                let rel = ((ours[id] - ours[top1]) - (lp - top1_lp)).abs();
+                if split_kv {
+                    report.split_kv_max_err = report.split_kv_max_err.max(err);
+                    report.split_kv_max_rel_err = report.split_kv_max_rel_err.max(rel);
+                    continue;
+                }
                 if err > report.max_err {
                     report.max_err = err;
                     report.worst = format!("case {ci} step {si} id {id}: {} vs {lp}", ours[id]);
                 }
-                let rel = ((ours[id] - ours[top1]) - (lp - top1_lp)).abs();
                 if rel > report.max_rel_err {
                     report.max_rel_err = rel;
                     report.worst_rel = format!("case {ci} step {si} id {id}");
                 }
                 report.logprobs += 1;
             }
-            report.steps += 1;
+            if split_kv {
+                report.split_kv_steps += 1;
+            } else {
+                report.steps += 1;
+            }
             if std::env::var_os("KVWARDEN_REFS_VERBOSE").is_some() {
                 let e = top
                     .iter()
