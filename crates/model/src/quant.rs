@@ -177,6 +177,29 @@ fn five_bit_matrix_rows<F: QuantFormat<Act = BlockQ8_1>>(
     tokens_by_tiles::<F>(w, row_bytes, x, nb, n, done, out);
 }
 
+/// Q4_K's or Q6_K's rows: whole tiles of tokens through the 512-bit register tiles where
+/// the CPU has them, the rest through [`QuantFormat::dot_tile`].
+#[inline(always)]
+fn k_quant_matrix_rows<F: QuantFormat<Act = BlockQ8K>>(
+    w: &[u8],
+    row_bytes: usize,
+    x: &[BlockQ8K],
+    nb: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if n >= TILE && crate::kernels::wide_available() && simd::has_avx2_fma_f16c() {
+        let six = F::TYPE == GgmlType::Q6_K;
+        // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ, VL,
+        // VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
+        // bounds-checks its slices.
+        done = unsafe { crate::kernels::k_quant_tiles(w, nb, x, n, six, out) };
+    }
+    tokens_by_tiles::<F>(w, row_bytes, x, nb, n, done, out);
+}
+
 /// Activation rows a weight row is unpacked once for.
 pub const TILE: usize = 4;
 
@@ -446,6 +469,11 @@ impl QuantFormat for Q4K {
     }
 
     #[inline(always)]
+    fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8K], nb: usize, n: usize, out: &mut [f32]) {
+        k_quant_matrix_rows::<Self>(w, row_bytes, x, nb, n, out);
+    }
+
+    #[inline(always)]
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if simd::has_avx2() {
@@ -568,6 +596,11 @@ impl QuantFormat for Q6K {
         for (a, o) in acts.iter().zip(out.iter_mut()) {
             *o = Self::dot(w, a);
         }
+    }
+
+    #[inline(always)]
+    fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8K], nb: usize, n: usize, out: &mut [f32]) {
+        k_quant_matrix_rows::<Self>(w, row_bytes, x, nb, n, out);
     }
 
     #[inline(always)]

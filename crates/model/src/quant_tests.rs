@@ -302,6 +302,81 @@ fn wide_five_bit_tiles_match_the_256_bit_kernel_bit_for_bit() {
     }
 }
 
+/// The register-tiled 512-bit Q4_K and Q6_K products against the 256-bit kernels
+/// (`dot_tile`, `dot`) one token at a time, bit for bit: row counts of one and more, token
+/// counts not a multiple of the tile (the wide kernel does the whole tiles, one pass of two
+/// tiles and one of one among them, `QuantFormat::rows` the rest), wide value ranges, tokens
+/// of very different magnitudes. Needs AVX-512 VNNI, so ignored by default like the other
+/// wide-kernel tests, and run by `scripts/test.sh` where the CPU has it.
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
+fn wide_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
+    assert!(
+        crate::kernels::wide_available(),
+        "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
+    );
+    let mut s = 41u64;
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        for (rows, n, nb) in [(5, 15, 6), (1, 4, 1), (3, 66, 2), (2, 7, 3), (4, 13, 6)] {
+            let cols = nb * QK_K;
+            let rb = nb * ty.block_bytes();
+            let vals: Vec<f32> = (0..rows * cols)
+                .map(|i| lcg(&mut s) * (0.5 + 9.0 * (i / cols % 3) as f32))
+                .collect();
+            let w = ty.quantize(&vals);
+            assert_eq!(w.len(), rows * rb);
+            let x: Vec<f32> = (0..n * cols)
+                .map(|i| lcg(&mut s) * (1.0 + 37.0 * (i / cols % 5) as f32))
+                .collect();
+            let mut xk = vec![BlockQ8K::default(); n * nb];
+            for (row, o) in x.chunks_exact(cols).zip(xk.chunks_exact_mut(nb)) {
+                quantize_row_q8_k(row, o);
+            }
+            let mut wide = vec![f32::NAN; rows * n];
+            // SAFETY: the features are present (checked above, F16C with them on every
+            // AVX-512 CPU, and checked again here).
+            let done = unsafe {
+                assert!(is_x86_feature_detected!("f16c"));
+                let six = ty == GgmlType::Q6_K;
+                crate::kernels::k_quant_tiles(&w, nb, &xk, n, six, &mut wide)
+            };
+            assert_eq!(done, n / TILE * TILE);
+            let mut all = vec![f32::NAN; rows * n];
+            if ty == GgmlType::Q4_K {
+                Q4K::rows(&w, rb, &xk, nb, n, &mut all);
+            } else {
+                Q6K::rows(&w, rb, &xk, nb, n, &mut all);
+            }
+            for r in 0..rows {
+                let row = &w[r * rb..(r + 1) * rb];
+                for t in 0..n {
+                    let a = &xk[t * nb..(t + 1) * nb];
+                    let (mut one, single) = (
+                        [0f32; 1],
+                        if ty == GgmlType::Q4_K {
+                            Q4K::dot(row, a)
+                        } else {
+                            Q6K::dot(row, a)
+                        },
+                    );
+                    if ty == GgmlType::Q4_K {
+                        Q4K::dot_tile(row, &[a], &mut one);
+                    } else {
+                        Q6K::dot_tile(row, &[a], &mut one);
+                    }
+                    let at = format!("{ty:?} {rows}x{n}x{nb} row {r} token {t}");
+                    assert_eq!(one[0].to_bits(), single.to_bits(), "{at}");
+                    if t < done {
+                        assert_eq!(wide[r * n + t].to_bits(), one[0].to_bits(), "{at}");
+                    }
+                    assert_eq!(all[r * n + t].to_bits(), one[0].to_bits(), "{at}");
+                }
+            }
+        }
+    }
+}
+
 /// The integer f16 conversion the formats' float parts use, on every f16 against `half`'s.
 #[test]
 fn f16_conversion_matches_half_on_every_value() {

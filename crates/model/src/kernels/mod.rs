@@ -346,6 +346,8 @@ mod quantize;
 mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_512;
+#[cfg(target_arch = "x86_64")]
+mod x86_512_kquants;
 
 pub use activation::{ggml_expf, silu, swiglu};
 pub use attention::{dot_f16_ggml, KvElem};
@@ -353,6 +355,8 @@ pub use quant_dot::{dot_q4_0, dot_q4_1, dot_q8_0, rows_q4_0, rows_q4_1, rows_q8_
 pub use quantize::quantize_blocks_q8_1;
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86_512::{available as wide_available, five_bit_tiles};
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86_512_kquants::k_quant_tiles;
 
 #[cfg(test)]
 mod tests;

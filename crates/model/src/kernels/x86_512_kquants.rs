@@ -1,0 +1,382 @@
+//! Register-tiled Q4_K and Q6_K prefill products for CPUs with AVX-512 (BW, VNNI): two
+//! tokens per 512-bit register (token `2k` of a tile in the low half, `2k + 1` in the
+//! high half), each super-block unpacked once for two tiles of 4 tokens (one at the end
+//! when the count of tiles is odd), one weight row at a time. On Zen 5 two rows per pass
+//! (sharing each activation register) and four tiles per pass both measured slower for
+//! Q4_K than this (6-8%), and no faster for Q6_K.
+//!
+//! The integer lanes are the 256-bit kernels' (`quant_simd::q4_k_lanes_n`,
+//! `q6_k_lanes_n`) exact `i32` sums, formed with `vpdpwssd` (the scale multiply-add and
+//! the accumulation in one instruction, exact: no saturation, and far from overflow). The
+//! float part is `Q4K::dot_with`'s or `Q6K::dot_with`'s per token, lane for lane: the
+//! same `d_a · d_w` products, the same fused multiply-adds into the same lanes in the same
+//! super-block order, the same final sums; so every token gets exactly the 256-bit
+//! kernels' bits, and llama.cpp's.
+
+use std::arch::x86_64::*;
+
+use super::TILE;
+use crate::quant::BlockQ8K;
+
+/// Per super-block and tile, what the float part needs of the tile's four tokens, built
+/// once per pass instead of once per weight row.
+#[derive(Clone, Copy)]
+struct TileActs {
+    /// `[d0 x8, d1 x8]` and `[d2 x8, d3 x8]`: each token's scale over its eight lanes.
+    d01: __m512,
+    d23: __m512,
+    /// `[-d0 x4, -d1 x4, -d2 x4, -d3 x4]` (Q4_K's min term: four lanes a token).
+    neg_d: __m512,
+    /// Q4_K: each token's eight sub-block sums of activations (`bsums` pairs) as `i16`,
+    /// 128 bits a token. Q6_K: tokens 0 and 1's `bsums` (256 bits each).
+    s0: __m512i,
+    /// Q6_K: tokens 2 and 3's `bsums`.
+    s1: __m512i,
+    /// Tokens 0 and 1's quants (`q[0]`), 2 and 3's (`q[1]`), 32 bytes of each a register:
+    /// interleaved once per pass, so each row's products load one register where they
+    /// would otherwise load two halves and join them.
+    q: [[__m512i; 8]; 2],
+}
+
+/// Q4_K (`six` false) or Q6_K rows (`w` ggml's super-blocks as bytes, `nb` a row) against
+/// the whole tiles of the `n` tokens, `out[r * n + t]`; returns how many tokens it did (a
+/// multiple of [`TILE`]); the caller does the rest with the 256-bit kernel.
+///
+/// # Safety
+/// The CPU must support the features `super::x86_512::available` checks, and F16C.
+/// Slices are bounds-checked.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn k_quant_tiles(
+    w: &[u8],
+    nb: usize,
+    x: &[BlockQ8K],
+    n: usize,
+    six: bool,
+    out: &mut [f32],
+) -> usize {
+    let tiles = n / TILE;
+    let mut prep = Vec::with_capacity(2 * nb);
+    let mut tile = 0;
+    while tile < tiles {
+        let p = if tile + 2 <= tiles { 2 } else { 1 };
+        match (p, six) {
+            (2, false) => pass::<2, false>(w, nb, x, n, tile, &mut prep, out),
+            (2, true) => pass::<2, true>(w, nb, x, n, tile, &mut prep, out),
+            (_, false) => pass::<1, false>(w, nb, x, n, tile, &mut prep, out),
+            (_, true) => pass::<1, true>(w, nb, x, n, tile, &mut prep, out),
+        }
+        tile += p;
+    }
+    tiles * TILE
+}
+
+/// Every row against tiles `tile..tile + P`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn pass<const P: usize, const SIX: bool>(
+    w: &[u8],
+    nb: usize,
+    x: &[BlockQ8K],
+    n: usize,
+    tile: usize,
+    prep: &mut Vec<TileActs>,
+    out: &mut [f32],
+) {
+    let rb = nb * if SIX { 210 } else { 144 };
+    let nr = w.len() / rb;
+    let t0 = tile * TILE;
+    let acts: [[&[BlockQ8K]; TILE]; P] = std::array::from_fn(|p| {
+        std::array::from_fn(|j| &x[(t0 + p * TILE + j) * nb..(t0 + p * TILE + j + 1) * nb])
+    });
+    prep.clear();
+    for i in 0..nb {
+        for tile_acts in &acts {
+            prep.push(tile_acts_of::<SIX>(std::array::from_fn(|j| {
+                &tile_acts[j][i]
+            })));
+        }
+    }
+    for r in 0..nr {
+        let row = &w[r * rb..(r + 1) * rb];
+        let res = if SIX {
+            q6_k_row::<P>(row, prep)
+        } else {
+            q4_k_row::<P>(row, prep)
+        };
+        for (p, part) in res.iter().enumerate() {
+            let at = r * n + t0 + p * TILE;
+            out[at..at + TILE].copy_from_slice(part);
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn tile_acts_of<const SIX: bool>(a: [&BlockQ8K; TILE]) -> TileActs {
+    let d: [f32; 16] = std::array::from_fn(|l| a[l / 8].d);
+    let d2: [f32; 16] = std::array::from_fn(|l| a[2 + l / 8].d);
+    let neg_d: [f32; 16] = std::array::from_fn(|l| -a[l / 4].d);
+    let loadps = |v: &[f32; 16]| {
+        // SAFETY: `v` is 16 readable f32; the load is unaligned.
+        unsafe { _mm512_loadu_ps(v.as_ptr()) }
+    };
+    let (s0, s1) = if SIX {
+        let b = |t: usize| {
+            // SAFETY: `bsums` is 16 readable i16 (32 bytes); the load is unaligned.
+            unsafe { _mm256_loadu_si256(a[t].bsums.as_ptr().cast()) }
+        };
+        (
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(b(0)), b(1)),
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(b(2)), b(3)),
+        )
+    } else {
+        // Each sum is of 32 activations in -128..=127: within ±4,096, an exact i16.
+        let sums: [i16; 32] = std::array::from_fn(|l| {
+            let (t, j) = (l / 8, l % 8);
+            a[t].bsums[2 * j] + a[t].bsums[2 * j + 1]
+        });
+        // SAFETY: `sums` is 64 readable bytes; the load is unaligned.
+        (
+            unsafe { _mm512_loadu_si512(sums.as_ptr().cast()) },
+            _mm512_setzero_si512(),
+        )
+    };
+    let q = std::array::from_fn(|h| {
+        std::array::from_fn(|c| pair(&a[2 * h].qs, &a[2 * h + 1].qs, 32 * c))
+    });
+    TileActs {
+        q,
+        d01: loadps(&d),
+        d23: loadps(&d2),
+        neg_d: loadps(&neg_d),
+        s0,
+        s1,
+    }
+}
+
+/// Bytes `at..at + 32` of two tokens' quants, the first in the low half.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn pair(a: &[i8; 256], b: &[i8; 256], at: usize) -> __m512i {
+    let (a, b) = (&a[at..at + 32], &b[at..at + 32]);
+    // SAFETY: `a` and `b` are 32 readable bytes each (sliced above); the loads are unaligned.
+    unsafe {
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_loadu_si256(a.as_ptr().cast())),
+            _mm256_loadu_si256(b.as_ptr().cast()),
+        )
+    }
+}
+
+/// 32 bytes of `b` from `at`, in both halves.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn both_halves(b: &[u8], at: usize) -> __m512i {
+    let s = &b[at..at + 32];
+    // SAFETY: `s` is 32 readable bytes (sliced above); the load is unaligned.
+    _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(s.as_ptr().cast()) })
+}
+
+/// The f16s at `b[at..at + 4]` as f32s, in the low two lanes (exact conversions).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn f16_pair(b: &[u8], at: usize) -> __m128 {
+    _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
+        b[at],
+        b[at + 1],
+        b[at + 2],
+        b[at + 3],
+    ])))
+}
+
+/// The eight 6-bit scales and mins of a Q4_K super-block from its 12 packed bytes.
+#[inline]
+fn scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let (mut sc, mut m) = ([0u8; 8], [0u8; 8]);
+    for j in 0..4 {
+        sc[j] = s[j] & 63;
+        m[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0x0f) | ((s[j] >> 6) << 4);
+        m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+    (sc, m)
+}
+
+/// The four tokens' results from two lane accumulators `[t0 | t1]`, `[t2 | t3]`, each
+/// summed as `low_kquants::hsum8`, plus (Q4_K) each token's four min-term lanes summed as
+/// `Q4K::dot_with` does.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn finish(acc: [__m512; 2], acc_m: Option<__m512>) -> [f32; TILE] {
+    let mut lanes = [0f32; 32];
+    let mut mins = [0f32; 16];
+    // SAFETY: `lanes` is 32 writable f32 and `mins` 16; the stores are unaligned.
+    unsafe {
+        _mm512_storeu_ps(lanes.as_mut_ptr(), acc[0]);
+        _mm512_storeu_ps(lanes.as_mut_ptr().add(16), acc[1]);
+        if let Some(m) = acc_m {
+            _mm512_storeu_ps(mins.as_mut_ptr(), m);
+        }
+    }
+    std::array::from_fn(|t| {
+        let l: [f32; 8] = std::array::from_fn(|i| lanes[8 * t + i]);
+        let s = crate::low_kquants::hsum8(l);
+        if acc_m.is_some() {
+            let m = &mins[4 * t..4 * t + 4];
+            s + ((m[0] + m[2]) + (m[1] + m[3]))
+        } else {
+            s
+        }
+    })
+}
+
+/// One Q4_K row against `P` tiles: `[tile][token]`.
+// Indexed loops: written with iterators, this measured 4% slower (worse inlining).
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn q4_k_row<const P: usize>(row: &[u8], prep: &[TileActs]) -> [[f32; TILE]; P] {
+    let mut acc = [[_mm512_setzero_ps(); 2]; P];
+    let mut acc_m = [_mm512_setzero_ps(); P];
+    let mask = _mm512_set1_epi8(0x0f);
+    for (i, wb) in row.chunks_exact(144).enumerate() {
+        let dd = f16_pair(wb, 0);
+        let dw = _mm512_set1_ps(_mm_cvtss_f32(dd));
+        let dm = _mm512_set1_ps(_mm_cvtss_f32(_mm_movehdup_ps(dd)));
+        let (sc, m) = scales_mins(&wb[4..16]);
+        let mut lanes = [[_mm512_setzero_si512(); 2]; P];
+        for c in 0..4 {
+            let q = both_halves(wb, 16 + 32 * c);
+            let lo = _mm512_and_si512(q, mask);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), mask);
+            let sc_lo = _mm512_set1_epi16(i16::from(sc[2 * c]));
+            let sc_hi = _mm512_set1_epi16(i16::from(sc[2 * c + 1]));
+            for p in 0..P {
+                let ta = &prep[i * P + p];
+                for h in 0..2 {
+                    let x_lo = _mm512_maddubs_epi16(lo, ta.q[h][2 * c]);
+                    let x_hi = _mm512_maddubs_epi16(hi, ta.q[h][2 * c + 1]);
+                    lanes[p][h] = _mm512_dpwssd_epi32(lanes[p][h], x_lo, sc_lo);
+                    lanes[p][h] = _mm512_dpwssd_epi32(lanes[p][h], x_hi, sc_hi);
+                }
+            }
+        }
+        // SAFETY: `m` is 8 readable bytes; the load is unaligned.
+        let m16 = unsafe { _mm_cvtepu8_epi16(_mm_loadl_epi64(m.as_ptr().cast())) };
+        let mins = _mm512_broadcast_i32x4(m16);
+        for p in 0..P {
+            let ta = &prep[i * P + p];
+            acc[p][0] = _mm512_fmadd_ps(
+                _mm512_mul_ps(ta.d01, dw),
+                _mm512_cvtepi32_ps(lanes[p][0]),
+                acc[p][0],
+            );
+            acc[p][1] = _mm512_fmadd_ps(
+                _mm512_mul_ps(ta.d23, dw),
+                _mm512_cvtepi32_ps(lanes[p][1]),
+                acc[p][1],
+            );
+            // Lane k of each token: m[2k]·sums(2k) + m[2k + 1]·sums(2k + 1), exact.
+            let prod = _mm512_madd_epi16(ta.s0, mins);
+            acc_m[p] = _mm512_fmadd_ps(
+                _mm512_mul_ps(ta.neg_d, dm),
+                _mm512_cvtepi32_ps(prod),
+                acc_m[p],
+            );
+        }
+    }
+    std::array::from_fn(|p| finish(acc[p], Some(acc_m[p])))
+}
+
+/// One Q6_K row against `P` tiles: `[tile][token]`. Each lane starts at `-32 · offset`
+/// (`Q6K::dot_with`'s `lane - (offset << 5)`, exact), the unsigned values' sums added on.
+// Indexed loops: written with iterators, this measured 4% slower (worse inlining).
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn q6_k_row<const P: usize>(row: &[u8], prep: &[TileActs]) -> [[f32; TILE]; P] {
+    let mut acc = [[_mm512_setzero_ps(); 2]; P];
+    let m4 = _mm512_set1_epi8(0x0f);
+    let m2 = _mm512_set1_epi8(0x03);
+    // 0 in the low 128 bits of each half, 1 in the high ones.
+    let groups = _mm512_set_epi64(
+        0x0001_0001_0001_0001,
+        0x0001_0001_0001_0001,
+        0,
+        0,
+        0x0001_0001_0001_0001,
+        0x0001_0001_0001_0001,
+        0,
+        0,
+    );
+    for (i, wb) in row.chunks_exact(210).enumerate() {
+        let h = u16::from_le_bytes([wb[208], wb[209]]);
+        let dw = _mm512_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h)))));
+        let sc = &wb[192..208];
+        // SAFETY: `sc` is 16 readable bytes; the load is unaligned.
+        let sc16 = unsafe { _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr().cast())) };
+        let sc_all = _mm512_broadcast_i64x4(sc16);
+        // -32·sc is within ±4,096: an exact i16, and each lane's two products an exact i32.
+        let neg32 = _mm512_broadcast_i64x4(_mm256_sub_epi16(
+            _mm256_setzero_si256(),
+            _mm256_slli_epi16::<5>(sc16),
+        ));
+        let mut lanes: [[__m512i; 2]; P] = std::array::from_fn(|p| {
+            let ta = &prep[i * P + p];
+            [
+                _mm512_madd_epi16(ta.s0, neg32),
+                _mm512_madd_epi16(ta.s1, neg32),
+            ]
+        });
+        for half in 0..2 {
+            let l0 = both_halves(wb, 64 * half);
+            let l1 = both_halves(wb, 64 * half + 32);
+            let h = both_halves(wb, 128 + 32 * half);
+            let lows = [
+                _mm512_and_si512(l0, m4),
+                _mm512_and_si512(l1, m4),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(l0), m4),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(l1), m4),
+            ];
+            let highs = [
+                _mm512_and_si512(h, m2),
+                _mm512_and_si512(_mm512_srli_epi16::<2>(h), m2),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(h), m2),
+                _mm512_and_si512(_mm512_srli_epi16::<6>(h), m2),
+            ];
+            for k in 0..4 {
+                let q = _mm512_or_si512(lows[k], _mm512_slli_epi16::<4>(highs[k]));
+                let e = 128 * half + 32 * k;
+                // In each half, the low 128 bits are group e / 16, the high ones the next.
+                let g = e / 16;
+                // One permute from the scales as i16 (building the vector from bytes took
+                // several instructions a chunk).
+                let scales = _mm512_permutexvar_epi16(
+                    _mm512_add_epi16(groups, _mm512_set1_epi16(g as i16)),
+                    sc_all,
+                );
+                for p in 0..P {
+                    let ta = &prep[i * P + p];
+                    for hh in 0..2 {
+                        let x = _mm512_maddubs_epi16(q, ta.q[hh][e / 32]);
+                        lanes[p][hh] = _mm512_dpwssd_epi32(lanes[p][hh], x, scales);
+                    }
+                }
+            }
+        }
+        for p in 0..P {
+            let ta = &prep[i * P + p];
+            acc[p][0] = _mm512_fmadd_ps(
+                _mm512_mul_ps(ta.d01, dw),
+                _mm512_cvtepi32_ps(lanes[p][0]),
+                acc[p][0],
+            );
+            acc[p][1] = _mm512_fmadd_ps(
+                _mm512_mul_ps(ta.d23, dw),
+                _mm512_cvtepi32_ps(lanes[p][1]),
+                acc[p][1],
+            );
+        }
+    }
+    std::array::from_fn(|p| finish(acc[p], None))
+}
