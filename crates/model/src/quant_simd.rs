@@ -196,24 +196,39 @@ pub fn q6_k_lanes_n<const N: usize>(
 /// bits.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn five_bit_rows(w: &[u8], acts: &[&[super::BlockQ8_1]], with_min: bool, out: &mut [f32]) {
-    let k = acts.len().min(super::TILE);
-    if k == 0 {
-        return;
+    // One instance per token count: a decode step has one token, and computing a whole
+    // tile's lane sums for it was three quarters wasted work.
+    match acts.len() {
+        0 => {}
+        1 => five_bit_rows_n::<1>(w, acts, with_min, out),
+        2 => five_bit_rows_n::<2>(w, acts, with_min, out),
+        3 => five_bit_rows_n::<3>(w, acts, with_min, out),
+        _ => five_bit_rows_n::<{ super::TILE }>(w, acts, with_min, out),
     }
+}
+
+/// [`five_bit_rows`] for `N` tokens (`acts` holds at least `N`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn five_bit_rows_n<const N: usize>(
+    w: &[u8],
+    acts: &[&[super::BlockQ8_1]],
+    with_min: bool,
+    out: &mut [f32],
+) {
     let (bytes, qh_at) = if with_min { (24, 4) } else { (22, 2) };
-    let mut acc = [_mm256_setzero_ps(); super::TILE];
-    let mut summs = [0f32; super::TILE];
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut summs = [0f32; N];
     for (i, wb) in w.chunks_exact(bytes).enumerate() {
-        let pick = |t: usize| &acts[t.min(k - 1)][i];
-        let a: [&[i8; 32]; super::TILE] = std::array::from_fn(|t| &pick(t).qs);
+        let a: [&[i8; 32]; N] = std::array::from_fn(|t| &acts[t][i].qs);
         let lanes = five_bit_madd(&wb[qh_at..qh_at + 4], &wb[qh_at + 4..bytes], !with_min, a);
         let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
             wb[0], wb[1], wb[2], wb[3],
         ])));
         let d = _mm_cvtss_f32(scales);
         let m = _mm_cvtss_f32(_mm_movehdup_ps(scales));
-        for t in 0..k {
-            let ab = pick(t);
+        for t in 0..N {
+            let ab = &acts[t][i];
             if with_min {
                 summs[t] += m * ab.s;
             }
@@ -221,7 +236,7 @@ pub fn five_bit_rows(w: &[u8], acts: &[&[super::BlockQ8_1]], with_min: bool, out
             acc[t] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(lanes[t]), acc[t]);
         }
     }
-    for t in 0..k {
+    for t in 0..N {
         out[t] = hsum_f32(acc[t]) + summs[t];
     }
 }
