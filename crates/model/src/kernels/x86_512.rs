@@ -81,10 +81,7 @@ pub unsafe fn q4_1_rows(
     // Tokens after the last whole tile: the 256-bit kernel, one row at a time (two rows
     // per 512-bit register measured slower here than this).
     let whole = tiles * TILE;
-    let mut acts: [&[BlockQ8_1]; TILE] = [&[]; TILE];
-    for (a, chunk) in acts.iter_mut().zip(x[whole * nb..n * nb].chunks_exact(nb)) {
-        *a = chunk;
-    }
+    let acts = leftover_tokens(x, nb, whole, n);
     let k = n - whole;
     if k > 0 {
         for (r, row) in w.chunks_exact(nb).enumerate() {
@@ -314,10 +311,7 @@ pub unsafe fn q8_0_rows(w: &[BlockQ8_0], nb: usize, x: &[BlockQ8_1], n: usize, o
         }
     }
     let whole = tiles * TILE;
-    let mut acts: [&[BlockQ8_1]; TILE] = [&[]; TILE];
-    for (a, chunk) in acts.iter_mut().zip(x[whole * nb..n * nb].chunks_exact(nb)) {
-        *a = chunk;
-    }
+    let acts = leftover_tokens(x, nb, whole, n);
     let k = n - whole;
     if k > 0 {
         for (r, row) in w.chunks_exact(nb).enumerate() {
@@ -528,4 +522,13 @@ fn five_bit_tile<const R: usize, const P: usize, const MIN: bool>(
         }
     }
     out
+}
+
+/// Tokens `whole..n` of `x` (fewer than a tile), for the 256-bit kernels.
+fn leftover_tokens(x: &[BlockQ8_1], nb: usize, whole: usize, n: usize) -> [&[BlockQ8_1]; TILE] {
+    let mut acts: [&[BlockQ8_1]; TILE] = [&[]; TILE];
+    for (a, chunk) in acts.iter_mut().zip(x[whole * nb..n * nb].chunks_exact(nb)) {
+        *a = chunk;
+    }
+    acts
 }
