@@ -10,6 +10,7 @@ pub mod config;
 pub mod forward;
 pub mod gemma3;
 pub mod kernels;
+pub mod kquants;
 pub mod low_kquants;
 pub mod quant;
 pub mod sampling;

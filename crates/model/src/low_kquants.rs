@@ -8,18 +8,13 @@
 //! portable paths give the same bits.
 
 use gguf::{GgmlType, QK_K};
-use half::f16;
 
-use crate::quant::{BlockQ8K, QuantFormat};
+use crate::quant::{f16_at, BlockQ8K, QuantFormat};
 
 /// Bytes of one Q2_K super-block.
 const Q2_K_BYTES: usize = 84;
 /// Bytes of one Q3_K super-block.
 const Q3_K_BYTES: usize = 110;
-
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
 
 /// llama.cpp's `hsum_float_8`: the order in which its AVX2 kernels add their eight lanes.
 pub(crate) fn hsum8(acc: [f32; 8]) -> f32 {
@@ -270,6 +265,7 @@ mod simd {
 mod tests {
     use super::*;
     use crate::quant::quantize_row_q8_k;
+    use half::f16;
 
     fn lcg(seed: &mut u64) -> f32 {
         *seed = seed

@@ -1,5 +1,5 @@
-//! Weight formats added after the original three (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K here; Q2_K
-//! and Q3_K in `low_kquants.rs`): one [`QuantFormat`] implementation per ggml type, each
+//! Weight formats added after the original three (Q5_0 and Q5_1 here; Q4_K, Q5_K and Q6_K in
+//! `kquants.rs`; Q2_K and Q3_K in `low_kquants.rs`): one [`QuantFormat`] implementation per ggml type, each
 //! defining its dot product against the activation quantization ggml pairs it with (Q8_1
 //! blocks of 32, or Q8_K super-blocks of 256). Matrices keep ggml's bytes as in the file.
 //!
@@ -130,7 +130,7 @@ pub trait QuantFormat: Send + Sync + 'static {
 /// [`QuantFormat::rows`] for tokens `t0..n`, one row and up to [`TILE`] tokens at a time
 /// through [`QuantFormat::dot_tile`].
 #[inline(always)]
-fn tokens_by_tiles<F: QuantFormat + ?Sized>(
+pub(crate) fn tokens_by_tiles<F: QuantFormat + ?Sized>(
     w: &[u8],
     row_bytes: usize,
     x: &[F::Act],
@@ -177,65 +177,19 @@ fn five_bit_matrix_rows<F: QuantFormat<Act = BlockQ8_1>>(
     tokens_by_tiles::<F>(w, row_bytes, x, nb, n, done, out);
 }
 
-/// Q4_K's or Q6_K's rows: whole tiles of tokens through the 512-bit register tiles where
-/// the CPU has them, the rest through [`QuantFormat::dot_tile`].
-#[inline(always)]
-fn k_quant_matrix_rows<F: QuantFormat<Act = BlockQ8K>>(
-    w: &[u8],
-    row_bytes: usize,
-    x: &[BlockQ8K],
-    nb: usize,
-    n: usize,
-    out: &mut [f32],
-) {
-    let mut done = 0;
-    #[cfg(target_arch = "x86_64")]
-    if n >= TILE && crate::kernels::wide_available() && simd::has_avx2_fma_f16c() {
-        let six = F::TYPE == GgmlType::Q6_K;
-        // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ, VL,
-        // VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
-        // bounds-checks its slices.
-        done = unsafe { crate::kernels::k_quant_tiles(w, nb, x, n, six, out) };
-    }
-    tokens_by_tiles::<F>(w, row_bytes, x, nb, n, done, out);
-}
-
 /// Activation rows a weight row is unpacked once for.
 pub const TILE: usize = 4;
-
-/// Rows of at most this many super-blocks (16,384 columns) keep a tile's integer lanes on
-/// the stack; longer ones go one token at a time.
-#[cfg(target_arch = "x86_64")]
-const MAX_TILED_SUPER_BLOCKS: usize = 64;
-
-/// Binds `$lanes` to a zeroed buffer for a tile's integer lanes of `$n` super-blocks (at
-/// most [`MAX_TILED_SUPER_BLOCKS`]), on the stack, and runs `$body`. Zeroing the largest size
-/// for every row and tile was 5% of a Q4_K_M prefill, so rows of up to 2,048 columns use a
-/// short one. A macro rather than a function taking a closure: the body must stay inside
-/// the caller to be compiled with its target features (see `simd::compiled_for_avx2`).
-#[cfg(target_arch = "x86_64")]
-macro_rules! with_tile_lanes {
-    ($n:expr, |$lanes:ident| $body:block) => {
-        if $n <= 8 {
-            let $lanes = &mut [[[0i32; 8]; TILE]; 8][..$n];
-            $body
-        } else {
-            let $lanes = &mut [[[0i32; 8]; TILE]; MAX_TILED_SUPER_BLOCKS][..$n];
-            $body
-        }
-    };
-}
 
 /// The f16 at `b[i..i + 2]`, as f32. Converted with integer operations (exact, as every
 /// f16 is an f32) so that it inlines into the callers' SIMD-compiled code; the `half` crate
 /// tests the CPU and calls out for each value.
 #[inline(always)]
-fn f16_at(b: &[u8], i: usize) -> f32 {
+pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
     f16_bits_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
 }
 
 #[inline(always)]
-fn f16_bits_to_f32(h: u16) -> f32 {
+pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
     let sign = u32::from(h & 0x8000) << 16;
     let exponent = u32::from((h >> 10) & 0x1f);
     let mantissa = u32::from(h & 0x3ff);
@@ -382,301 +336,9 @@ impl QuantFormat for Q5_1 {
     }
 }
 
-pub struct Q4K;
-
-impl Q4K {
-    /// Eight sub-blocks of 32 with 6-bit scales and mins, in llama.cpp's AVX2 float order
-    /// (`ggml_vec_dot_q4_K_q8_K`): eight lanes of scaled sums (lane `i` holding elements
-    /// `4i..4i+4` of every sub-block), four of the min term (sub-blocks `2k`, `2k + 1`), each
-    /// accumulated across super-blocks by a fused multiply-add, then summed as llama.cpp
-    /// does. The portable definition (the SIMD path is tested against it).
-    pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-        Self::dot_with(w, a, |_, wb, ab, sc| {
-            let mut lanes = [0i32; 8];
-            for (j, &s) in sc.iter().enumerate() {
-                let qs = &wb[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
-                for (i, lane) in lanes.iter_mut().enumerate() {
-                    let sum: i32 = (4 * i..4 * i + 4)
-                        .map(|l| {
-                            let v = if j % 2 == 0 { qs[l] & 0x0f } else { qs[l] >> 4 };
-                            i32::from(v) * i32::from(ab.qs[32 * j + l])
-                        })
-                        .sum();
-                    *lane += i32::from(s) * sum;
-                }
-            }
-            lanes
-        })
-    }
-
-    /// The float part shared by both paths; `lanes` gives a super-block's scaled sums.
-    #[inline(always)]
-    fn dot_with(
-        w: &[u8],
-        a: &[BlockQ8K],
-        lanes: impl Fn(usize, &[u8], &BlockQ8K, &[u8; 8]) -> [i32; 8],
-    ) -> f32 {
-        let mut acc = [0f32; 8];
-        let mut acc_m = [0f32; 4];
-        for (i, (wb, ab)) in w.chunks_exact(144).zip(a).enumerate() {
-            let d = ab.d * f16_at(wb, 0);
-            let dmin = -ab.d * f16_at(wb, 2);
-            let (sc, m): ([u8; 8], [u8; 8]) = (
-                std::array::from_fn(|j| gguf::k4_scale_min(j, &wb[4..16]).0),
-                std::array::from_fn(|j| gguf::k4_scale_min(j, &wb[4..16]).1),
-            );
-            let sums = |j: usize| i32::from(ab.bsums[2 * j]) + i32::from(ab.bsums[2 * j + 1]);
-            for (k, acc) in acc_m.iter_mut().enumerate() {
-                let prod =
-                    i32::from(m[2 * k]) * sums(2 * k) + i32::from(m[2 * k + 1]) * sums(2 * k + 1);
-                *acc = dmin.mul_add(prod as f32, *acc);
-            }
-            for (acc, lane) in acc.iter_mut().zip(lanes(i, wb, ab, &sc)) {
-                *acc = d.mul_add(lane as f32, *acc);
-            }
-        }
-        crate::low_kquants::hsum8(acc) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]))
-    }
-}
-
-impl QuantFormat for Q4K {
-    const TYPE: GgmlType = GgmlType::Q4_K;
-    type Act = BlockQ8K;
-
-    /// The tile's integer lanes first (each super-block unpacked once for every token),
-    /// then each token through [`Q4K::dot_with`], the same float part as `dot`.
-    #[inline(always)]
-    fn dot_tile(w: &[u8], acts: &[&[BlockQ8K]], out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2() && acts.len() > 1 && w.len() / 144 <= MAX_TILED_SUPER_BLOCKS {
-            with_tile_lanes!(w.len() / 144, |lanes| {
-                for (i, wb) in w.chunks_exact(144).enumerate() {
-                    let sc: [u8; 8] = std::array::from_fn(|j| gguf::k4_scale_min(j, &wb[4..16]).0);
-                    let a = std::array::from_fn(|t| &acts[t.min(acts.len() - 1)][i].qs);
-                    // SAFETY: AVX2 is present (checked above); the function checks the slice
-                    // lengths it reads.
-                    lanes[i] = unsafe { simd::q4_k_lanes_n(&wb[16..144], a, &sc) };
-                }
-                for (t, (a, o)) in acts.iter().zip(out.iter_mut()).enumerate() {
-                    *o = Self::dot_with(w, a, |i, _, _, _| lanes[i][t]);
-                }
-            });
-            return;
-        }
-        for (a, o) in acts.iter().zip(out.iter_mut()) {
-            *o = Self::dot(w, a);
-        }
-    }
-
-    #[inline(always)]
-    fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8K], nb: usize, n: usize, out: &mut [f32]) {
-        k_quant_matrix_rows::<Self>(w, row_bytes, x, nb, n, out);
-    }
-
-    #[inline(always)]
-    fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2() {
-            // SAFETY: AVX2 is present (checked above), the only requirement of the
-            // target-feature function; it checks the slice lengths it reads.
-            return Self::dot_with(w, a, |_, wb, ab, sc| unsafe {
-                simd::q4_k_lanes(&wb[16..144], &ab.qs, sc)
-            });
-        }
-        Self::dot_scalar(w, a)
-    }
-}
-
-/// The eight 6-bit sub-block scales of a Q4_K/Q5_K block, and `Σ_j m_j Σ a` over its
-/// sub-blocks (the offset term, from the activations' `bsums`).
-fn k4_scales(wb: &[u8], ab: &BlockQ8K) -> ([u8; 8], i32) {
-    let mut sc = [0u8; 8];
-    let mut summ = 0i32;
-    for (j, s) in sc.iter_mut().enumerate() {
-        let (scale, m) = gguf::k4_scale_min(j, &wb[4..16]);
-        *s = scale;
-        summ += i32::from(m) * (i32::from(ab.bsums[2 * j]) + i32::from(ab.bsums[2 * j + 1]));
-    }
-    (sc, summ)
-}
-
-pub struct Q5K;
-
-impl QuantFormat for Q5K {
-    const TYPE: GgmlType = GgmlType::Q5_K;
-    type Act = BlockQ8K;
-
-    #[inline(always)]
-    fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2() {
-            // SAFETY: AVX2 is present (checked above), the only requirement of the
-            // target-feature function; it checks the slice lengths it reads.
-            return Self::dot_with(w, a, |wb, ab, sc| unsafe {
-                simd::q5_k_lanes(&wb[16..48], &wb[48..176], &ab.qs, sc)
-            });
-        }
-        Self::dot_scalar(w, a)
-    }
-}
-
-impl Q5K {
-    /// Q4_K's lanes with the fifth bit, in llama.cpp's AVX2 float order
-    /// (`ggml_vec_dot_q5_K_q8_K`, built with contracted multiply-adds): the min term is one
-    /// exact integer per super-block, added as `dmin·Σ` by a fused multiply-add to a scalar
-    /// that joins the lane sum last. The portable definition (the SIMD path is tested
-    /// against it).
-    pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-        Self::dot_with(w, a, |wb, ab, sc| {
-            let mut lanes = [0i32; 8];
-            for (j, &s) in sc.iter().enumerate() {
-                let qs = &wb[48 + 32 * (j / 2)..48 + 32 * (j / 2) + 32];
-                for (i, lane) in lanes.iter_mut().enumerate() {
-                    let sum: i32 = (4 * i..4 * i + 4)
-                        .map(|l| {
-                            let lo = if j % 2 == 0 { qs[l] & 0x0f } else { qs[l] >> 4 };
-                            let v = lo | (((wb[16 + l] >> j) & 1) << 4);
-                            i32::from(v) * i32::from(ab.qs[32 * j + l])
-                        })
-                        .sum();
-                    *lane += i32::from(s) * sum;
-                }
-            }
-            lanes
-        })
-    }
-
-    /// The float part shared by both paths; `lanes` gives a super-block's scaled sums.
-    #[inline(always)]
-    fn dot_with(
-        w: &[u8],
-        a: &[BlockQ8K],
-        lanes: impl Fn(&[u8], &BlockQ8K, &[u8; 8]) -> [i32; 8],
-    ) -> f32 {
-        let mut acc = [0f32; 8];
-        let mut summs = 0f32;
-        for (wb, ab) in w.chunks_exact(176).zip(a) {
-            let d = ab.d * f16_at(wb, 0);
-            let dmin = -ab.d * f16_at(wb, 2);
-            let (sc, summ) = k4_scales(wb, ab);
-            summs = dmin.mul_add(summ as f32, summs);
-            for (acc, lane) in acc.iter_mut().zip(lanes(wb, ab, &sc)) {
-                *acc = d.mul_add(lane as f32, *acc);
-            }
-        }
-        crate::low_kquants::hsum8(acc) + summs
-    }
-}
-
-pub struct Q6K;
-
-impl QuantFormat for Q6K {
-    const TYPE: GgmlType = GgmlType::Q6_K;
-    type Act = BlockQ8K;
-
-    /// As [`Q4K`]'s: the tile's lanes first, then each token through [`Q6K::dot_with`].
-    #[inline(always)]
-    fn dot_tile(w: &[u8], acts: &[&[BlockQ8K]], out: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2() && acts.len() > 1 && w.len() / 210 <= MAX_TILED_SUPER_BLOCKS {
-            with_tile_lanes!(w.len() / 210, |lanes| {
-                for (i, wb) in w.chunks_exact(210).enumerate() {
-                    let sc: [i8; 16] = std::array::from_fn(|g| wb[192 + g] as i8);
-                    let a = std::array::from_fn(|t| &acts[t.min(acts.len() - 1)][i].qs);
-                    // SAFETY: AVX2 is present (checked above); the function checks the slice
-                    // lengths it reads.
-                    lanes[i] = unsafe { simd::q6_k_lanes_n(&wb[..128], &wb[128..192], a, &sc) };
-                }
-                for (t, (a, o)) in acts.iter().zip(out.iter_mut()).enumerate() {
-                    *o = Self::dot_with(w, a, |b, _, _, _| lanes[b][t]);
-                }
-            });
-            return;
-        }
-        for (a, o) in acts.iter().zip(out.iter_mut()) {
-            *o = Self::dot(w, a);
-        }
-    }
-
-    #[inline(always)]
-    fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8K], nb: usize, n: usize, out: &mut [f32]) {
-        k_quant_matrix_rows::<Self>(w, row_bytes, x, nb, n, out);
-    }
-
-    #[inline(always)]
-    fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2() {
-            // SAFETY: AVX2 is present (checked above), the only requirement of the
-            // target-feature function; it checks the slice lengths it reads.
-            return Self::dot_with(w, a, |_, wb, ab, sc| unsafe {
-                simd::q6_k_lanes(&wb[..128], &wb[128..192], &ab.qs, sc)
-            });
-        }
-        Self::dot_scalar(w, a)
-    }
-}
-
-impl Q6K {
-    /// Sixteen groups of 16 with signed 8-bit scales: `d·da·Σ_g sc_g Σ (q − 32)·a`, in
-    /// llama.cpp's AVX2 float order (`ggml_vec_dot_q6_K_q8_K`): eight integer lanes per
-    /// super-block, lane `i` holding elements `4i..4i+4` (mod 32) of every 32-element chunk
-    /// scaled by its group, minus `32·Σ sc·bsums` of groups `2i` and `2i + 1`; each lane
-    /// accumulated across super-blocks by a fused multiply-add, then summed as its
-    /// `hsum_float_8`. This is what makes the logits equal llama.cpp's bit for bit. The
-    /// portable definition (the SIMD path is tested against it).
-    pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-        Self::dot_with(w, a, |_, wb, ab, sc| {
-            let mut lanes = [0i32; 8];
-            for half in 0..2 {
-                let ql = &wb[64 * half..64 * half + 64];
-                let qh = &wb[128 + 32 * half..128 + 32 * half + 32];
-                for k in 0..4 {
-                    for (i, lane) in lanes.iter_mut().enumerate() {
-                        let s: i32 = (4 * i..4 * i + 4)
-                            .map(|l| {
-                                let q = i32::from(gguf::q6_at(ql, qh, l, k)) + 32;
-                                q * i32::from(ab.qs[128 * half + 32 * k + l])
-                            })
-                            .sum();
-                        *lane += i32::from(sc[8 * half + 2 * k + usize::from(i >= 4)]) * s;
-                    }
-                }
-            }
-            lanes
-        })
-    }
-
-    /// The float part shared by both paths: `lanes` gives a super-block's eight unsigned
-    /// lane sums (values taken as 0..63).
-    #[inline(always)]
-    fn dot_with(
-        w: &[u8],
-        a: &[BlockQ8K],
-        lanes: impl Fn(usize, &[u8], &BlockQ8K, &[i8; 16]) -> [i32; 8],
-    ) -> f32 {
-        let mut acc = [0f32; 8];
-        for (b, (wb, ab)) in w.chunks_exact(210).zip(a).enumerate() {
-            let mut sc = [0i8; 16];
-            for (s, &b) in sc.iter_mut().zip(&wb[192..208]) {
-                *s = b as i8;
-            }
-            let d = ab.d * f16_at(wb, 208);
-            for (i, (acc, lane)) in acc.iter_mut().zip(lanes(b, wb, ab, &sc)).enumerate() {
-                // Σ (q − 32)·a = Σ q·a − 32·Σ a, the last sums per group from `bsums`.
-                let offset = i32::from(ab.bsums[2 * i]) * i32::from(sc[2 * i])
-                    + i32::from(ab.bsums[2 * i + 1]) * i32::from(sc[2 * i + 1]);
-                *acc = d.mul_add((lane - (offset << 5)) as f32, *acc);
-            }
-        }
-        let r: [f32; 4] = std::array::from_fn(|j| acc[4 + j] + acc[j]);
-        (r[0] + r[2]) + (r[1] + r[3])
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 #[path = "quant_simd.rs"]
-mod simd;
+pub(crate) mod simd;
 
 /// What [`crate::weights::Matrix`] needs of a matrix in any of these formats.
 pub trait BlockMatrix: Send + Sync {
@@ -773,9 +435,9 @@ pub fn block_matrix(
         GgmlType::Q5_1 => boxed::<Q5_1>(rows, cols, data),
         GgmlType::Q2_K => boxed::<crate::low_kquants::Q2K>(rows, cols, data),
         GgmlType::Q3_K => boxed::<crate::low_kquants::Q3K>(rows, cols, data),
-        GgmlType::Q4_K => boxed::<Q4K>(rows, cols, data),
-        GgmlType::Q5_K => boxed::<Q5K>(rows, cols, data),
-        GgmlType::Q6_K => boxed::<Q6K>(rows, cols, data),
+        GgmlType::Q4_K => boxed::<crate::kquants::Q4K>(rows, cols, data),
+        GgmlType::Q5_K => boxed::<crate::kquants::Q5K>(rows, cols, data),
+        GgmlType::Q6_K => boxed::<crate::kquants::Q6K>(rows, cols, data),
         _ => return None,
     })
 }

@@ -1,4 +1,4 @@
-//! AVX2 integer lanes of the k-quants (`quant.rs`), laid out as llama.cpp's kernels form them
+//! AVX2 integer lanes of the k-quants (`kquants.rs`), laid out as llama.cpp's kernels form them
 //! (see each format's `dot_scalar`). Every lane is an exact `i32` (bounded far below
 //! overflow), so the result is the portable code's.
 

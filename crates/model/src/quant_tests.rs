@@ -1,8 +1,9 @@
-//! Tests of `quant.rs`: each format against the reference dequantization, SIMD against
+//! Tests of `quant.rs` and `kquants.rs`: each format against the reference dequantization, SIMD against
 //! the portable definitions.
 
 use super::*;
 use crate::kernels::matmul;
+use crate::kquants::{Q4K, Q5K, Q6K};
 use crate::weights::{quantize_row_q8_1, Matrix};
 
 fn lcg(seed: &mut u64) -> f32 {
