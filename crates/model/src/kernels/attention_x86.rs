@@ -214,7 +214,8 @@ pub unsafe fn attend_f16_wide(
         (64, _) => wide::<4, 4>(qs, k, v, scale, outs),
         (128, 1) => wide::<8, 1>(qs, k, v, scale, outs),
         (128, _) => wide::<8, 2>(qs, k, v, scale, outs),
-        _ => wide::<16, 1>(qs, k, v, scale, outs),
+        (256, 1) => wide::<16, 1>(qs, k, v, scale, outs),
+        _ => wide::<16, 2>(qs, k, v, scale, outs),
     }
 }
 
