@@ -391,3 +391,99 @@ fn f16_conversion_matches_half_on_every_value() {
         }
     }
 }
+
+/// The 512-bit Q2_K and Q3_K register tiles against `dot_tile` and `dot` one token at a
+/// time, bit for bit: row and token counts not multiples of the tile, 1-6 super-blocks,
+/// quantized weights and raw random bytes (every quant, scale and high-bit pattern), tokens
+/// of very different magnitudes. It needs AVX-512 VNNI, so it is ignored by default like
+/// the other wide-kernel tests, and run by `scripts/test.sh` where the CPU has it.
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
+fn wide_low_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
+    use crate::low_kquants::{Q2K, Q3K};
+    assert!(
+        crate::kernels::wide_available(),
+        "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
+    );
+    let mut s = 43u64;
+    for ty in [GgmlType::Q3_K, GgmlType::Q2_K] {
+        let cases = [
+            (5, 15, 6),
+            (1, 4, 1),
+            (3, 66, 2),
+            (2, 7, 3),
+            (4, 13, 6),
+            (3, 8, 4),
+            (2, 12, 5),
+        ];
+        for (case, (rows, n, nb)) in cases.into_iter().enumerate() {
+            let cols = nb * QK_K;
+            let rb = nb * ty.block_bytes();
+            let w: Vec<u8> = if case % 2 == 0 {
+                let vals: Vec<f32> = (0..rows * cols)
+                    .map(|i| lcg(&mut s) * (0.5 + 9.0 * (i / cols % 3) as f32))
+                    .collect();
+                ty.quantize(&vals)
+            } else {
+                let mut w: Vec<u8> = (0..rows * rb)
+                    .map(|_| (lcg(&mut s) * 128.0 + 128.0) as u8)
+                    .collect();
+                for b in w.chunks_exact_mut(ty.block_bytes()) {
+                    let d = half::f16::from_f32(0.01 * (1.0 + lcg(&mut s).abs())).to_le_bytes();
+                    if ty == GgmlType::Q2_K {
+                        b[80..82].copy_from_slice(&d);
+                        b[82..84].copy_from_slice(&half::f16::from_f32(0.02).to_le_bytes());
+                    } else {
+                        b[108..110].copy_from_slice(&d);
+                    }
+                }
+                w
+            };
+            assert_eq!(w.len(), rows * rb);
+            let x: Vec<f32> = (0..n * cols)
+                .map(|i| lcg(&mut s) * (1.0 + 37.0 * (i / cols % 5) as f32))
+                .collect();
+            let mut xk = vec![BlockQ8K::default(); n * nb];
+            for (row, o) in x.chunks_exact(cols).zip(xk.chunks_exact_mut(nb)) {
+                quantize_row_q8_k(row, o);
+            }
+            let two = ty == GgmlType::Q2_K;
+            let mut wide = vec![f32::NAN; rows * n];
+            // SAFETY: the features are present (checked above, F16C with them on every
+            // AVX-512 CPU, and checked again here).
+            let done = unsafe {
+                assert!(is_x86_feature_detected!("f16c"));
+                crate::kernels::low_k_quant_tiles(&w, nb, &xk, n, two, &mut wide)
+            };
+            assert_eq!(done, n / TILE * TILE);
+            let mut all = vec![f32::NAN; rows * n];
+            if two {
+                Q2K::rows(&w, rb, &xk, nb, n, &mut all);
+            } else {
+                Q3K::rows(&w, rb, &xk, nb, n, &mut all);
+            }
+            for r in 0..rows {
+                let row = &w[r * rb..(r + 1) * rb];
+                for t in 0..n {
+                    let a = &xk[t * nb..(t + 1) * nb];
+                    let mut one = [0f32; 1];
+                    let (single, scalar) = if two {
+                        Q2K::dot_tile(row, &[a], &mut one);
+                        (Q2K::dot(row, a), Q2K::dot_scalar(row, a))
+                    } else {
+                        Q3K::dot_tile(row, &[a], &mut one);
+                        (Q3K::dot(row, a), Q3K::dot_scalar(row, a))
+                    };
+                    let at = format!("{ty:?} {rows}x{n}x{nb} row {r} token {t}");
+                    assert_eq!(one[0].to_bits(), single.to_bits(), "{at}");
+                    assert_eq!(scalar.to_bits(), single.to_bits(), "{at}");
+                    if t < done {
+                        assert_eq!(wide[r * n + t].to_bits(), one[0].to_bits(), "{at}");
+                    }
+                    assert_eq!(all[r * n + t].to_bits(), one[0].to_bits(), "{at}");
+                }
+            }
+        }
+    }
+}

@@ -348,6 +348,8 @@ mod x86;
 mod x86_512;
 #[cfg(target_arch = "x86_64")]
 mod x86_512_kquants;
+#[cfg(target_arch = "x86_64")]
+mod x86_512_low_kquants;
 
 pub use activation::{ggml_expf, silu, swiglu};
 pub use attention::{dot_f16_ggml, KvElem};
@@ -357,6 +359,8 @@ pub use quantize::quantize_blocks_q8_1;
 pub(crate) use x86_512::{available as wide_available, five_bit_tiles};
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86_512_kquants::k_quant_tiles;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use x86_512_low_kquants::low_k_quant_tiles;
 
 #[cfg(test)]
 mod tests;

@@ -157,7 +157,7 @@ fn tile_acts_of<const SIX: bool>(a: [&BlockQ8K; TILE]) -> TileActs {
 /// Bytes `at..at + 32` of two tokens' quants, the first in the low half.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn pair(a: &[i8; 256], b: &[i8; 256], at: usize) -> __m512i {
+pub(super) fn pair(a: &[i8; 256], b: &[i8; 256], at: usize) -> __m512i {
     let (a, b) = (&a[at..at + 32], &b[at..at + 32]);
     // SAFETY: `a` and `b` are 32 readable bytes each (sliced above); the loads are unaligned.
     unsafe {
@@ -171,7 +171,7 @@ fn pair(a: &[i8; 256], b: &[i8; 256], at: usize) -> __m512i {
 /// 32 bytes of `b` from `at`, in both halves.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn both_halves(b: &[u8], at: usize) -> __m512i {
+pub(super) fn both_halves(b: &[u8], at: usize) -> __m512i {
     let s = &b[at..at + 32];
     // SAFETY: `s` is 32 readable bytes (sliced above); the load is unaligned.
     _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(s.as_ptr().cast()) })
@@ -180,7 +180,7 @@ fn both_halves(b: &[u8], at: usize) -> __m512i {
 /// The f16s at `b[at..at + 4]` as f32s, in the low two lanes (exact conversions).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn f16_pair(b: &[u8], at: usize) -> __m128 {
+pub(super) fn f16_pair(b: &[u8], at: usize) -> __m128 {
     _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
         b[at],
         b[at + 1],
@@ -207,7 +207,7 @@ fn scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
 /// `Q4K::dot_with` does.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn finish(acc: [__m512; 2], acc_m: Option<__m512>) -> [f32; TILE] {
+pub(super) fn finish(acc: [__m512; 2], acc_m: Option<__m512>) -> [f32; TILE] {
     let mut lanes = [0f32; 32];
     let mut mins = [0f32; 16];
     // SAFETY: `lanes` is 32 writable f32 and `mins` 16; the stores are unaligned.
