@@ -1,6 +1,7 @@
 //! Q2_K and Q3_K against Q8_K activations: one [`QuantFormat`] each, a portable definition
 //! and an AVX2 build of its integer part, dispatched at run time as the other k-quants in
-//! `quant.rs` are.
+//! `quant.rs` are, and for prefill on AVX-512 CPUs the register tiles of
+//! `kernels/x86_512_low_kquants.rs`.
 //!
 //! Both formats have sixteen groups of 16 per super-block. Their dot products are written
 //! as exact integer sums per group, scaled by the group's integer scale, then one float

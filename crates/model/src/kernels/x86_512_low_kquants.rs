@@ -329,3 +329,37 @@ fn q3_k_row<const P: usize>(row: &[u8], prep: &[LowActs]) -> [[f32; TILE]; P] {
     }
     std::array::from_fn(|p| finish(acc[p], None))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The vector decode of Q3_K's group scales equals gguf's scalar one on every packed
+    /// pattern reached by random bytes (and on the all-zero and all-one bytes).
+    #[test]
+    #[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
+    fn q3_k_scales_match_gguf() {
+        assert!(
+            crate::kernels::wide_available() && is_x86_feature_detected!("f16c"),
+            "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
+        );
+        let mut seed = 3u64;
+        let mut cases = vec![[0u8; 12], [0xff; 12]];
+        for _ in 0..10_000 {
+            cases.push(std::array::from_fn(|_| {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (seed >> 56) as u8
+            }));
+        }
+        for s in cases {
+            let mut got = [0i16; 16];
+            // SAFETY: the features are present (checked above); `got` is 32 writable bytes
+            // and the store is unaligned.
+            unsafe { _mm256_storeu_si256(got.as_mut_ptr().cast(), q3_k_scales(&s)) };
+            let want = gguf::q3_k_scales(&s).map(i16::from);
+            assert_eq!(got, want, "{s:?}");
+        }
+    }
+}
