@@ -247,7 +247,15 @@ fn rows_kernel(
             }
         }
         Matrix::Q4_0 { data, .. } => {
-            rows_q4_0(&data[r0 * nb..(r0 + nr) * nb], nb, x_q8, n, out);
+            let rows = &data[r0 * nb..(r0 + nr) * nb];
+            #[cfg(target_arch = "x86_64")]
+            if n >= TILE && x86_512::available() {
+                // SAFETY: the CPU has the features `available` checks, the function's only
+                // requirement; it bounds-checks its slices.
+                unsafe { x86_512::q4_0_rows(rows, nb, x_q8, n, out) };
+                return;
+            }
+            rows_q4_0(rows, nb, x_q8, n, out);
         }
         Matrix::Q4_1 { data, .. } => {
             let rows = &data[r0 * nb..(r0 + nr) * nb];

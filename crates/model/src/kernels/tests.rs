@@ -337,7 +337,7 @@ fn wide_q4_1_tiles_match_the_256_bit_kernel_bit_for_bit() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 #[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
-fn wide_q8_0_tiles_match_the_256_bit_kernel_bit_for_bit() {
+fn wide_q8_0_and_q4_0_tiles_match_the_256_bit_kernels_bit_for_bit() {
     assert!(
         x86_512::available(),
         "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
@@ -352,29 +352,42 @@ fn wide_q8_0_tiles_match_the_256_bit_kernel_bit_for_bit() {
     for t in 0..n {
         quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
     }
-    let (m, _) = matrix(GgmlType::Q8_0, rows, cols, 29);
-    let Matrix::Q8_0 { data, .. } = &m else {
-        unreachable!("a Q8_0 matrix")
-    };
-    let mut wide = vec![0f32; rows * n];
-    // SAFETY: the features are present (checked above).
-    unsafe { x86_512::q8_0_rows(data, nb, &xq, n, &mut wide) };
-    for r in 0..rows {
-        for t in 0..n {
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0] {
+        let (m, _) = matrix(ty, rows, cols, 29);
+        let mut wide = vec![0f32; rows * n];
+        let one_row = |r: usize, t: usize| {
             let mut one = [0f32; 1];
+            let act: [&[BlockQ8_1]; 1] = [&xq[t * nb..(t + 1) * nb]];
             // SAFETY: AVX2 and FMA are present (implied by the check above).
             unsafe {
-                x86::avx2::q8_0(
-                    &data[r * nb..(r + 1) * nb],
-                    &[&xq[t * nb..(t + 1) * nb]],
-                    &mut one,
-                )
+                match &m {
+                    Matrix::Q8_0 { data, .. } => {
+                        x86::avx2::q8_0(&data[r * nb..(r + 1) * nb], &act, &mut one)
+                    }
+                    Matrix::Q4_0 { data, .. } => {
+                        x86::avx2::q4_0(&data[r * nb..(r + 1) * nb], &act, &mut one)
+                    }
+                    _ => unreachable!("a Q8_0 or Q4_0 matrix"),
+                }
             };
-            assert_eq!(
-                wide[r * n + t].to_bits(),
-                one[0].to_bits(),
-                "row {r} token {t}"
-            );
+            one[0]
+        };
+        // SAFETY: the features are present (checked above).
+        unsafe {
+            match &m {
+                Matrix::Q8_0 { data, .. } => x86_512::q8_0_rows(data, nb, &xq, n, &mut wide),
+                Matrix::Q4_0 { data, .. } => x86_512::q4_0_rows(data, nb, &xq, n, &mut wide),
+                _ => unreachable!("a Q8_0 or Q4_0 matrix"),
+            }
+        };
+        for r in 0..rows {
+            for t in 0..n {
+                assert_eq!(
+                    wide[r * n + t].to_bits(),
+                    one_row(r, t).to_bits(),
+                    "{ty:?} row {r} token {t}"
+                );
+            }
         }
     }
 }

@@ -1,8 +1,9 @@
-//! Register-tiled Q4_1, Q8_0, Q5_0 and Q5_1 products for CPUs with AVX-512 VNNI, two
+//! Register-tiled Q4_1, Q8_0, Q4_0, Q5_0 and Q5_1 products for CPUs with AVX-512 VNNI, two
 //! tokens per 512-bit register (token `2k` in the low half, `2k + 1` in the high half).
 //! Prefill: Q4_1 as a micro-tile of [`ROWS`] weight rows × two tiles of 4 tokens (one at the
 //! end when the count is odd), each weight block unpacked once for eight tokens and each
-//! activation pair loaded once for [`ROWS`] rows; Q8_0 as [`ROWS_Q8_Q5`] rows × one tile,
+//! activation pair loaded once for [`ROWS`] rows; Q8_0 and Q4_0 as [`ROWS_Q8_Q5`] rows × one
+//! tile,
 //! Q5_0 and Q5_1 as half as many rows × two tiles (one tile at the end, with all the rows),
 //! each activation pair loaded once for all the micro-tile's rows.
 //!
@@ -11,10 +12,10 @@
 //! same `m_w * s_a` running sum and final reduction), so results are bit-identical to them,
 //! and so to llama.cpp: the wider registers only run two tokens' lanes side by side.
 //!
-//! Q8_0 and Q5_0 have signed weights, which `dpbusd` (unsigned × signed bytes) cannot take
-//! directly. Instead of the 256-bit kernels' sign trick (one extra instruction per row and
-//! token pair), the weights go in unsigned with an offset (`w + 128`, or Q5_0's raw `q`
-//! for `q - 16`), and each lane starts from minus the offset times its four activations'
+//! Q8_0, Q4_0 and Q5_0 have signed weights, which `dpbusd` (unsigned × signed bytes) cannot
+//! take directly. Instead of the 256-bit kernels' sign trick (one extra instruction per row
+//! and token pair), the weights go in unsigned with an offset (`w + 128`, or Q4_0's and
+//! Q5_0's raw `q` for `q - 8` and `q - 16`), and each lane starts from minus the offset times its four activations'
 //! sum, computed once per token pair for all rows. Integer sums are exact, so each lane
 //! ends on exactly the 256-bit kernel's `i32` (for activations in -127..=127, which is what
 //! Q8_1 quantization gives and what the sign trick needs as well).
@@ -23,7 +24,7 @@ use std::arch::x86_64::*;
 
 use super::x86::{hsum, unpack_nibbles};
 use super::TILE;
-use crate::weights::{BlockQ4_1, BlockQ8_0, BlockQ8_1};
+use crate::weights::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
 
 /// Weight rows per micro-tile: 4 rows × 2 token pairs = 8 accumulators, well within the 32
 /// vector registers.
@@ -278,7 +279,48 @@ fn finish(acc01: __m512, acc23: __m512, summs: Option<__m128>) -> [f32; TILE] {
     out
 }
 
-/// Q8_0: as [`q4_1_rows`] (whole tiles through [`q8_0_tile`], [`ROWS_Q8_Q5`] rows at a
+/// A weight block whose values go into `dpbusd` unsigned, as `w + OFFSET`: Q8_0 (signed
+/// bytes, offset 128 by flipping the sign bit) and Q4_0 (nibbles `q` for `q - 8`).
+trait OffsetBlock: Sync {
+    const OFFSET: i8;
+    fn scale(&self) -> f32;
+    /// The block's 32 values plus [`Self::OFFSET`], in both halves of a register.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F and AVX2 (the callers' features).
+    unsafe fn unsigned(&self) -> __m512i;
+}
+
+impl OffsetBlock for BlockQ8_0 {
+    // -128 as a byte is 0x80: adding it is flipping each value's sign bit.
+    const OFFSET: i8 = -128;
+    fn scale(&self) -> f32 {
+        self.d
+    }
+    #[inline(always)]
+    unsafe fn unsigned(&self) -> __m512i {
+        // SAFETY: `qs` is 32 readable bytes and `loadu` has no alignment requirement; the
+        // caller guarantees the CPU features.
+        unsafe {
+            let q = _mm256_loadu_si256(self.qs.as_ptr() as *const __m256i);
+            _mm512_xor_si512(_mm512_broadcast_i64x4(q), _mm512_set1_epi8(Self::OFFSET))
+        }
+    }
+}
+
+impl OffsetBlock for BlockQ4_0 {
+    const OFFSET: i8 = 8;
+    fn scale(&self) -> f32 {
+        self.d
+    }
+    #[inline(always)]
+    unsafe fn unsigned(&self) -> __m512i {
+        // SAFETY: the caller guarantees the CPU features `unpack_nibbles` needs.
+        unsafe { _mm512_broadcast_i64x4(unpack_nibbles(&self.qs)) }
+    }
+}
+
+/// Q8_0: as [`q4_1_rows`] (whole tiles through [`offset_tile`], [`ROWS_Q8_Q5`] rows at a
 /// time, then leftover rows one at a time; the tokens after the last tile through the
 /// 256-bit kernel).
 ///
@@ -286,6 +328,46 @@ fn finish(acc01: __m512, acc23: __m512, summs: Option<__m128>) -> [f32; TILE] {
 /// The CPU must support the features [`available`] checks. Slices are bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
 pub unsafe fn q8_0_rows(w: &[BlockQ8_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
+    let done = offset_tiles(w, nb, x, n, out);
+    let acts = leftover_tokens(x, nb, done, n);
+    if n > done {
+        for (r, row) in w.chunks_exact(nb).enumerate() {
+            // SAFETY: AVX2, FMA, AVX-512 VNNI and VL are among this function's features.
+            unsafe {
+                super::x86::vnni::q8_0(row, &acts[..n - done], &mut out[r * n + done..(r + 1) * n])
+            };
+        }
+    }
+}
+
+/// Q4_0: as [`q8_0_rows`].
+///
+/// # Safety
+/// The CPU must support the features [`available`] checks. Slices are bounds-checked.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
+pub unsafe fn q4_0_rows(w: &[BlockQ4_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
+    let done = offset_tiles(w, nb, x, n, out);
+    let acts = leftover_tokens(x, nb, done, n);
+    if n > done {
+        for (r, row) in w.chunks_exact(nb).enumerate() {
+            // SAFETY: AVX2, FMA, AVX-512 VNNI and VL are among this function's features.
+            unsafe {
+                super::x86::vnni::q4_0(row, &acts[..n - done], &mut out[r * n + done..(r + 1) * n])
+            };
+        }
+    }
+}
+
+/// The whole tiles of [`q8_0_rows`] or [`q4_0_rows`]; returns the tokens done.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
+fn offset_tiles<B: OffsetBlock>(
+    w: &[B],
+    nb: usize,
+    x: &[BlockQ8_1],
+    n: usize,
+    out: &mut [f32],
+) -> usize {
     let nr = w.len() / nb;
     let tiles = n / TILE;
     let pair01 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -296,58 +378,46 @@ pub unsafe fn q8_0_rows(w: &[BlockQ8_0], nb: usize, x: &[BlockQ8_1], n: usize, o
             std::array::from_fn(|j| &x[(t0 + j) * nb..(t0 + j + 1) * nb]);
         let mut r = 0;
         while r + ROWS_Q8_Q5 <= nr {
-            let rows: [&[BlockQ8_0]; ROWS_Q8_Q5] =
+            let rows: [&[B]; ROWS_Q8_Q5] =
                 std::array::from_fn(|i| &w[(r + i) * nb..(r + i + 1) * nb]);
-            let res = q8_0_tile::<ROWS_Q8_Q5>(rows, acts, pair01, pair23);
+            let res = offset_tile::<B, ROWS_Q8_Q5>(rows, acts, pair01, pair23);
             for (i, row) in res.iter().enumerate() {
                 out[(r + i) * n + t0..(r + i) * n + t0 + TILE].copy_from_slice(row);
             }
             r += ROWS_Q8_Q5;
         }
         while r < nr {
-            let res = q8_0_tile::<1>([&w[r * nb..(r + 1) * nb]], acts, pair01, pair23);
+            let res = offset_tile::<B, 1>([&w[r * nb..(r + 1) * nb]], acts, pair01, pair23);
             out[r * n + t0..r * n + t0 + TILE].copy_from_slice(&res[0]);
             r += 1;
         }
     }
-    let whole = tiles * TILE;
-    let acts = leftover_tokens(x, nb, whole, n);
-    let k = n - whole;
-    if k > 0 {
-        for (r, row) in w.chunks_exact(nb).enumerate() {
-            // SAFETY: AVX2, FMA, AVX-512 VNNI and VL are among this function's features.
-            unsafe {
-                super::x86::vnni::q8_0(row, &acts[..k], &mut out[r * n + whole..(r + 1) * n])
-            };
-        }
-    }
+    tiles * TILE
 }
 
-/// `R` Q8_0 rows against one whole tile of 4 tokens: `[row][token]`. Weights go in as
-/// `w + 128` (a sign-bit flip), the lanes starting at `-128 · Σa`.
+/// `R` rows against one whole tile of 4 tokens: `[row][token]`. Weights go in as
+/// `w + OFFSET`, the lanes starting at `-OFFSET · Σa`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-fn q8_0_tile<const R: usize>(
-    rows: [&[BlockQ8_0]; R],
+fn offset_tile<B: OffsetBlock, const R: usize>(
+    rows: [&[B]; R],
     acts: [&[BlockQ8_1]; TILE],
     pair01: __m512i,
     pair23: __m512i,
 ) -> [[f32; TILE]; R] {
     let mut acc01 = [_mm512_setzero_ps(); R];
     let mut acc23 = [_mm512_setzero_ps(); R];
-    let k128 = _mm512_set1_epi8(-128);
-    let flip = k128;
+    let offset = _mm512_set1_epi8(B::OFFSET);
     for i in 0..rows[0].len() {
         let (a01, a23) = act_pairs(&acts, i);
         let dv = _mm_setr_ps(acts[0][i].d, acts[1][i].d, acts[2][i].d, acts[3][i].d);
         let (da01, da23) = spread(dv, pair01, pair23);
-        let (c01, c23) = (offset_start(k128, a01), offset_start(k128, a23));
+        let (c01, c23) = (offset_start(offset, a01), offset_start(offset, a23));
         for r in 0..R {
             let wb = &rows[r][i];
-            // SAFETY: `qs` is 32 readable bytes; `loadu` has no alignment requirement.
-            let wq = unsafe { _mm256_loadu_si256(wb.qs.as_ptr() as *const __m256i) };
-            let wu = _mm512_xor_si512(_mm512_broadcast_i64x4(wq), flip);
-            let dw = _mm512_set1_ps(wb.d);
+            // SAFETY: this function has the features `unsigned` needs.
+            let wu = unsafe { wb.unsigned() };
+            let dw = _mm512_set1_ps(wb.scale());
             let p01 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c01, wu, a01));
             let p23 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c23, wu, a23));
             acc01[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da01), p01, acc01[r]);
