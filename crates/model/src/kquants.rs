@@ -32,10 +32,11 @@ macro_rules! with_tile_lanes {
     };
 }
 
-/// Q4_K's or Q6_K's rows: whole tiles of tokens through the 512-bit register tiles where
-/// the CPU has them, the rest through [`QuantFormat::dot_tile`].
+/// A super-block format's rows (Q2_K, Q3_K, Q4_K, Q6_K): whole tiles of tokens through
+/// the 512-bit register tiles where the CPU has them, the rest through
+/// [`QuantFormat::dot_tile`].
 #[inline(always)]
-fn k_quant_matrix_rows<F: QuantFormat<Act = BlockQ8K>>(
+pub(crate) fn k_quant_matrix_rows<F: QuantFormat<Act = BlockQ8K>>(
     w: &[u8],
     row_bytes: usize,
     x: &[BlockQ8K],
@@ -46,11 +47,18 @@ fn k_quant_matrix_rows<F: QuantFormat<Act = BlockQ8K>>(
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if n >= TILE && crate::kernels::wide_available() && simd::has_avx2_fma_f16c() {
-        let six = F::TYPE == GgmlType::Q6_K;
-        // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ, VL,
-        // VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
-        // bounds-checks its slices.
-        done = unsafe { crate::kernels::k_quant_tiles(w, nb, x, n, six, out) };
+        // SAFETY (each call): the CPU has the features `wide_available` checks (AVX-512 F,
+        // BW, DQ, VL, VNNI, with AVX2 and FMA) and F16C, the functions' only requirement;
+        // they bounds-check their slices.
+        done = match F::TYPE {
+            GgmlType::Q4_K | GgmlType::Q6_K => unsafe {
+                crate::kernels::k_quant_tiles(w, nb, x, n, F::TYPE == GgmlType::Q6_K, out)
+            },
+            GgmlType::Q2_K | GgmlType::Q3_K => unsafe {
+                crate::kernels::low_k_quant_tiles(w, nb, x, n, F::TYPE == GgmlType::Q2_K, out)
+            },
+            _ => 0,
+        };
     }
     tokens_by_tiles::<F>(w, row_bytes, x, nb, n, done, out);
 }

@@ -10,36 +10,12 @@
 
 use gguf::{GgmlType, QK_K};
 
-use crate::quant::{f16_at, tokens_by_tiles, BlockQ8K, QuantFormat, TILE};
+use crate::quant::{f16_at, BlockQ8K, QuantFormat};
 
 /// Bytes of one Q2_K super-block.
 const Q2_K_BYTES: usize = 84;
 /// Bytes of one Q3_K super-block.
 const Q3_K_BYTES: usize = 110;
-
-/// Q2_K's (`two`) or Q3_K's rows: whole tiles of tokens through the 512-bit register tiles
-/// of `kernels/x86_512_low_kquants.rs` where the CPU has them, the rest through
-/// [`QuantFormat::dot_tile`].
-#[inline(always)]
-fn low_k_quant_matrix_rows<F: QuantFormat<Act = BlockQ8K>>(
-    w: &[u8],
-    row_bytes: usize,
-    x: &[BlockQ8K],
-    nb: usize,
-    n: usize,
-    out: &mut [f32],
-) {
-    let mut done = 0;
-    #[cfg(target_arch = "x86_64")]
-    if n >= TILE && crate::kernels::wide_available() && crate::quant::simd::has_avx2_fma_f16c() {
-        let two = F::TYPE == GgmlType::Q2_K;
-        // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ, VL,
-        // VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
-        // bounds-checks its slices.
-        done = unsafe { crate::kernels::low_k_quant_tiles(w, nb, x, n, two, out) };
-    }
-    tokens_by_tiles::<F>(w, row_bytes, x, nb, n, done, out);
-}
 
 /// llama.cpp's `hsum_float_8`: the order in which its AVX2 kernels add their eight lanes.
 pub(crate) fn hsum8(acc: [f32; 8]) -> f32 {
@@ -116,7 +92,7 @@ impl QuantFormat for Q2K {
 
     #[inline(always)]
     fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8K], nb: usize, n: usize, out: &mut [f32]) {
-        low_k_quant_matrix_rows::<Self>(w, row_bytes, x, nb, n, out);
+        crate::kquants::k_quant_matrix_rows::<Self>(w, row_bytes, x, nb, n, out);
     }
 
     #[inline(always)]
@@ -177,7 +153,7 @@ impl QuantFormat for Q3K {
 
     #[inline(always)]
     fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8K], nb: usize, n: usize, out: &mut [f32]) {
-        low_k_quant_matrix_rows::<Self>(w, row_bytes, x, nb, n, out);
+        crate::kquants::k_quant_matrix_rows::<Self>(w, row_bytes, x, nb, n, out);
     }
 
     #[inline(always)]
