@@ -64,18 +64,15 @@ pub unsafe fn q4_1_rows(
     } else {
         0
     };
-    // Lane indices that spread tile scales [d0 d1 d2 d3] into [d0 x8, d1 x8] and [d2 x8, d3 x8].
-    let pair01 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    let pair23 = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
     let mut tile = 0;
     while tile < tiles {
         // Two tiles at once where there are two: each weight block is unpacked once for
         // eight tokens instead of four (the per-lane arithmetic is unchanged).
         if tile + 2 <= tiles {
-            tile_pass::<2>(w, nb, nr, x, scales, n, tile, pair01, pair23, out);
+            tile_pass::<2>(w, nb, nr, x, scales, n, tile, out);
             tile += 2;
         } else {
-            tile_pass::<1>(w, nb, nr, x, scales, n, tile, pair01, pair23, out);
+            tile_pass::<1>(w, nb, nr, x, scales, n, tile, out);
             tile += 1;
         }
     }
@@ -106,8 +103,6 @@ fn tile_pass<const P: usize>(
     scales: &[[f32; 2 * TILE]],
     n: usize,
     tile: usize,
-    pair01: __m512i,
-    pair23: __m512i,
     out: &mut [f32],
 ) {
     let t0 = tile * TILE;
@@ -120,7 +115,7 @@ fn tile_pass<const P: usize>(
     while r + ROWS <= nr {
         let rows: [&[BlockQ4_1]; ROWS] =
             std::array::from_fn(|i| &w[(r + i) * nb..(r + i + 1) * nb]);
-        let res = micro_tile::<ROWS, P>(rows, acts, sc, pair01, pair23);
+        let res = micro_tile::<ROWS, P>(rows, acts, sc);
         for (i, row) in res.iter().enumerate() {
             for (p, part) in row.iter().enumerate() {
                 let at = (r + i) * n + t0 + p * TILE;
@@ -130,7 +125,7 @@ fn tile_pass<const P: usize>(
         r += ROWS;
     }
     while r < nr {
-        let res = micro_tile::<1, P>([&w[r * nb..(r + 1) * nb]], acts, sc, pair01, pair23);
+        let res = micro_tile::<1, P>([&w[r * nb..(r + 1) * nb]], acts, sc);
         for (p, part) in res[0].iter().enumerate() {
             let at = r * n + t0 + p * TILE;
             out[at..at + TILE].copy_from_slice(part);
@@ -146,75 +141,90 @@ fn micro_tile<const R: usize, const P: usize>(
     rows: [&[BlockQ4_1]; R],
     acts: [[&[BlockQ8_1]; TILE]; P],
     scales: [&[[f32; 2 * TILE]]; P],
-    pair01: __m512i,
-    pair23: __m512i,
 ) -> [[[f32; TILE]; P]; R] {
-    let mut acc01 = [[_mm512_setzero_ps(); P]; R];
-    let mut acc23 = [[_mm512_setzero_ps(); P]; R];
-    let mut summs = [[_mm_setzero_ps(); P]; R];
+    let mut acc = [[_mm512_setzero_ps(); PAIRS]; R];
+    let mut summs = [_mm256_setzero_ps(); R];
     let zero = _mm512_setzero_si512();
     let nb = rows.first().map_or(0, |r| r.len());
     for i in 0..nb {
-        let mut sv = [_mm_setzero_ps(); P];
-        let mut a01 = [zero; P];
-        let mut a23 = [zero; P];
-        let mut da01 = [_mm512_setzero_ps(); P];
-        let mut da23 = [_mm512_setzero_ps(); P];
+        let mut a = [zero; PAIRS];
         for p in 0..P {
-            let sc = &scales[p][i];
-            let acts = &acts[p];
-            // SAFETY: `sc` is 8 readable f32 and each activation's `qs` 32 readable bytes;
-            // unaligned loads are allowed.
-            let dv = unsafe {
-                let load = |a: &BlockQ8_1| _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
-                sv[p] = _mm_loadu_ps(sc.as_ptr().add(4));
-                a01[p] = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(load(&acts[0][i])),
-                    load(&acts[1][i]),
-                    1,
-                );
-                a23[p] = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(load(&acts[2][i])),
-                    load(&acts[3][i]),
-                    1,
-                );
-                _mm512_castps128_ps512(_mm_loadu_ps(sc.as_ptr()))
-            };
-            da01[p] = _mm512_permutexvar_ps(pair01, dv);
-            da23[p] = _mm512_permutexvar_ps(pair23, dv);
+            (a[2 * p], a[2 * p + 1]) = act_pairs(&acts[p], i);
         }
+        let (d, _) = tile_pair_scales::<P>(&scales, i);
         for r in 0..R {
             let wb = &rows[r][i];
             let wq = _mm512_broadcast_i64x4(unpack_nibbles(&wb.qs));
-            let dw = _mm512_set1_ps(wb.d);
-            let m = _mm_set1_ps(wb.m);
-            for p in 0..P {
-                summs[r][p] = _mm_add_ps(summs[r][p], _mm_mul_ps(m, sv[p]));
-                let p01 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, wq, a01[p]));
-                let p23 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, wq, a23[p]));
-                acc01[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da01[p]), p01, acc01[r][p]);
-                acc23[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da23[p]), p23, acc23[r][p]);
+            let products = _mm512_mul_ps(_mm512_set1_ps(wb.d), d);
+            for k in 0..2 * P {
+                let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, wq, a[k]));
+                acc[r][k] = _mm512_fmadd_ps(pair_products(products, k), sums, acc[r][k]);
             }
+        }
+    }
+    // The minimums' running sums apart from the products: the same additions in the same
+    // order, without holding `R` more registers through the loop above.
+    for i in 0..nb {
+        let (_, s) = tile_pair_scales::<P>(&scales, i);
+        for r in 0..R {
+            summs[r] = _mm256_add_ps(summs[r], _mm256_mul_ps(_mm256_set1_ps(rows[r][i].m), s));
         }
     }
     let mut out = [[[0f32; TILE]; P]; R];
     for r in 0..R {
+        let halves = [
+            _mm256_castps256_ps128(summs[r]),
+            _mm256_extractf128_ps::<1>(summs[r]),
+        ];
         for p in 0..P {
-            let mut s = [0f32; TILE];
-            // SAFETY: `s` is 4 writable f32.
-            unsafe { _mm_storeu_ps(s.as_mut_ptr(), summs[r][p]) };
-            let halves = [
-                _mm512_castps512_ps256(acc01[r][p]),
-                _mm512_extractf32x8_ps(acc01[r][p], 1),
-                _mm512_castps512_ps256(acc23[r][p]),
-                _mm512_extractf32x8_ps(acc23[r][p], 1),
-            ];
-            for t in 0..TILE {
-                out[r][p][t] = hsum(halves[t]) + s[t];
-            }
+            out[r][p] = finish(acc[r][2 * p], acc[r][2 * p + 1], Some(halves[p]));
         }
     }
     out
+}
+
+/// Token pairs of the widest pass (two tiles).
+const PAIRS: usize = 2 * 2;
+
+/// Block `i`'s activation scales of `P` tiles (tokens `0..4P`), laid out for
+/// [`pair_products`] as `[d0 d2 d4 d6, d0 d2 d4 d6, d1 d3 d5 d7, d1 d3 d5 d7]`, and their
+/// `s` in token order. One multiply by `d_w` then gives every token pair's `d_w * d_a`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
+fn tile_pair_scales<const P: usize>(
+    scales: &[&[[f32; 2 * TILE]]; P],
+    i: usize,
+) -> (__m512, __m256) {
+    let first = &scales[0][i];
+    // SAFETY: each entry is 8 readable f32 (`d` of the tile's 4 tokens, then `s`).
+    let (d, s) = unsafe {
+        let d0 = _mm_loadu_ps(first.as_ptr());
+        let s0 = _mm_loadu_ps(first.as_ptr().add(TILE));
+        if P == 2 {
+            let second = &scales[P - 1][i];
+            let d1 = _mm_loadu_ps(second.as_ptr());
+            let s1 = _mm_loadu_ps(second.as_ptr().add(TILE));
+            (_mm256_set_m128(d1, d0), _mm256_set_m128(s1, s0))
+        } else {
+            (_mm256_castps128_ps256(d0), _mm256_castps128_ps256(s0))
+        }
+    };
+    let by_pair = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7);
+    (_mm512_permutexvar_ps(by_pair, _mm512_castps256_ps512(d)), s)
+}
+
+/// Token pair `k`'s products `[p_2k x8, p_2k+1 x8]` out of a [`tile_pair_scales`] layout
+/// times `d_w`: one in-lane shuffle, which runs beside the multiply-adds (on Zen 5 a
+/// separate multiply per pair held the tile at 1.5 cycles a pair, the shuffle at 1.05).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
+fn pair_products(products: __m512, k: usize) -> __m512 {
+    match k {
+        0 => _mm512_shuffle_ps::<0x00>(products, products),
+        1 => _mm512_shuffle_ps::<0x55>(products, products),
+        2 => _mm512_shuffle_ps::<0xAA>(products, products),
+        _ => _mm512_shuffle_ps::<0xFF>(products, products),
+    }
 }
 
 /// Tokens `2k` and `2k + 1` of a tile: block `i` of each, in the low and high halves.
