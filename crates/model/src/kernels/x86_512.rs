@@ -146,19 +146,24 @@ fn micro_tile<const R: usize, const P: usize>(
     let mut summs = [_mm256_setzero_ps(); R];
     let zero = _mm512_setzero_si512();
     let nb = rows.first().map_or(0, |r| r.len());
+    let mask = _mm512_set1_epi8(0x0f);
+    let shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
     for i in 0..nb {
         let mut a = [zero; PAIRS];
         for p in 0..P {
             (a[2 * p], a[2 * p + 1]) = act_pairs(&acts[p], i);
         }
         let (d, _) = tile_pair_scales::<P>(&scales, i);
-        for r in 0..R {
-            let wb = &rows[r][i];
-            let wq = _mm512_broadcast_i64x4(unpack_nibbles(&wb.qs));
+        for (row, acc) in rows.iter().zip(acc.iter_mut()) {
+            let wb = &row[i];
+            // SAFETY: `qs` is 16 readable bytes; the load is unaligned.
+            let q = unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(wb.qs.as_ptr().cast())) };
+            // Low nibbles (elements 0..16) in each half's low 128 bits, high ones above.
+            let wq = _mm512_and_si512(_mm512_srlv_epi64(q, shifts), mask);
             let products = _mm512_mul_ps(_mm512_set1_ps(wb.d), d);
             for k in 0..2 * P {
                 let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, wq, a[k]));
-                acc[r][k] = _mm512_fmadd_ps(pair_products(products, k), sums, acc[r][k]);
+                acc[k] = _mm512_fmadd_ps(pair_products(products, k), sums, acc[k]);
             }
         }
     }
@@ -166,21 +171,61 @@ fn micro_tile<const R: usize, const P: usize>(
     // order, without holding `R` more registers through the loop above.
     for i in 0..nb {
         let (_, s) = tile_pair_scales::<P>(&scales, i);
-        for r in 0..R {
-            summs[r] = _mm256_add_ps(summs[r], _mm256_mul_ps(_mm256_set1_ps(rows[r][i].m), s));
+        for (row, summs) in rows.iter().zip(summs.iter_mut()) {
+            *summs = _mm256_add_ps(*summs, _mm256_mul_ps(_mm256_set1_ps(row[i].m), s));
         }
     }
     let mut out = [[[0f32; TILE]; P]; R];
     for r in 0..R {
-        let halves = [
-            _mm256_castps256_ps128(summs[r]),
-            _mm256_extractf128_ps::<1>(summs[r]),
-        ];
+        let mut all = [0f32; 2 * TILE];
+        // SAFETY: `all` is 8 writable f32.
+        unsafe { _mm256_storeu_ps(all.as_mut_ptr(), reduce_pairs::<P>(&acc[r], Some(summs[r]))) };
         for p in 0..P {
-            out[r][p] = finish(acc[r][2 * p], acc[r][2 * p + 1], Some(halves[p]));
+            out[r][p].copy_from_slice(&all[p * TILE..(p + 1) * TILE]);
         }
     }
     out
+}
+
+/// The `4P` tokens' results of `2P` pair accumulators `[t_2k | t_2k+1]`, in token order
+/// (lanes past `4P` undefined): each token's eight lanes reduced exactly as the 256-bit
+/// kernels' `hsum` reduces them (high half plus low half, then lanes 0+2 and 1+3, then
+/// those two), plus that token's minimum sum where there is one. The same additions on the
+/// same operands, done for eight tokens at once by shuffling them side by side.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
+fn reduce_pairs<const P: usize>(acc: &[__m512; PAIRS], summs: Option<__m256>) -> __m256 {
+    // Quarters `[t.lo, t.hi]` of each token: lows of tokens 0..4 against their highs.
+    let halves = |a: __m512, b: __m512| {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+        )
+    };
+    let first = halves(acc[0], acc[1]);
+    let second = if P == 2 {
+        halves(acc[2], acc[3])
+    } else {
+        first
+    };
+    // Per 128-bit lane j: [r0 + r2, r1 + r3] of token j, then of token j + 4.
+    let pairs = _mm512_add_ps(
+        _mm512_shuffle_ps::<0b01_00_01_00>(first, second),
+        _mm512_shuffle_ps::<0b11_10_11_10>(first, second),
+    );
+    // Per lane j: token j's sum, then token j + 4's, twice.
+    let sums = _mm512_add_ps(
+        _mm512_shuffle_ps::<0b10_00_10_00>(pairs, pairs),
+        _mm512_shuffle_ps::<0b11_01_11_01>(pairs, pairs),
+    );
+    let in_order = _mm512_castps512_ps256(_mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0),
+        sums,
+    ));
+    match summs {
+        Some(m) => _mm256_add_ps(in_order, m),
+        None => in_order,
+    }
 }
 
 /// Token pairs of the widest pass (two tiles).
