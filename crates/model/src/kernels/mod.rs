@@ -62,7 +62,7 @@ pub fn matmul_group(
             q8_1: x_q8,
             q8_k: &q8_k,
         },
-        // Only the Q4_1 kernel reads them.
+        // Only the 256-bit Q4_1 kernel reads them.
         scales: if ws.iter().any(|w| matches!(w, Matrix::Q4_1 { .. })) {
             tile_scales(x_q8, n, ws[0].cols() / QK)
         } else {
@@ -263,7 +263,7 @@ fn rows_kernel(
             if n >= TILE && x86_512::available() {
                 // SAFETY: the CPU has the features `available` checks, the function's only
                 // requirement; it bounds-checks its slices.
-                unsafe { x86_512::q4_1_rows(rows, nb, x_q8, scales, n, out) };
+                unsafe { x86_512::q4_1_rows(rows, nb, x_q8, n, out) };
                 return;
             }
             rows_q4_1(rows, nb, x_q8, scales, n, out);

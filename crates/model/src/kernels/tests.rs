@@ -305,10 +305,9 @@ fn wide_q4_1_tiles_match_the_256_bit_kernel_bit_for_bit() {
     let Matrix::Q4_1 { data, .. } = &m else {
         unreachable!("a Q4_1 matrix")
     };
-    let scales = tile_scales(&xq, n, nb);
     let mut wide = vec![0f32; rows * n];
     // SAFETY: the features are present (checked above).
-    unsafe { x86_512::q4_1_rows(data, nb, &xq, &scales, n, &mut wide) };
+    unsafe { x86_512::q4_1_rows(data, nb, &xq, n, &mut wide) };
     for r in 0..rows {
         for t in 0..n {
             let mut one = [0f32; 1];
@@ -342,7 +341,7 @@ fn wide_q8_0_and_q4_0_tiles_match_the_256_bit_kernels_bit_for_bit() {
         x86_512::available(),
         "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
     );
-    let (rows, cols, n) = (x86_512::ROWS_Q8_Q5 * 2 + 3, 256, 3 * TILE + 3);
+    let (rows, cols, n) = (x86_512::ROWS * 2 + 3, 256, 3 * TILE + 3);
     let nb = cols / QK;
     let mut s = 23u64;
     let x: Vec<f32> = (0..n * cols)

@@ -1,190 +1,444 @@
-//! Register-tiled Q4_1, Q8_0, Q4_0, Q5_0 and Q5_1 products for CPUs with AVX-512 VNNI, two
-//! tokens per 512-bit register (token `2k` in the low half, `2k + 1` in the high half).
-//! Prefill: Q4_1 as a micro-tile of [`ROWS`] weight rows × two tiles of 4 tokens (one at the
-//! end when the count is odd), each weight block unpacked once for eight tokens and each
-//! activation pair loaded once for [`ROWS`] rows; Q8_0 and Q4_0 as [`ROWS_Q8_Q5`] rows × one
-//! tile,
-//! Q5_0 and Q5_1 as half as many rows × two tiles (one tile at the end, with all the rows),
-//! each activation pair loaded once for all the micro-tile's rows.
+//! Register-tiled products of the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+//! for CPUs with AVX-512 VNNI: a micro-tile of [`ROWS`] weight rows × a pass of two tiles of
+//! 4 tokens (one tile at the end when the count is odd), two tokens per 512-bit register
+//! (token `2k` in the low half, `2k + 1` in the high half). Each weight block is unpacked
+//! once for the pass's tokens, each activation pair loaded once for the micro-tile's rows.
+//! One generic tile serves every format; [`PairBlock`] is all that differs.
 //!
 //! Every lane does exactly what the 256-bit kernels do for its token (the same `dpbusd`
 //! sums, the same `d_w * d_a` product, the same fused multiply-add into the same lane, the
 //! same `m_w * s_a` running sum and final reduction), so results are bit-identical to them,
 //! and so to llama.cpp: the wider registers only run two tokens' lanes side by side.
 //!
-//! Q8_0, Q4_0 and Q5_0 have signed weights, which `dpbusd` (unsigned × signed bytes) cannot
-//! take directly. Instead of the 256-bit kernels' sign trick (one extra instruction per row
-//! and token pair), the weights go in unsigned with an offset (`w + 128`, or Q4_0's and
-//! Q5_0's raw `q` for `q - 8` and `q - 16`), and each lane starts from minus the offset times its four activations'
-//! sum, computed once per token pair for all rows. Integer sums are exact, so each lane
-//! ends on exactly the 256-bit kernel's `i32` (for activations in -127..=127, which is what
-//! Q8_1 quantization gives and what the sign trick needs as well).
+//! Where the time goes (Zen 5, measured with instruction loops): `dpbusd`, the
+//! multiply-add and a plain multiply share two pipes, the int-to-float conversion and
+//! shuffles run on two others. So the per-pair scale product `d_w * d_a` is not a multiply
+//! per row and token pair: one multiply per row and block makes every pair's product at
+//! once (the activation scales laid out by [`PassScales`]), and an in-lane shuffle picks
+//! each pair's (1.05 cycles a pair against 1.5).
+//!
+//! Signed weights (Q8_0, Q4_0, Q5_0) cannot go into `dpbusd` (unsigned × signed bytes)
+//! directly. Instead of the 256-bit kernels' sign trick (one extra instruction per row and
+//! token pair), they go in unsigned with an offset (`w + 128`, or Q4_0's and Q5_0's raw `q`
+//! for `q - 8` and `q - 16`), and each lane starts from minus the offset times its four
+//! activations' sum, computed once per token pair for all rows. Integer sums are exact, so
+//! each lane ends on exactly the 256-bit kernel's `i32` (for activations in -127..=127,
+//! which is what Q8_1 quantization gives and what the sign trick needs as well).
 
 use std::arch::x86_64::*;
 
-use super::x86::{hsum, unpack_nibbles};
 use super::TILE;
 use crate::weights::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
 
-/// Weight rows per micro-tile: 4 rows × 2 token pairs = 8 accumulators, well within the 32
-/// vector registers.
+/// Weight rows per micro-tile: 4 rows × 4 token pairs = 16 accumulators, with the pairs'
+/// activations (and offsets) still within the 32 vector registers. Measured on Zen 5 for
+/// Q4_1: 3, 5 and 6 rows were 3-7% slower.
 pub const ROWS: usize = 4;
 
-/// Weight rows per one-tile micro-tile of the Q8_0, Q5_0 and Q5_1 kernels (half as many
-/// for Q5's two-tile passes): 8 rows × 2 token pairs = 16 accumulators, with the pairs'
-/// activations, offsets and scales still within the 32 registers. On Zen 4 (512-bit
-/// operations split in two) 8 rows gave Q8_0 prefill ~8% and the Q5_0 kernel ~13% over 4,
-/// by sharing each activation pair's loads, offsets and scales more widely; Q5's unpacking
-/// costs more than Q8_0's, so there two tiles × 4 rows did a little better again.
-pub const ROWS_Q8_Q5: usize = 8;
+/// Token pairs of a pass of two tiles.
+const PAIRS: usize = TILE;
 
-/// Whether this CPU runs [`q4_1_rows`].
+/// Whether this CPU runs the kernels here.
 pub fn available() -> bool {
-    super::features().wide
+    let f = super::features();
+    f.wide && f.f16c
 }
 
-/// `out[r * n + t] = dot(w[r], x[t])` for the `nr` rows of `w` (`nb` blocks each) and all
-/// `n` tokens; `scales` are the tiles' [`super::tile_scales`] (empty when `n < TILE`).
-/// Whole tiles of tokens go through [`micro_tile`].
+/// A weight block format as the pair tiles need it.
+pub(super) trait PairBlock: Sync {
+    /// What [`Self::unsigned`] adds to each signed value (0: the values are unsigned).
+    const OFFSET: i8;
+    /// Whether the format has a minimum (`m_w * s_a`, summed apart: ggml's `summs`).
+    const MIN: bool;
+    /// Whether the 256-bit kernel adds a minimum sum to the result, even a zero one (Q5_0
+    /// does): adding `0.0` can turn `-0.0` into `0.0`, so it is done here too.
+    const ADDS_MIN_SUM: bool;
+    /// `(d_w, m_w)`; `m_w` unused without [`Self::MIN`].
+    ///
+    /// # Safety
+    /// The CPU must support the features [`available`] checks.
+    unsafe fn scales(&self) -> (f32, f32);
+    /// The block's 32 values plus [`Self::OFFSET`] as unsigned bytes, in element order, in
+    /// both halves of a register.
+    ///
+    /// # Safety
+    /// The CPU must support the features [`available`] checks.
+    unsafe fn unsigned(&self) -> __m512i;
+}
+
+/// 16 packed nibbles → 32 bytes in element order (low nibbles are elements 0..16), in both
+/// halves: one variable shift for all four quarters.
+#[inline(always)]
+unsafe fn nibbles(qs: &[u8; 16]) -> __m512i {
+    // SAFETY: `qs` is 16 readable bytes (unaligned load); the caller guarantees AVX-512 F.
+    unsafe {
+        let q = _mm512_broadcast_i32x4(_mm_loadu_si128(qs.as_ptr().cast()));
+        let shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
+        _mm512_and_si512(_mm512_srlv_epi64(q, shifts), _mm512_set1_epi8(0x0f))
+    }
+}
+
+impl PairBlock for BlockQ4_1 {
+    const OFFSET: i8 = 0;
+    const MIN: bool = true;
+    const ADDS_MIN_SUM: bool = true;
+    #[inline(always)]
+    unsafe fn scales(&self) -> (f32, f32) {
+        (self.d, self.m)
+    }
+    #[inline(always)]
+    unsafe fn unsigned(&self) -> __m512i {
+        // SAFETY: the caller guarantees the CPU features.
+        unsafe { nibbles(&self.qs) }
+    }
+}
+
+impl PairBlock for BlockQ4_0 {
+    const OFFSET: i8 = 8;
+    const MIN: bool = false;
+    const ADDS_MIN_SUM: bool = false;
+    #[inline(always)]
+    unsafe fn scales(&self) -> (f32, f32) {
+        (self.d, 0.0)
+    }
+    #[inline(always)]
+    unsafe fn unsigned(&self) -> __m512i {
+        // SAFETY: the caller guarantees the CPU features.
+        unsafe { nibbles(&self.qs) }
+    }
+}
+
+impl PairBlock for BlockQ8_0 {
+    // -128 as a byte is 0x80: adding it is flipping each value's sign bit.
+    const OFFSET: i8 = -128;
+    const MIN: bool = false;
+    const ADDS_MIN_SUM: bool = false;
+    #[inline(always)]
+    unsafe fn scales(&self) -> (f32, f32) {
+        (self.d, 0.0)
+    }
+    #[inline(always)]
+    unsafe fn unsigned(&self) -> __m512i {
+        // SAFETY: `qs` is 32 readable bytes and `loadu` has no alignment requirement; the
+        // caller guarantees the CPU features.
+        unsafe {
+            let q = _mm256_loadu_si256(self.qs.as_ptr() as *const __m256i);
+            _mm512_xor_si512(_mm512_broadcast_i64x4(q), _mm512_set1_epi8(Self::OFFSET))
+        }
+    }
+}
+
+/// Two little-endian f16 values as f32, in one conversion.
+#[inline(always)]
+unsafe fn f16_pair(bytes: [u8; 4]) -> (f32, f32) {
+    // SAFETY: the caller guarantees F16C.
+    unsafe {
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes(bytes)));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+    }
+}
+
+/// The fifth bits `qh` (bit j: element j) added to the nibbles as 16.
+#[inline(always)]
+unsafe fn five_bits(qh: [u8; 4], qs: &[u8; 16]) -> __m512i {
+    let qh = u32::from_le_bytes(qh);
+    let bits = u64::from(qh) | u64::from(qh) << 32;
+    // SAFETY: the caller guarantees AVX-512 F and BW.
+    unsafe {
+        let n = nibbles(qs);
+        _mm512_mask_add_epi8(n, bits, n, _mm512_set1_epi8(16))
+    }
+}
+
+/// A Q5_0 block as ggml stores it: f16 `d`, 4 bytes of fifth bits, 16 of nibbles.
+impl PairBlock for [u8; 22] {
+    const OFFSET: i8 = 16;
+    const MIN: bool = false;
+    const ADDS_MIN_SUM: bool = true;
+    #[inline(always)]
+    unsafe fn scales(&self) -> (f32, f32) {
+        // SAFETY: the caller guarantees F16C.
+        unsafe { f16_pair([self[0], self[1], 0, 0]) }
+    }
+    #[inline(always)]
+    unsafe fn unsigned(&self) -> __m512i {
+        let (qh, qs) = (self[2..6].try_into(), self[6..22].try_into());
+        // SAFETY: the caller guarantees the CPU features.
+        unsafe { five_bits(qh.unwrap_or_default(), &qs.unwrap_or_default()) }
+    }
+}
+
+/// A Q5_1 block as ggml stores it: f16 `d` and `m`, 4 bytes of fifth bits, 16 of nibbles.
+impl PairBlock for [u8; 24] {
+    const OFFSET: i8 = 0;
+    const MIN: bool = true;
+    const ADDS_MIN_SUM: bool = true;
+    #[inline(always)]
+    unsafe fn scales(&self) -> (f32, f32) {
+        // SAFETY: the caller guarantees F16C.
+        unsafe { f16_pair([self[0], self[1], self[2], self[3]]) }
+    }
+    #[inline(always)]
+    unsafe fn unsigned(&self) -> __m512i {
+        let (qh, qs) = (self[4..8].try_into(), self[8..24].try_into());
+        // SAFETY: the caller guarantees the CPU features.
+        unsafe { five_bits(qh.unwrap_or_default(), &qs.unwrap_or_default()) }
+    }
+}
+
+/// Q4_1: `out[r * n + t] = dot(w[r], x[t])` for the rows of `w` (`nb` blocks each) and all
+/// `n` tokens: whole tiles through [`pair_tiles`], the tokens after the last tile through the
+/// 256-bit kernel.
 ///
 /// # Safety
 /// The CPU must support the features [`available`] checks. Slices are bounds-checked.
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-pub unsafe fn q4_1_rows(
-    w: &[BlockQ4_1],
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn q4_1_rows(w: &[BlockQ4_1], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
+    let done = pair_tiles(w, nb, x, n, out);
+    let acts = leftover_tokens(x, nb, done, n);
+    if n > done {
+        for (r, row) in w.chunks_exact(nb).enumerate() {
+            // SAFETY: AVX2 and FMA are among this function's features.
+            let out = &mut out[r * n + done..(r + 1) * n];
+            unsafe { super::x86::vnni::q4_1(row, &acts[..n - done], None, out) };
+        }
+    }
+}
+
+/// Q8_0: as [`q4_1_rows`].
+///
+/// # Safety
+/// The CPU must support the features [`available`] checks. Slices are bounds-checked.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn q8_0_rows(w: &[BlockQ8_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
+    let done = pair_tiles(w, nb, x, n, out);
+    let acts = leftover_tokens(x, nb, done, n);
+    if n > done {
+        for (r, row) in w.chunks_exact(nb).enumerate() {
+            let out = &mut out[r * n + done..(r + 1) * n];
+            // SAFETY: AVX2, FMA, AVX-512 VNNI and VL are among this function's features.
+            unsafe { super::x86::vnni::q8_0(row, &acts[..n - done], out) };
+        }
+    }
+}
+
+/// Q4_0: as [`q4_1_rows`].
+///
+/// # Safety
+/// The CPU must support the features [`available`] checks. Slices are bounds-checked.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn q4_0_rows(w: &[BlockQ4_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
+    let done = pair_tiles(w, nb, x, n, out);
+    let acts = leftover_tokens(x, nb, done, n);
+    if n > done {
+        for (r, row) in w.chunks_exact(nb).enumerate() {
+            let out = &mut out[r * n + done..(r + 1) * n];
+            // SAFETY: AVX2, FMA, AVX-512 VNNI and VL are among this function's features.
+            unsafe { super::x86::vnni::q4_0(row, &acts[..n - done], out) };
+        }
+    }
+}
+
+/// Q5_0 (`with_min` false) or Q5_1 rows (`w` ggml's blocks as bytes, `nb` blocks a row)
+/// against the whole tiles of the `n` tokens, `out[r * n + t]`; returns how many tokens
+/// it did (a multiple of [`TILE`]); the caller does the rest with the 256-bit kernel.
+///
+/// # Safety
+/// The CPU must support the features [`available`] checks. Slices are bounds-checked.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn five_bit_tiles(
+    w: &[u8],
     nb: usize,
     x: &[BlockQ8_1],
-    scales: &[[f32; 2 * TILE]],
+    n: usize,
+    with_min: bool,
+    out: &mut [f32],
+) -> usize {
+    if with_min {
+        pair_tiles(w.as_chunks::<24>().0, nb, x, n, out)
+    } else {
+        pair_tiles(w.as_chunks::<22>().0, nb, x, n, out)
+    }
+}
+
+/// Every row of `w` (`nb` blocks each) against the whole tiles of the `n` tokens,
+/// `out[r * n + t]`; returns the tokens done (a multiple of [`TILE`]).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn pair_tiles<B: PairBlock>(
+    w: &[B],
+    nb: usize,
+    x: &[BlockQ8_1],
     n: usize,
     out: &mut [f32],
-) {
-    let nr = w.len() / nb;
-    let tiles = if scales.len() >= n / TILE * nb {
-        n / TILE
-    } else {
-        0
-    };
+) -> usize {
+    let tiles = n / TILE;
+    // SAFETY: all-zero bytes are valid integer and float vectors.
+    let empty: PassBlock = unsafe { std::mem::zeroed() };
+    let mut blocks = vec![empty; nb];
     let mut tile = 0;
     while tile < tiles {
         // Two tiles at once where there are two: each weight block is unpacked once for
         // eight tokens instead of four (the per-lane arithmetic is unchanged).
         if tile + 2 <= tiles {
-            tile_pass::<2>(w, nb, nr, x, scales, n, tile, out);
+            pass::<B, 2>(w, nb, x, n, tile, &mut blocks, out);
             tile += 2;
         } else {
-            tile_pass::<1>(w, nb, nr, x, scales, n, tile, out);
+            pass::<B, 1>(w, nb, x, n, tile, &mut blocks, out);
             tile += 1;
         }
     }
-    // Tokens after the last whole tile: the 256-bit kernel, one row at a time (two rows
-    // per 512-bit register measured slower here than this).
-    let whole = tiles * TILE;
-    let acts = leftover_tokens(x, nb, whole, n);
-    let k = n - whole;
-    if k > 0 {
-        for (r, row) in w.chunks_exact(nb).enumerate() {
-            // SAFETY: AVX2 and FMA are among this function's features.
-            unsafe {
-                super::x86::vnni::q4_1(row, &acts[..k], None, &mut out[r * n + whole..(r + 1) * n])
-            };
+    tiles * TILE
+}
+
+/// One block of a pass's activations, laid out once for all the micro-tiles of the pass:
+/// the token pairs' bytes as `dpbusd` takes them, each pair's offset start (formats with an
+/// [`PairBlock::OFFSET`]), the scales `d` as `[d0 d2 d4 d6, d0 d2 d4 d6, d1 d3 d5 d7,
+/// d1 d3 d5 d7]` (so that `d_w` times them holds every pair's product, for
+/// [`pair_products`]) and the sums `s` in token order.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct PassBlock {
+    pairs: [__m512i; PAIRS],
+    starts: [__m512i; PAIRS],
+    d: [f32; 16],
+    s: [f32; 8],
+}
+
+/// Lays out block `i` of the `4P` tokens of a pass.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn pass_block<B: PairBlock, const P: usize>(
+    acts: &[[&[BlockQ8_1]; TILE]; P],
+    i: usize,
+    out: &mut PassBlock,
+) {
+    // Token t's lane in `d` (and again 4 lanes on).
+    const LANE: [usize; 8] = [0, 8, 1, 9, 2, 10, 3, 11];
+    let zero = _mm512_setzero_si512();
+    for (p, acts) in acts.iter().enumerate() {
+        let (a, b) = act_pairs(acts, i);
+        out.pairs[2 * p] = a;
+        out.pairs[2 * p + 1] = b;
+        for (j, act) in acts.iter().enumerate() {
+            let t = p * TILE + j;
+            out.d[LANE[t]] = act[i].d;
+            out.d[LANE[t] + 4] = act[i].d;
+            out.s[t] = act[i].s;
+        }
+    }
+    if B::OFFSET != 0 {
+        let offset = _mm512_set1_epi8(B::OFFSET);
+        for (start, a) in out.starts.iter_mut().zip(out.pairs).take(2 * P) {
+            // Minus the offset times the sum of each lane's four activation bytes: exact,
+            // at most 4 · 128 · 128 in magnitude.
+            *start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, a));
         }
     }
 }
 
-/// Every row against tiles `tile..tile + P` (`4P` tokens), `ROWS` rows at a time.
-#[allow(clippy::too_many_arguments)]
+/// Every row against tiles `tile..tile + P` (`4P` tokens), [`ROWS`] rows at a time.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-fn tile_pass<const P: usize>(
-    w: &[BlockQ4_1],
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn pass<B: PairBlock, const P: usize>(
+    w: &[B],
     nb: usize,
-    nr: usize,
     x: &[BlockQ8_1],
-    scales: &[[f32; 2 * TILE]],
     n: usize,
     tile: usize,
+    blocks: &mut [PassBlock],
     out: &mut [f32],
 ) {
+    let nr = w.len() / nb;
     let t0 = tile * TILE;
     let acts: [[&[BlockQ8_1]; TILE]; P] = std::array::from_fn(|p| {
         std::array::from_fn(|j| &x[(t0 + p * TILE + j) * nb..(t0 + p * TILE + j + 1) * nb])
     });
-    let sc: [&[[f32; 2 * TILE]]; P] =
-        std::array::from_fn(|p| &scales[(tile + p) * nb..(tile + p + 1) * nb]);
-    let mut r = 0;
-    while r + ROWS <= nr {
-        let rows: [&[BlockQ4_1]; ROWS] =
-            std::array::from_fn(|i| &w[(r + i) * nb..(r + i + 1) * nb]);
-        let res = micro_tile::<ROWS, P>(rows, acts, sc);
-        for (i, row) in res.iter().enumerate() {
-            for (p, part) in row.iter().enumerate() {
-                let at = (r + i) * n + t0 + p * TILE;
-                out[at..at + TILE].copy_from_slice(part);
-            }
-        }
-        r += ROWS;
+    for (i, block) in blocks.iter_mut().enumerate() {
+        pass_block::<B, P>(&acts, i, block);
     }
+    let blocks = &blocks[..];
+    let mut r = 0;
     while r < nr {
-        let res = micro_tile::<1, P>([&w[r * nb..(r + 1) * nb]], acts, sc);
-        for (p, part) in res[0].iter().enumerate() {
-            let at = r * n + t0 + p * TILE;
-            out[at..at + TILE].copy_from_slice(part);
+        let k = if r + ROWS <= nr { ROWS } else { 1 };
+        let mut res = [[0f32; 2 * TILE]; ROWS];
+        if k == ROWS {
+            let rows: [&[B]; ROWS] = std::array::from_fn(|i| &w[(r + i) * nb..(r + i + 1) * nb]);
+            res = micro_tile::<B, ROWS, P>(rows, blocks);
+        } else {
+            res[0] = micro_tile::<B, 1, P>([&w[r * nb..(r + 1) * nb]], blocks)[0];
         }
-        r += 1;
+        for (i, row) in res.iter().enumerate().take(k) {
+            let at = (r + i) * n + t0;
+            out[at..at + P * TILE].copy_from_slice(&row[..P * TILE]);
+        }
+        r += k;
     }
 }
 
-/// `R` rows against `P` whole tiles of 4 tokens: `[row][tile][token]`.
+/// `R` rows against a pass of `P` whole tiles of 4 tokens: `[row][token]` (tokens past `4P`
+/// unset).
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-fn micro_tile<const R: usize, const P: usize>(
-    rows: [&[BlockQ4_1]; R],
-    acts: [[&[BlockQ8_1]; TILE]; P],
-    scales: [&[[f32; 2 * TILE]]; P],
-) -> [[[f32; TILE]; P]; R] {
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn micro_tile<B: PairBlock, const R: usize, const P: usize>(
+    rows: [&[B]; R],
+    blocks: &[PassBlock],
+) -> [[f32; 2 * TILE]; R] {
     let mut acc = [[_mm512_setzero_ps(); PAIRS]; R];
-    let mut summs = [_mm256_setzero_ps(); R];
     let zero = _mm512_setzero_si512();
-    let nb = rows.first().map_or(0, |r| r.len());
-    let mask = _mm512_set1_epi8(0x0f);
-    let shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
-    for i in 0..nb {
-        let mut a = [zero; PAIRS];
-        for p in 0..P {
-            (a[2 * p], a[2 * p + 1]) = act_pairs(&acts[p], i);
-        }
-        let (d, _) = tile_pair_scales::<P>(&scales, i);
+    assert!(rows.iter().all(|r| r.len() == blocks.len()));
+    for (i, pb) in blocks.iter().enumerate() {
+        // SAFETY: `d` is 16 readable f32; unaligned loads are allowed.
+        let d = unsafe { _mm512_loadu_ps(pb.d.as_ptr()) };
         for (row, acc) in rows.iter().zip(acc.iter_mut()) {
-            let wb = &row[i];
-            // SAFETY: `qs` is 16 readable bytes; the load is unaligned.
-            let q = unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(wb.qs.as_ptr().cast())) };
-            // Low nibbles (elements 0..16) in each half's low 128 bits, high ones above.
-            let wq = _mm512_and_si512(_mm512_srlv_epi64(q, shifts), mask);
-            let products = _mm512_mul_ps(_mm512_set1_ps(wb.d), d);
+            let block = &row[i];
+            // SAFETY: this function has the features `unsigned` and `scales` need.
+            let (wu, dw) = unsafe { (block.unsigned(), block.scales().0) };
+            let products = _mm512_mul_ps(_mm512_set1_ps(dw), d);
+            // Indexed on purpose: with iterators the compiler kept the accumulators in
+            // memory and the shuffle a run-time branch (measured 2.6 times slower).
+            #[allow(clippy::needless_range_loop)]
             for k in 0..2 * P {
-                let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, wq, a[k]));
+                let start = if B::OFFSET != 0 { pb.starts[k] } else { zero };
+                let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, wu, pb.pairs[k]));
                 acc[k] = _mm512_fmadd_ps(pair_products(products, k), sums, acc[k]);
             }
         }
     }
     // The minimums' running sums apart from the products: the same additions in the same
     // order, without holding `R` more registers through the loop above.
-    for i in 0..nb {
-        let (_, s) = tile_pair_scales::<P>(&scales, i);
-        for (row, summs) in rows.iter().zip(summs.iter_mut()) {
-            *summs = _mm256_add_ps(*summs, _mm256_mul_ps(_mm256_set1_ps(row[i].m), s));
+    let mut min_sums = [_mm256_setzero_ps(); R];
+    if B::MIN {
+        for (i, pb) in blocks.iter().enumerate() {
+            // SAFETY: `s` is 8 readable f32; unaligned loads are allowed.
+            let s = unsafe { _mm256_loadu_ps(pb.s.as_ptr()) };
+            for (row, sum) in rows.iter().zip(min_sums.iter_mut()) {
+                // SAFETY: this function has the features `scales` needs.
+                let m = _mm256_set1_ps(unsafe { row[i].scales().1 });
+                *sum = _mm256_add_ps(*sum, _mm256_mul_ps(m, s));
+            }
         }
     }
-    let mut out = [[[0f32; TILE]; P]; R];
+    let mut out = [[0f32; 2 * TILE]; R];
     for r in 0..R {
-        let mut all = [0f32; 2 * TILE];
-        // SAFETY: `all` is 8 writable f32.
-        unsafe { _mm256_storeu_ps(all.as_mut_ptr(), reduce_pairs::<P>(&acc[r], Some(summs[r]))) };
-        for p in 0..P {
-            out[r][p].copy_from_slice(&all[p * TILE..(p + 1) * TILE]);
-        }
+        let mins = B::ADDS_MIN_SUM.then_some(min_sums[r]);
+        // SAFETY: `out[r]` is 8 writable f32.
+        unsafe { _mm256_storeu_ps(out[r].as_mut_ptr(), reduce_pairs::<P>(&acc[r], mins)) };
     }
     out
+}
+
+/// Token pair `k`'s products `[p_2k x8, p_2k+1 x8]` out of `d_w` times a [`PassScales`]
+/// `d`: one in-lane shuffle.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn pair_products(products: __m512, k: usize) -> __m512 {
+    match k {
+        0 => _mm512_shuffle_ps::<0x00>(products, products),
+        1 => _mm512_shuffle_ps::<0x55>(products, products),
+        2 => _mm512_shuffle_ps::<0xAA>(products, products),
+        _ => _mm512_shuffle_ps::<0xFF>(products, products),
+    }
 }
 
 /// The `4P` tokens' results of `2P` pair accumulators `[t_2k | t_2k+1]`, in token order
@@ -193,8 +447,8 @@ fn micro_tile<const R: usize, const P: usize>(
 /// those two), plus that token's minimum sum where there is one. The same additions on the
 /// same operands, done for eight tokens at once by shuffling them side by side.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-fn reduce_pairs<const P: usize>(acc: &[__m512; PAIRS], summs: Option<__m256>) -> __m256 {
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn reduce_pairs<const P: usize>(acc: &[__m512; PAIRS], mins: Option<__m256>) -> __m256 {
     // Quarters `[t.lo, t.hi]` of each token: lows of tokens 0..4 against their highs.
     let halves = |a: __m512, b: __m512| {
         _mm512_add_ps(
@@ -222,59 +476,15 @@ fn reduce_pairs<const P: usize>(acc: &[__m512; PAIRS], summs: Option<__m256>) ->
         _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0),
         sums,
     ));
-    match summs {
+    match mins {
         Some(m) => _mm256_add_ps(in_order, m),
         None => in_order,
     }
 }
 
-/// Token pairs of the widest pass (two tiles).
-const PAIRS: usize = 2 * 2;
-
-/// Block `i`'s activation scales of `P` tiles (tokens `0..4P`), laid out for
-/// [`pair_products`] as `[d0 d2 d4 d6, d0 d2 d4 d6, d1 d3 d5 d7, d1 d3 d5 d7]`, and their
-/// `s` in token order. One multiply by `d_w` then gives every token pair's `d_w * d_a`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-fn tile_pair_scales<const P: usize>(
-    scales: &[&[[f32; 2 * TILE]]; P],
-    i: usize,
-) -> (__m512, __m256) {
-    let first = &scales[0][i];
-    // SAFETY: each entry is 8 readable f32 (`d` of the tile's 4 tokens, then `s`).
-    let (d, s) = unsafe {
-        let d0 = _mm_loadu_ps(first.as_ptr());
-        let s0 = _mm_loadu_ps(first.as_ptr().add(TILE));
-        if P == 2 {
-            let second = &scales[P - 1][i];
-            let d1 = _mm_loadu_ps(second.as_ptr());
-            let s1 = _mm_loadu_ps(second.as_ptr().add(TILE));
-            (_mm256_set_m128(d1, d0), _mm256_set_m128(s1, s0))
-        } else {
-            (_mm256_castps128_ps256(d0), _mm256_castps128_ps256(s0))
-        }
-    };
-    let by_pair = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7);
-    (_mm512_permutexvar_ps(by_pair, _mm512_castps256_ps512(d)), s)
-}
-
-/// Token pair `k`'s products `[p_2k x8, p_2k+1 x8]` out of a [`tile_pair_scales`] layout
-/// times `d_w`: one in-lane shuffle, which runs beside the multiply-adds (on Zen 5 a
-/// separate multiply per pair held the tile at 1.5 cycles a pair, the shuffle at 1.05).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-fn pair_products(products: __m512, k: usize) -> __m512 {
-    match k {
-        0 => _mm512_shuffle_ps::<0x00>(products, products),
-        1 => _mm512_shuffle_ps::<0x55>(products, products),
-        2 => _mm512_shuffle_ps::<0xAA>(products, products),
-        _ => _mm512_shuffle_ps::<0xFF>(products, products),
-    }
-}
-
 /// Tokens `2k` and `2k + 1` of a tile: block `i` of each, in the low and high halves.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn act_pairs(acts: &[&[BlockQ8_1]; TILE], i: usize) -> (__m512i, __m512i) {
     let (a0, a1, a2, a3) = (&acts[0][i], &acts[1][i], &acts[2][i], &acts[3][i]);
     // SAFETY: each activation's `qs` is 32 readable bytes; unaligned loads are allowed.
@@ -285,368 +495,6 @@ fn act_pairs(acts: &[&[BlockQ8_1]; TILE], i: usize) -> (__m512i, __m512i) {
             _mm512_inserti64x4(_mm512_castsi256_si512(load(a2)), load(a3), 1),
         )
     }
-}
-
-/// `[d0 x8, d1 x8]` and `[d2 x8, d3 x8]` from the four tokens' `d` in `dv`'s low lanes.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-fn spread(dv: __m128, pair01: __m512i, pair23: __m512i) -> (__m512, __m512) {
-    let dv = _mm512_castps128_ps512(dv);
-    (
-        _mm512_permutexvar_ps(pair01, dv),
-        _mm512_permutexvar_ps(pair23, dv),
-    )
-}
-
-/// Minus `k` times the sum of each lane's four signed activation bytes: the start value
-/// that turns `Σ (w + k)·a` into `Σ w·a`. Exact: at most 4 · 128 · 128 in magnitude.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-fn offset_start(k: __m512i, a: __m512i) -> __m512i {
-    let zero = _mm512_setzero_si512();
-    _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, k, a))
-}
-
-/// The four tokens' results of two accumulators `[t0 | t1]`, `[t2 | t3]`, each reduced as
-/// the 256-bit kernels reduce one, plus that token's offset sum (`0.0` where there is none,
-/// added all the same since the 256-bit kernels add theirs).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-fn finish(acc01: __m512, acc23: __m512, summs: Option<__m128>) -> [f32; TILE] {
-    let mut s = [0f32; TILE];
-    if let Some(v) = summs {
-        // SAFETY: `s` is 4 writable f32.
-        unsafe { _mm_storeu_ps(s.as_mut_ptr(), v) };
-    }
-    let halves = [
-        _mm512_castps512_ps256(acc01),
-        _mm512_extractf32x8_ps(acc01, 1),
-        _mm512_castps512_ps256(acc23),
-        _mm512_extractf32x8_ps(acc23, 1),
-    ];
-    let mut out = [0f32; TILE];
-    for t in 0..TILE {
-        out[t] = hsum(halves[t]);
-        if summs.is_some() {
-            out[t] += s[t];
-        }
-    }
-    out
-}
-
-/// A weight block whose values go into `dpbusd` unsigned, as `w + OFFSET`: Q8_0 (signed
-/// bytes, offset 128 by flipping the sign bit) and Q4_0 (nibbles `q` for `q - 8`).
-trait OffsetBlock: Sync {
-    const OFFSET: i8;
-    fn scale(&self) -> f32;
-    /// The block's 32 values plus [`Self::OFFSET`], in both halves of a register.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512 F and AVX2 (the callers' features).
-    unsafe fn unsigned(&self) -> __m512i;
-}
-
-impl OffsetBlock for BlockQ8_0 {
-    // -128 as a byte is 0x80: adding it is flipping each value's sign bit.
-    const OFFSET: i8 = -128;
-    fn scale(&self) -> f32 {
-        self.d
-    }
-    #[inline(always)]
-    unsafe fn unsigned(&self) -> __m512i {
-        // SAFETY: `qs` is 32 readable bytes and `loadu` has no alignment requirement; the
-        // caller guarantees the CPU features.
-        unsafe {
-            let q = _mm256_loadu_si256(self.qs.as_ptr() as *const __m256i);
-            _mm512_xor_si512(_mm512_broadcast_i64x4(q), _mm512_set1_epi8(Self::OFFSET))
-        }
-    }
-}
-
-impl OffsetBlock for BlockQ4_0 {
-    const OFFSET: i8 = 8;
-    fn scale(&self) -> f32 {
-        self.d
-    }
-    #[inline(always)]
-    unsafe fn unsigned(&self) -> __m512i {
-        // SAFETY: the caller guarantees the CPU features `unpack_nibbles` needs.
-        unsafe { _mm512_broadcast_i64x4(unpack_nibbles(&self.qs)) }
-    }
-}
-
-/// Q8_0: as [`q4_1_rows`] (whole tiles through [`offset_tile`], [`ROWS_Q8_Q5`] rows at a
-/// time, then leftover rows one at a time; the tokens after the last tile through the
-/// 256-bit kernel).
-///
-/// # Safety
-/// The CPU must support the features [`available`] checks. Slices are bounds-checked.
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-pub unsafe fn q8_0_rows(w: &[BlockQ8_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
-    let done = offset_tiles(w, nb, x, n, out);
-    let acts = leftover_tokens(x, nb, done, n);
-    if n > done {
-        for (r, row) in w.chunks_exact(nb).enumerate() {
-            // SAFETY: AVX2, FMA, AVX-512 VNNI and VL are among this function's features.
-            unsafe {
-                super::x86::vnni::q8_0(row, &acts[..n - done], &mut out[r * n + done..(r + 1) * n])
-            };
-        }
-    }
-}
-
-/// Q4_0: as [`q8_0_rows`].
-///
-/// # Safety
-/// The CPU must support the features [`available`] checks. Slices are bounds-checked.
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-pub unsafe fn q4_0_rows(w: &[BlockQ4_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
-    let done = offset_tiles(w, nb, x, n, out);
-    let acts = leftover_tokens(x, nb, done, n);
-    if n > done {
-        for (r, row) in w.chunks_exact(nb).enumerate() {
-            // SAFETY: AVX2, FMA, AVX-512 VNNI and VL are among this function's features.
-            unsafe {
-                super::x86::vnni::q4_0(row, &acts[..n - done], &mut out[r * n + done..(r + 1) * n])
-            };
-        }
-    }
-}
-
-/// The whole tiles of [`q8_0_rows`] or [`q4_0_rows`]; returns the tokens done.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-fn offset_tiles<B: OffsetBlock>(
-    w: &[B],
-    nb: usize,
-    x: &[BlockQ8_1],
-    n: usize,
-    out: &mut [f32],
-) -> usize {
-    let nr = w.len() / nb;
-    let tiles = n / TILE;
-    let pair01 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    let pair23 = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
-    for tile in 0..tiles {
-        let t0 = tile * TILE;
-        let acts: [&[BlockQ8_1]; TILE] =
-            std::array::from_fn(|j| &x[(t0 + j) * nb..(t0 + j + 1) * nb]);
-        let mut r = 0;
-        while r + ROWS_Q8_Q5 <= nr {
-            let rows: [&[B]; ROWS_Q8_Q5] =
-                std::array::from_fn(|i| &w[(r + i) * nb..(r + i + 1) * nb]);
-            let res = offset_tile::<B, ROWS_Q8_Q5>(rows, acts, pair01, pair23);
-            for (i, row) in res.iter().enumerate() {
-                out[(r + i) * n + t0..(r + i) * n + t0 + TILE].copy_from_slice(row);
-            }
-            r += ROWS_Q8_Q5;
-        }
-        while r < nr {
-            let res = offset_tile::<B, 1>([&w[r * nb..(r + 1) * nb]], acts, pair01, pair23);
-            out[r * n + t0..r * n + t0 + TILE].copy_from_slice(&res[0]);
-            r += 1;
-        }
-    }
-    tiles * TILE
-}
-
-/// `R` rows against one whole tile of 4 tokens: `[row][token]`. Weights go in as
-/// `w + OFFSET`, the lanes starting at `-OFFSET · Σa`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma")]
-fn offset_tile<B: OffsetBlock, const R: usize>(
-    rows: [&[B]; R],
-    acts: [&[BlockQ8_1]; TILE],
-    pair01: __m512i,
-    pair23: __m512i,
-) -> [[f32; TILE]; R] {
-    let mut acc01 = [_mm512_setzero_ps(); R];
-    let mut acc23 = [_mm512_setzero_ps(); R];
-    let offset = _mm512_set1_epi8(B::OFFSET);
-    for i in 0..rows[0].len() {
-        let (a01, a23) = act_pairs(&acts, i);
-        let dv = _mm_setr_ps(acts[0][i].d, acts[1][i].d, acts[2][i].d, acts[3][i].d);
-        let (da01, da23) = spread(dv, pair01, pair23);
-        let (c01, c23) = (offset_start(offset, a01), offset_start(offset, a23));
-        for r in 0..R {
-            let wb = &rows[r][i];
-            // SAFETY: this function has the features `unsigned` needs.
-            let wu = unsafe { wb.unsigned() };
-            let dw = _mm512_set1_ps(wb.scale());
-            let p01 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c01, wu, a01));
-            let p23 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c23, wu, a23));
-            acc01[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da01), p01, acc01[r]);
-            acc23[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da23), p23, acc23[r]);
-        }
-    }
-    let mut out = [[0f32; TILE]; R];
-    for r in 0..R {
-        out[r] = finish(acc01[r], acc23[r], None);
-    }
-    out
-}
-
-/// Q5_0 (`with_min` false) or Q5_1 rows (`w` ggml's blocks as bytes, `nb` blocks a row)
-/// against the whole tiles of the `n` tokens, `out[r * n + t]`; returns how many tokens
-/// it did (a multiple of [`TILE`]); the caller does the rest with the 256-bit kernel.
-///
-/// # Safety
-/// The CPU must support the features [`available`] checks. Slices are bounds-checked.
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn five_bit_tiles(
-    w: &[u8],
-    nb: usize,
-    x: &[BlockQ8_1],
-    n: usize,
-    with_min: bool,
-    out: &mut [f32],
-) -> usize {
-    if with_min {
-        five_bit_tiles_for::<true>(w, nb, x, n, out)
-    } else {
-        five_bit_tiles_for::<false>(w, nb, x, n, out)
-    }
-}
-
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn five_bit_tiles_for<const MIN: bool>(
-    w: &[u8],
-    nb: usize,
-    x: &[BlockQ8_1],
-    n: usize,
-    out: &mut [f32],
-) -> usize {
-    let rb = nb * if MIN { 24 } else { 22 };
-    let tiles = n / TILE;
-    let mut tile = 0;
-    while tile < tiles {
-        // Two tiles at once where there are two: each weight block is unpacked once for
-        // eight tokens instead of four (the per-lane arithmetic is unchanged).
-        if tile + 2 <= tiles {
-            five_bit_pass::<{ ROWS_Q8_Q5 / 2 }, 2, MIN>(w, rb, nb, x, n, tile, out);
-            tile += 2;
-        } else {
-            five_bit_pass::<ROWS_Q8_Q5, 1, MIN>(w, rb, nb, x, n, tile, out);
-            tile += 1;
-        }
-    }
-    tiles * TILE
-}
-
-/// Every row (`rb` bytes each) against tiles `tile..tile + P`, `R` rows at a time.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn five_bit_pass<const R: usize, const P: usize, const MIN: bool>(
-    w: &[u8],
-    rb: usize,
-    nb: usize,
-    x: &[BlockQ8_1],
-    n: usize,
-    tile: usize,
-    out: &mut [f32],
-) {
-    let nr = w.len() / rb;
-    let t0 = tile * TILE;
-    let acts: [[&[BlockQ8_1]; TILE]; P] = std::array::from_fn(|p| {
-        std::array::from_fn(|j| &x[(t0 + p * TILE + j) * nb..(t0 + p * TILE + j + 1) * nb])
-    });
-    let mut r = 0;
-    while r < nr {
-        let res: [[[f32; TILE]; P]; R];
-        let k = if r + R <= nr {
-            let rows: [&[u8]; R] = std::array::from_fn(|i| &w[(r + i) * rb..(r + i + 1) * rb]);
-            res = five_bit_tile::<R, P, MIN>(rows, acts);
-            R
-        } else {
-            let one = five_bit_tile::<1, P, MIN>([&w[r * rb..(r + 1) * rb]], acts);
-            res = [one[0]; R];
-            1
-        };
-        for (i, row) in res.iter().enumerate().take(k) {
-            for (p, part) in row.iter().enumerate() {
-                let at = (r + i) * n + t0 + p * TILE;
-                out[at..at + TILE].copy_from_slice(part);
-            }
-        }
-        r += k;
-    }
-}
-
-/// `R` Q5_0/Q5_1 rows against `P` whole tiles of 4 tokens: `[row][tile][token]`, lane for
-/// lane `quant_simd::five_bit_rows`. Q5_0's values `q - 16` go in as `q`, the lanes starting
-/// at `-16 · Σa`; its offset sum stays `0.0`, which the 256-bit kernel adds too.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn five_bit_tile<const R: usize, const P: usize, const MIN: bool>(
-    rows: [&[u8]; R],
-    acts: [[&[BlockQ8_1]; TILE]; P],
-) -> [[[f32; TILE]; P]; R] {
-    let (bytes, qh_at) = if MIN { (24, 4) } else { (22, 2) };
-    let mut acc01 = [[_mm512_setzero_ps(); P]; R];
-    let mut acc23 = [[_mm512_setzero_ps(); P]; R];
-    let mut summs = [[_mm_setzero_ps(); P]; R];
-    let zero = _mm512_setzero_si512();
-    let sixteen = _mm512_set1_epi8(16);
-    let mask = _mm512_set1_epi8(0x0f);
-    let shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
-    let pair01 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    let pair23 = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
-    for i in 0..rows[0].len() / bytes {
-        let mut a01 = [zero; P];
-        let mut a23 = [zero; P];
-        let mut c01 = [zero; P];
-        let mut c23 = [zero; P];
-        let mut da01 = [_mm512_setzero_ps(); P];
-        let mut da23 = [_mm512_setzero_ps(); P];
-        let mut sv = [_mm_setzero_ps(); P];
-        for p in 0..P {
-            let acts = &acts[p];
-            (a01[p], a23[p]) = act_pairs(acts, i);
-            let dv = _mm_setr_ps(acts[0][i].d, acts[1][i].d, acts[2][i].d, acts[3][i].d);
-            (da01[p], da23[p]) = spread(dv, pair01, pair23);
-            if MIN {
-                sv[p] = _mm_setr_ps(acts[0][i].s, acts[1][i].s, acts[2][i].s, acts[3][i].s);
-            } else {
-                c01[p] = offset_start(sixteen, a01[p]);
-                c23[p] = offset_start(sixteen, a23[p]);
-            }
-        }
-        for r in 0..R {
-            let wb = &rows[r][i * bytes..(i + 1) * bytes];
-            let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
-                wb[0], wb[1], wb[2], wb[3],
-            ])));
-            let qh = u32::from_le_bytes([wb[qh_at], wb[qh_at + 1], wb[qh_at + 2], wb[qh_at + 3]]);
-            let qs = &wb[qh_at + 4..qh_at + 20];
-            // SAFETY: `qs` is 16 readable bytes (sliced just above); the load is unaligned.
-            let q = unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(qs.as_ptr().cast())) };
-            // Unpacked straight into both halves: in each 256 bits the low 128 hold the low
-            // nibbles (elements 0..16), the high 128 the high ones (16..32).
-            let nibbles = _mm512_and_si512(_mm512_srlv_epi64(q, shifts), mask);
-            // Bit j of `qh` is element j's (byte j's) fifth bit, in each half.
-            let bits = u64::from(qh) | u64::from(qh) << 32;
-            let wq = _mm512_mask_add_epi8(nibbles, bits, nibbles, sixteen);
-            let dw = _mm512_set1_ps(_mm_cvtss_f32(scales));
-            let m = _mm_set1_ps(_mm_cvtss_f32(_mm_movehdup_ps(scales)));
-            for p in 0..P {
-                if MIN {
-                    summs[r][p] = _mm_add_ps(summs[r][p], _mm_mul_ps(m, sv[p]));
-                }
-                let p01 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c01[p], wq, a01[p]));
-                let p23 = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c23[p], wq, a23[p]));
-                acc01[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da01[p]), p01, acc01[r][p]);
-                acc23[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da23[p]), p23, acc23[r][p]);
-            }
-        }
-    }
-    let mut out = [[[0f32; TILE]; P]; R];
-    for r in 0..R {
-        for p in 0..P {
-            out[r][p] = finish(acc01[r][p], acc23[r][p], Some(summs[r][p]));
-        }
-    }
-    out
 }
 
 /// Tokens `whole..n` of `x` (fewer than a tile), for the 256-bit kernels.

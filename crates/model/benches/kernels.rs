@@ -1,0 +1,65 @@
+//! One prefill-sized product (ROWS × COLS weights, TOKENS tokens; default an FFN up
+//! projection of the default model over 256 tokens) per weight type named, best of 30, in
+//! nanoseconds per token pair and 32-element block (the unit of the 512-bit tiles). For
+//! comparing kernel changes on one machine; run it alone, one thread:
+//! `RAYON_NUM_THREADS=1 cargo bench -p model --bench kernels -- q4_1 q4_0 q8_0 q5_0 q5_1`
+use std::time::Instant;
+
+use gguf::GgmlType;
+use model::kernels::matmul;
+use model::weights::{quantize_row_q8_1, BlockQ8_1, Matrix, QK};
+
+fn main() {
+    // `cargo bench` passes `--bench`; the rest are type names.
+    let types: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let env = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let (rows, cols, n) = (env("ROWS", 1536), env("COLS", 576), env("TOKENS", 256));
+    let mut seed = 7u64;
+    let mut rnd = || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    };
+    let x: Vec<f32> = (0..n * cols).map(|_| rnd()).collect();
+    let mut xq = vec![BlockQ8_1::default(); n * cols / QK];
+    for (row, o) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(cols / QK)) {
+        quantize_row_q8_1(row, o);
+    }
+    for t in &types {
+        let ty = match t.as_str() {
+            "q4_0" => GgmlType::Q4_0,
+            "q4_1" => GgmlType::Q4_1,
+            "q8_0" => GgmlType::Q8_0,
+            "q5_0" => GgmlType::Q5_0,
+            "q5_1" => GgmlType::Q5_1,
+            other => panic!("type {other}"),
+        };
+        let vals: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
+        let mut w = gguf::GgufWriter::new();
+        w.tensor_f32("w", &[cols as u64, rows as u64], ty, &vals);
+        let f = gguf::GgufFile::parse(w.to_bytes()).unwrap();
+        let m = Matrix::load(&f, f.tensor("w").unwrap(), rows, cols).unwrap();
+        let mut out = vec![0f32; n * rows];
+        let mut best = f64::MAX;
+        for _ in 0..30 {
+            let t0 = Instant::now();
+            matmul(&m, &x, &xq, n, &mut out);
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        let pairs = (rows * n / 2 * cols / QK) as f64;
+        println!(
+            "{t}: {:.3} ms, {:.3} ns per token-pair block",
+            best * 1e3,
+            best * 1e9 / pairs
+        );
+    }
+}
