@@ -35,6 +35,14 @@ fn main() {
         quantize_row_q8_1(row, o);
     }
     for t in &types {
+        if t == "attention" {
+            let only: Option<usize> = std::env::var("ATT_HEADS").ok().and_then(|v| v.parse().ok());
+            for heads in (1..=6).filter(|h| only.is_none_or(|o| o == *h)) {
+                let ns = attention_ns_per_head_key(heads, 256);
+                println!("attention, {heads} heads, 256 keys: {ns:.2} ns per head and key");
+            }
+            continue;
+        }
         let ty = match t.as_str() {
             "q4_0" => GgmlType::Q4_0,
             "q4_1" => GgmlType::Q4_1,
@@ -62,4 +70,40 @@ fn main() {
             best * 1e9 / pairs
         );
     }
+}
+
+/// Attention of `heads` query heads sharing one KV head over `keys` f16 rows of 64.
+pub fn attention_ns_per_head_key(heads: usize, keys: usize) -> f64 {
+    use half::f16;
+    use model::kernels::KvElem;
+    let hd = 64;
+    let mut seed = 3u64;
+    let mut rnd = || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    };
+    let kv: Vec<f16> = (0..2 * keys * hd).map(|_| f16::from_f32(rnd())).collect();
+    let (kd, vd) = kv.split_at(keys * hd);
+    let k: Vec<&[f16]> = kd.chunks_exact(hd).collect();
+    let v: Vec<&[f16]> = vd.chunks_exact(hd).collect();
+    let q: Vec<f32> = (0..heads * hd)
+        .map(|_| f16::from_f32(rnd()).to_f32())
+        .collect();
+    let qs: Vec<&[f32]> = q.chunks_exact(hd).collect();
+    let mut out = vec![0f32; heads * hd];
+    let mut acc = vec![f16::ZERO; hd];
+    let mut best = f64::MAX;
+    let reps: usize = std::env::var("ATT_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    for _ in 0..reps {
+        let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(hd).collect();
+        let t0 = Instant::now();
+        f16::attend_heads(&qs, &k, &v, 0.125, &mut acc, &mut outs);
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    best * 1e9 / (heads * keys) as f64
 }

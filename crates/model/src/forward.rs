@@ -481,17 +481,6 @@ impl RopeTable {
     fn apply(&self, row: usize, x: &mut [f32], hd: usize) {
         let cs = &self.cos[row * self.half..(row + 1) * self.half];
         let sn = &self.sin[row * self.half..(row + 1) * self.half];
-        // Index of the second element of pair `i`, relative to the first.
-        let (stride, offset) = if self.neox { (1, self.half) } else { (2, 1) };
-        for head in x.chunks_exact_mut(hd) {
-            for i in 0..self.half {
-                let j = stride * i;
-                let (a, b) = (head[j], head[j + offset]);
-                // The contractions GCC makes of ggml's `x0*cos - x1*sin` and
-                // `x0*sin + x1*cos`: the first product fused, the second rounded.
-                head[j] = a.mul_add(cs[i], -(b * sn[i]));
-                head[j + offset] = a.mul_add(sn[i], b * cs[i]);
-            }
-        }
+        crate::kernels::rope_row(x, hd, cs, sn, self.neox);
     }
 }

@@ -350,6 +350,7 @@ mod attention;
 mod libm_expf;
 mod quant_dot;
 mod quantize;
+mod rope;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 #[cfg(target_arch = "x86_64")]
@@ -363,6 +364,7 @@ pub use activation::{ggml_expf, silu, swiglu};
 pub use attention::{dot_f16_ggml, KvElem};
 pub use quant_dot::{dot_q4_0, dot_q4_1, dot_q8_0, rows_q4_0, rows_q4_1, rows_q8_0, scalar};
 pub use quantize::quantize_blocks_q8_1;
+pub use rope::rope_row;
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86_512::{available as wide_available, five_bit_tiles};
 #[cfg(target_arch = "x86_64")]

@@ -363,7 +363,11 @@ fn pass<B: PairBlock, const P: usize>(
         let k = if r + ROWS <= nr { ROWS } else { 1 };
         let mut res = [[0f32; 2 * TILE]; ROWS];
         if k == ROWS {
-            let rows: [&[B]; ROWS] = std::array::from_fn(|i| &w[(r + i) * nb..(r + i + 1) * nb]);
+            // A plain loop: `array::from_fn` stayed a call per micro-tile (1.4% of a prefill).
+            let mut rows: [&[B]; ROWS] = [&[]; ROWS];
+            for (i, row) in rows.iter_mut().enumerate() {
+                *row = &w[(r + i) * nb..(r + i + 1) * nb];
+            }
             res = micro_tile::<B, ROWS, P>(rows, blocks);
         } else {
             res[0] = micro_tile::<B, 1, P>([&w[r * nb..(r + 1) * nb]], blocks)[0];
