@@ -132,6 +132,9 @@ fn by_token_blocks(ws: &[&Matrix], input: &Input<'_>, outs: &mut [&mut [f32]]) {
         let mut block = vec![0f32; ROW_BLOCK * nt];
         for r0 in (0..rows).step_by(ROW_BLOCK) {
             let nr = ROW_BLOCK.min(rows - r0);
+            if rows_token_major(w, r0, nr, &acts, nt, &mut chunk[r0..], rows) {
+                continue;
+            }
             let block = &mut block[..nr * nt];
             rows_kernel(w, r0, nr, x, &acts, scales, nt, block);
             for (t, out_row) in chunk.chunks_exact_mut(rows).enumerate() {
@@ -141,6 +144,34 @@ fn by_token_blocks(ws: &[&Matrix], input: &Input<'_>, outs: &mut [&mut [f32]]) {
             }
         }
     });
+}
+
+/// Rows `r0..r0 + nr` of `w` against the `n` tokens straight into token-major `out`
+/// (`out[t * ld + r]`), where a kernel can write that layout; false (nothing done) where not.
+fn rows_token_major(
+    w: &Matrix,
+    r0: usize,
+    nr: usize,
+    acts: &Acts<'_>,
+    n: usize,
+    out: &mut [f32],
+    ld: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if x86_512::available() {
+        let nb = w.cols() / QK;
+        let rows = match w {
+            Matrix::Q4_0 { data, .. } => x86_512::Rows::Q4_0(&data[r0 * nb..(r0 + nr) * nb]),
+            Matrix::Q4_1 { data, .. } => x86_512::Rows::Q4_1(&data[r0 * nb..(r0 + nr) * nb]),
+            Matrix::Q8_0 { data, .. } => x86_512::Rows::Q8_0(&data[r0 * nb..(r0 + nr) * nb]),
+            _ => return false,
+        };
+        // SAFETY: the CPU has the features `available` checks, the function's only
+        // requirement; it bounds-checks its slices.
+        return unsafe { x86_512::rows_token_major(rows, nb, acts.q8_1, n, out, ld) };
+    }
+    let _ = (w, r0, nr, acts, n, out, ld);
+    false
 }
 
 /// Tasks own runs of weight rows across every token (one token needs no transposition).

@@ -401,7 +401,7 @@ fn fused_f16_attention_matches_the_portable_path_bit_for_bit() {
     use half::f16;
     let mut s = 41u64;
     for hd in [64usize, 128, 256] {
-        for positions in [1usize, 7, 32, 33, 70] {
+        for positions in [1usize, 7, 16, 17, 32, 33, 50, 70] {
             for heads in 1..=5usize {
                 let q: Vec<Vec<f32>> = (0..heads)
                     .map(|h| {
@@ -564,4 +564,100 @@ fn query_rounding_matches_the_scalar_conversion() {
             "round({x})"
         );
     }
+}
+
+/// The 512-bit tiles writing token-major (a prefill's layer output) against their row-major
+/// result, bit for bit: whole micro-tiles and leftover rows, two-tile and one-tile passes,
+/// and a token count that is not a whole number of tiles (refused, nothing written).
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
+fn wide_token_major_tiles_match_row_major_bit_for_bit() {
+    assert!(
+        x86_512::available(),
+        "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
+    );
+    let (rows, cols) = (x86_512::ROWS * 2 + 3, 256);
+    let nb = cols / QK;
+    for n in [12, 8, 4] {
+        let mut s = 41u64;
+        let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 3.0).collect();
+        let mut xq = vec![BlockQ8_1::default(); n * nb];
+        for t in 0..n {
+            quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
+        }
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let (m, _) = matrix(ty, rows, cols, 43);
+            let mut by_row = vec![0f32; rows * n];
+            // Token-major into a wider output, as a row block of a layer: columns 5.. of 40.
+            let ld = rows + 7;
+            let mut by_token = vec![f32::NAN; n * ld];
+            // SAFETY: the features are present (checked above).
+            let wrote = unsafe {
+                match &m {
+                    Matrix::Q4_0 { data, .. } => {
+                        x86_512::q4_0_rows(data, nb, &xq, n, &mut by_row);
+                        x86_512::rows_token_major(
+                            x86_512::Rows::Q4_0(data),
+                            nb,
+                            &xq,
+                            n,
+                            &mut by_token[5..],
+                            ld,
+                        )
+                    }
+                    Matrix::Q4_1 { data, .. } => {
+                        x86_512::q4_1_rows(data, nb, &xq, n, &mut by_row);
+                        x86_512::rows_token_major(
+                            x86_512::Rows::Q4_1(data),
+                            nb,
+                            &xq,
+                            n,
+                            &mut by_token[5..],
+                            ld,
+                        )
+                    }
+                    Matrix::Q8_0 { data, .. } => {
+                        x86_512::q8_0_rows(data, nb, &xq, n, &mut by_row);
+                        x86_512::rows_token_major(
+                            x86_512::Rows::Q8_0(data),
+                            nb,
+                            &xq,
+                            n,
+                            &mut by_token[5..],
+                            ld,
+                        )
+                    }
+                    _ => unreachable!("a Q4_0, Q4_1 or Q8_0 matrix"),
+                }
+            };
+            assert!(wrote, "{ty:?}: {n} tokens are whole tiles");
+            for r in 0..rows {
+                for t in 0..n {
+                    assert_eq!(
+                        by_token[t * ld + 5 + r].to_bits(),
+                        by_row[r * n + t].to_bits(),
+                        "{ty:?} n {n} row {r} token {t}"
+                    );
+                }
+            }
+            // Nothing outside the row block's columns was touched.
+            for t in 0..n {
+                assert!(by_token[t * ld..t * ld + 5].iter().all(|v| v.is_nan()));
+                assert!(by_token[t * ld + 5 + rows..(t + 1) * ld]
+                    .iter()
+                    .all(|v| v.is_nan()));
+            }
+        }
+    }
+    let (m, _) = matrix(GgmlType::Q4_1, 4, cols, 47);
+    let Matrix::Q4_1 { data, .. } = &m else {
+        unreachable!("a Q4_1 matrix")
+    };
+    let xq = vec![BlockQ8_1::default(); 6 * nb];
+    let mut out = vec![0f32; 6 * 4];
+    // SAFETY: the features are present (checked above).
+    let wrote =
+        unsafe { x86_512::rows_token_major(x86_512::Rows::Q4_1(data), nb, &xq, 6, &mut out, 4) };
+    assert!(!wrote, "6 tokens are not whole tiles");
 }
