@@ -284,7 +284,7 @@ pub unsafe fn rows_token_major(
     out: &mut [f32],
     ld: usize,
 ) -> bool {
-    if n % TILE != 0 {
+    if !n.is_multiple_of(TILE) {
         return false;
     }
     let mut out = Out::TokenMajor { out, ld };
