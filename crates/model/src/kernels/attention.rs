@@ -80,6 +80,8 @@ pub fn attend_portable<T: KvElem>(
 
 /// Keys whose scores and exponentials are computed ahead of their V updates.
 const KEY_BLOCK: usize = 32;
+// The 512-bit kernel reduces the scores of 16 keys at a time within a block.
+const _: () = assert!(KEY_BLOCK.is_multiple_of(16));
 
 /// Query heads attended together by the fused kernels (the rest in further passes).
 const MAX_HEADS: usize = 4;
@@ -115,6 +117,13 @@ impl Plan {
     #[inline(always)]
     fn set_score(&mut self, j: usize, score: f32) {
         self.exp[j] = score;
+    }
+
+    /// [`Self::settle`] for scores computed elsewhere, one per key of the block.
+    #[inline(always)]
+    fn settle_from(&mut self, scores: &[f32]) {
+        self.exp[..scores.len()].copy_from_slice(scores);
+        self.settle(scores.len());
     }
 
     /// Turns the first `n` scores of the block into weights, in key order.

@@ -220,6 +220,10 @@ pub unsafe fn attend_f16_wide(
 }
 
 /// [`attend_f16_wide`] for `16 * C` lanes, `H` heads at a time.
+///
+/// The K·Q products of the next block of keys run in the same loop as the V updates of
+/// the current one: the updates are bound by f16 conversions and the products by FMAs,
+/// different units, which one phase after the other would leave idle in turn.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
 fn wide<const C: usize, const H: usize>(
@@ -229,51 +233,42 @@ fn wide<const C: usize, const H: usize>(
     scale: f32,
     outs: &mut [&mut [f32]],
 ) {
+    const B: usize = super::KEY_BLOCK;
+    let n = k.len().min(v.len());
     for (qs, outs) in qs.chunks(H).zip(outs.chunks_mut(H)) {
         let heads = qs.len();
         let mut acc = [[_mm512_setzero_ps(); C]; H];
         let mut plans = [super::Plan::default(); H];
-        for (b, (kb, vb)) in k
-            .chunks(super::KEY_BLOCK)
-            .zip(v.chunks(super::KEY_BLOCK))
-            .enumerate()
-        {
-            for (j, kr) in kb.iter().enumerate() {
-                assert!(kr.len() == 16 * C);
+        let mut next = Scores::<H>::new(scale);
+        let first = n.min(B);
+        for j in 0..first {
+            next.product::<C>(qs, k, j, first);
+        }
+        for (plan, scores) in plans.iter_mut().zip(&next.scores).take(heads) {
+            plan.settle_from(&scores[..first]);
+        }
+        for b0 in (0..n).step_by(B) {
+            let len = (n - b0).min(B);
+            let ahead = b0 + len;
+            let ahead_len = (n - ahead).min(B);
+            for j in 0..len {
+                if j < ahead_len {
+                    next.product::<C>(qs, k, ahead + j, ahead_len);
+                }
+                let vr = v[b0 + j];
                 // A long context's rows come from memory (the weights streamed through
-                // the caches since this layer last ran), 128 bytes per page-strided
-                // row, which the hardware prefetcher does not run ahead of: ask for the
-                // next block's V rows and K rows two blocks on (measured best of
-                // 8..64 ahead: +8% decode at 512 positions).
-                let at = b * super::KEY_BLOCK + j;
-                if let Some(ahead) = v.get(at + V_PREFETCH_AHEAD) {
-                    prefetch_row(ahead);
+                // the caches since this layer last ran), 128 bytes per page-strided row,
+                // which the hardware prefetcher does not run ahead of: ask for the next
+                // block's V rows (and, in `product`, K rows two blocks before their use;
+                // measured best of 8..64 ahead: +8% decode at 512 positions).
+                if let Some(row) = v.get(b0 + j + V_PREFETCH_AHEAD) {
+                    prefetch_row(row);
                 }
-                if let Some(ahead) = k.get(at + K_PREFETCH_AHEAD) {
-                    prefetch_row(ahead);
-                }
+                assert!(vr.len() == 16 * C);
                 let mut x = [_mm512_setzero_ps(); C];
                 for (c, x) in x.iter_mut().enumerate() {
                     // SAFETY: 16 f16 values at 16*c lie within the row (asserted
                     // length); unaligned loads are allowed.
-                    *x = unsafe {
-                        _mm512_cvtph_ps(_mm256_loadu_si256(
-                            kr.as_ptr().add(16 * c) as *const __m256i
-                        ))
-                    };
-                }
-                for (plan, q) in plans.iter_mut().zip(qs) {
-                    plan.set_score(j, dot_wide(q, &x) * scale);
-                }
-            }
-            for plan in plans.iter_mut().take(heads) {
-                plan.settle(kb.len());
-            }
-            for (j, vr) in vb.iter().enumerate() {
-                assert!(vr.len() == 16 * C);
-                let mut x = [_mm512_setzero_ps(); C];
-                for (c, x) in x.iter_mut().enumerate() {
-                    // SAFETY: as for the K row.
                     *x = unsafe {
                         _mm512_cvtph_ps(_mm256_loadu_si256(
                             vr.as_ptr().add(16 * c) as *const __m256i
@@ -295,6 +290,11 @@ fn wide<const C: usize, const H: usize>(
                     plan.add_to_sum(ms, vs);
                 }
             }
+            if ahead_len > 0 {
+                for (plan, scores) in plans.iter_mut().zip(&next.scores).take(heads) {
+                    plan.settle_from(&scores[..ahead_len]);
+                }
+            }
         }
         for ((plan, acc), out) in plans.iter().zip(&acc).zip(outs.iter_mut()) {
             let inv = plan.inverse_sum();
@@ -311,11 +311,75 @@ fn wide<const C: usize, const H: usize>(
     }
 }
 
-/// [`dot_f16_ggml_steps`] on 16-lane registers, the K row already converted: 64-lane
-/// steps into four accumulators, reduced `(a0 + a2) + (a1 + a3)`, then the lane tree.
+/// The scores of one block of keys for up to `H` heads, computed ahead of their use.
+struct Scores<const H: usize> {
+    /// Per head, the 16-lane sums of up to 16 keys awaiting their lane trees.
+    lanes: [[__m512; 16]; H],
+    /// Per head, `dot * scale` of each key of the block.
+    scores: [[f32; super::KEY_BLOCK]; H],
+    scale: __m512,
+}
+
+impl<const H: usize> Scores<H> {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+    fn new(scale: f32) -> Self {
+        Self {
+            lanes: [[_mm512_setzero_ps(); 16]; H],
+            scores: [[0.0; super::KEY_BLOCK]; H],
+            scale: _mm512_set1_ps(scale),
+        }
+    }
+
+    /// Key `at` (of a block of `len` keys from a multiple of `KEY_BLOCK`) against every
+    /// head's query: its lane sums, and after each 16 keys or the block's last, their
+    /// scores, the lane trees of 16 keys at once (a third of the shuffles and adds of one
+    /// tree per key, and one multiply and store for all 16).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+    fn product<const C: usize>(
+        &mut self,
+        qs: &[&[f32]],
+        k: &[&[half::f16]],
+        at: usize,
+        len: usize,
+    ) {
+        if let Some(row) = k.get(at + K_PREFETCH_AHEAD) {
+            prefetch_row(row);
+        }
+        let kr = k[at];
+        assert!(kr.len() == 16 * C);
+        let mut x = [_mm512_setzero_ps(); C];
+        for (c, x) in x.iter_mut().enumerate() {
+            // SAFETY: 16 f16 values at 16*c lie within the row (asserted length);
+            // unaligned loads are allowed.
+            *x = unsafe {
+                _mm512_cvtph_ps(_mm256_loadu_si256(kr.as_ptr().add(16 * c) as *const __m256i))
+            };
+        }
+        let j = at % super::KEY_BLOCK;
+        for (lanes, q) in self.lanes.iter_mut().zip(qs) {
+            lanes[j % 16] = dot_lanes(q, &x);
+        }
+        if j % 16 == 15 || j + 1 == len {
+            let from = j - j % 16;
+            let mask = (((1u32 << (j % 16 + 1)) - 1) & 0xffff) as u16;
+            for (lanes, scores) in self.lanes.iter().zip(self.scores.iter_mut()).take(qs.len()) {
+                let s = _mm512_mul_ps(reduce_16x16(lanes), self.scale);
+                let out = &mut scores[from..from + 16];
+                // SAFETY: `out` is 16 writable f32; only the lanes of keys computed are
+                // written, and unaligned stores are allowed.
+                unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr(), mask, s) };
+            }
+        }
+    }
+}
+
+/// [`dot_f16_ggml_steps`] on 16-lane registers up to its lane tree, the K row already
+/// converted: 64-lane steps into four accumulators, reduced `(a0 + a2) + (a1 + a3)`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-fn dot_wide<const C: usize>(q: &[f32], k: &[__m512; C]) -> f32 {
+fn dot_lanes<const C: usize>(q: &[f32], k: &[__m512; C]) -> __m512 {
     assert!(q.len() == 16 * C);
     let mut acc = [_mm512_setzero_ps(); 4];
     for (c, kx) in k.iter().enumerate() {
@@ -324,10 +388,49 @@ fn dot_wide<const C: usize>(q: &[f32], k: &[__m512; C]) -> f32 {
         let qv = unsafe { _mm512_loadu_ps(q.as_ptr().add(16 * c)) };
         acc[c % 4] = _mm512_fmadd_ps(qv, *kx, acc[c % 4]);
     }
-    let v = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]));
-    let lo = _mm512_castps512_ps256(v);
-    let hi = _mm512_extractf32x8_ps(v, 1);
-    hsum(_mm256_add_ps(hi, lo))
+    _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]))
+}
+
+/// Lane `i` of the result is `hsum(hi + lo)` of `v[i]` (the tree of
+/// [`super::reduce16`]: lane `l + 8` onto `l`, then `l + 4` onto `l`, then
+/// `(t0 + t2) + (t1 + t3)`), for all 16 at once by transposing shuffles: each step adds
+/// the same pairs as the one-vector tree, two, four, eight then sixteen vectors per
+/// register.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+fn reduce_16x16(v: &[__m512; 16]) -> __m512 {
+    // The last step leaves input slot `s` at lane `4 * (s % 4) + s / 4`; reading the
+    // inputs in the inverse order (the same map: a 4x4 transpose) puts key `i` at lane `i`.
+    let at = |s: usize| v[4 * (s % 4) + s / 4];
+    // 256-bit halves added: slot pair (2p, 2p+1) -> [t3 of 2p | t3 of 2p+1].
+    let w: [__m512; 8] = std::array::from_fn(|p| {
+        let (a, b) = (at(2 * p), at(2 * p + 1));
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x44>(a, b),
+            _mm512_shuffle_f32x4::<0xEE>(a, b),
+        )
+    });
+    // 128-bit quarters added: 128-bit lane `l` of `u[p]` is t6 of slot `4p + l`.
+    let u: [__m512; 4] = std::array::from_fn(|p| {
+        let (x, y) = (w[2 * p], w[2 * p + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0x88>(x, y),
+            _mm512_shuffle_f32x4::<0xDD>(x, y),
+        )
+    });
+    // Within each 128-bit lane `l`: [t6_0 + t6_2, t6_1 + t6_3] of slots 8p + l, 8p + 4 + l.
+    let z: [__m512; 2] = std::array::from_fn(|p| {
+        let (e, f) = (u[2 * p], u[2 * p + 1]);
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(e, f),
+            _mm512_shuffle_ps::<0xEE>(e, f),
+        )
+    });
+    // Element `e` of 128-bit lane `l`: slot `l + 4e`.
+    _mm512_add_ps(
+        _mm512_shuffle_ps::<0x88>(z[0], z[1]),
+        _mm512_shuffle_ps::<0xDD>(z[0], z[1]),
+    )
 }
 
 /// Keys between a row's prefetch and its use.
