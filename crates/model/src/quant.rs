@@ -125,6 +125,21 @@ pub trait QuantFormat: Send + Sync + 'static {
     fn rows(w: &[u8], row_bytes: usize, x: &[Self::Act], nb: usize, n: usize, out: &mut [f32]) {
         tokens_by_tiles::<Self>(w, row_bytes, x, nb, n, 0, out);
     }
+    /// As [`Self::rows`] but token-major, `out[t * ld + r]`, for formats with a kernel that
+    /// writes that layout (a prefill then needs no transposition); false, nothing done, for
+    /// the others or where the CPU lacks the kernel.
+    #[inline(always)]
+    fn rows_token_major(
+        w: &[u8],
+        x: &[Self::Act],
+        nb: usize,
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        let _ = (w, x, nb, n, out, ld);
+        false
+    }
 }
 
 /// [`QuantFormat::rows`] for tokens `t0..n`, one row and up to [`TILE`] tokens at a time
@@ -264,6 +279,17 @@ impl QuantFormat for Q5_0 {
     fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8_1], nb: usize, n: usize, out: &mut [f32]) {
         five_bit_matrix_rows::<Self>(w, row_bytes, x, nb, n, false, out);
     }
+    #[cfg(target_arch = "x86_64")]
+    fn rows_token_major(
+        w: &[u8],
+        x: &[BlockQ8_1],
+        nb: usize,
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        crate::kernels::five_bit_token_major(w, nb, x, n, false, out, ld)
+    }
 }
 
 /// Q5_0's or Q5_1's (`with_min`) tile: the SIMD rows where the CPU has them, else the
@@ -334,6 +360,17 @@ impl QuantFormat for Q5_1 {
     fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8_1], nb: usize, n: usize, out: &mut [f32]) {
         five_bit_matrix_rows::<Self>(w, row_bytes, x, nb, n, true, out);
     }
+    #[cfg(target_arch = "x86_64")]
+    fn rows_token_major(
+        w: &[u8],
+        x: &[BlockQ8_1],
+        nb: usize,
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        crate::kernels::five_bit_token_major(w, nb, x, n, true, out, ld)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -349,6 +386,17 @@ pub trait BlockMatrix: Send + Sync {
     fn wants_q8_k(&self) -> bool;
     /// `out[r * n + t] = dot(W[r0 + r], x[t])` for `nr` rows and `n` tokens.
     fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]);
+    /// Rows `r0..r0 + nr` against the `n` tokens into token-major `out[t * ld + r]`, where
+    /// the format has a kernel for that layout; false (nothing done) where not.
+    fn rows_token_major(
+        &self,
+        r0: usize,
+        nr: usize,
+        acts: &Acts<'_>,
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool;
     /// Row `r` dequantized (embedding lookups).
     fn row_f32(&self, r: usize, out: &mut [f32]);
 }
@@ -413,6 +461,20 @@ impl<F: QuantFormat> BlockMatrix for QuantMatrix<F> {
             return;
         }
         F::rows(w, rb, x, nb, n, out);
+    }
+
+    fn rows_token_major(
+        &self,
+        r0: usize,
+        nr: usize,
+        acts: &Acts<'_>,
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        let rb = Self::row_bytes(self.cols);
+        let w = &self.data[r0 * rb..(r0 + nr) * rb];
+        F::rows_token_major(w, F::Act::pick(acts), self.cols / F::Act::ELEMS, n, out, ld)
     }
 
     fn row_f32(&self, r: usize, out: &mut [f32]) {

@@ -164,7 +164,8 @@ fn rows_token_major(
             Matrix::Q4_0 { data, .. } => x86_512::Rows::Q4_0(&data[r0 * nb..(r0 + nr) * nb]),
             Matrix::Q4_1 { data, .. } => x86_512::Rows::Q4_1(&data[r0 * nb..(r0 + nr) * nb]),
             Matrix::Q8_0 { data, .. } => x86_512::Rows::Q8_0(&data[r0 * nb..(r0 + nr) * nb]),
-            _ => return false,
+            Matrix::F32 { .. } => return false,
+            Matrix::Blocks(m) => return m.rows_token_major(r0, nr, acts, n, out, ld),
         };
         // SAFETY: the CPU has the features `available` checks, the function's only
         // requirement; it bounds-checks its slices.
@@ -398,6 +399,32 @@ pub use quantize::quantize_blocks_q8_1;
 pub use rope::rope_row;
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86_512::{available as wide_available, five_bit_tiles};
+
+/// Q5_0 (`with_min` false) or Q5_1 rows (ggml's bytes, `nb` blocks a row) against the `n`
+/// tokens straight into token-major `out` (`out[t * ld + r]`), where the CPU has the 512-bit
+/// tiles and `n` is whole tiles; false (nothing done) where not.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn five_bit_token_major(
+    w: &[u8],
+    nb: usize,
+    x: &[BlockQ8_1],
+    n: usize,
+    with_min: bool,
+    out: &mut [f32],
+    ld: usize,
+) -> bool {
+    if !x86_512::available() {
+        return false;
+    }
+    let rows = if with_min {
+        x86_512::Rows::Q5_1(w)
+    } else {
+        x86_512::Rows::Q5_0(w)
+    };
+    // SAFETY: the CPU has the features `available` checks, the function's only
+    // requirement; it bounds-checks its slices.
+    unsafe { x86_512::rows_token_major(rows, nb, x, n, out, ld) }
+}
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86_512_kquants::k_quant_tiles;
 #[cfg(target_arch = "x86_64")]

@@ -586,12 +586,23 @@ fn wide_token_major_tiles_match_row_major_bit_for_bit() {
         for t in 0..n {
             quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
         }
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        let types = [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+        ];
+        for ty in types {
             let (m, _) = matrix(ty, rows, cols, 43);
             let mut by_row = vec![0f32; rows * n];
             // Token-major into a wider output, as a row block of a layer: columns 5.. of 40.
             let ld = rows + 7;
             let mut by_token = vec![f32::NAN; n * ld];
+            let acts = crate::quant::Acts {
+                q8_1: &xq,
+                q8_k: &[],
+            };
             // SAFETY: the features are present (checked above).
             let wrote = unsafe {
                 match &m {
@@ -628,7 +639,11 @@ fn wide_token_major_tiles_match_row_major_bit_for_bit() {
                             ld,
                         )
                     }
-                    _ => unreachable!("a Q4_0, Q4_1 or Q8_0 matrix"),
+                    Matrix::Blocks(b) => {
+                        b.rows_kernel(0, rows, &acts, n, &mut by_row);
+                        b.rows_token_major(0, rows, &acts, n, &mut by_token[5..], ld)
+                    }
+                    Matrix::F32 { .. } => unreachable!("a quantized matrix"),
                 }
             };
             assert!(wrote, "{ty:?}: {n} tokens are whole tiles");

@@ -58,6 +58,15 @@ pub(super) trait PairBlock: Sync {
     /// # Safety
     /// The CPU must support the features [`available`] checks.
     unsafe fn scales(&self) -> (f32, f32);
+    /// `d_w` in every lane.
+    ///
+    /// # Safety
+    /// The CPU must support the features [`available`] checks.
+    #[inline(always)]
+    unsafe fn scale_lanes(&self) -> __m512 {
+        // SAFETY: the caller guarantees the CPU features.
+        unsafe { _mm512_set1_ps(self.scales().0) }
+    }
     /// The block's 32 values plus [`Self::OFFSET`] as unsigned bytes, in element order, in
     /// both halves of a register.
     ///
@@ -138,6 +147,14 @@ unsafe fn f16_pair(bytes: [u8; 4]) -> (f32, f32) {
     }
 }
 
+/// A little-endian f16 in all 16 lanes as f32: broadcast, then one conversion (one
+/// instruction fewer than converting the scalar and broadcasting it).
+#[inline(always)]
+unsafe fn f16_lanes(bytes: [u8; 2]) -> __m512 {
+    // SAFETY: the caller guarantees AVX-512 F (which includes the 512-bit conversion).
+    unsafe { _mm512_cvtph_ps(_mm256_set1_epi16(i16::from_le_bytes(bytes))) }
+}
+
 /// The fifth bits `qh` (bit j: element j) added to the nibbles as 16.
 #[inline(always)]
 unsafe fn five_bits(qh: [u8; 4], qs: &[u8; 16]) -> __m512i {
@@ -145,8 +162,11 @@ unsafe fn five_bits(qh: [u8; 4], qs: &[u8; 16]) -> __m512i {
     let bits = u64::from(qh) | u64::from(qh) << 32;
     // SAFETY: the caller guarantees AVX-512 F and BW.
     unsafe {
-        let n = nibbles(qs);
-        _mm512_mask_add_epi8(n, bits, n, _mm512_set1_epi8(16))
+        let q = _mm512_broadcast_i32x4(_mm_loadu_si128(qs.as_ptr().cast()));
+        let shifted = _mm512_srlv_epi64(q, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0));
+        let fifth = _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(16));
+        // (shifted & 0x0f) | fifth in one instruction (truth table 0xEA: (a & b) | c).
+        _mm512_ternarylogic_epi64::<0xEA>(shifted, _mm512_set1_epi8(0x0f), fifth)
     }
 }
 
@@ -159,6 +179,11 @@ impl PairBlock for [u8; 22] {
     unsafe fn scales(&self) -> (f32, f32) {
         // SAFETY: the caller guarantees F16C.
         unsafe { f16_pair([self[0], self[1], 0, 0]) }
+    }
+    #[inline(always)]
+    unsafe fn scale_lanes(&self) -> __m512 {
+        // SAFETY: the caller guarantees the CPU features.
+        unsafe { f16_lanes([self[0], self[1]]) }
     }
     #[inline(always)]
     unsafe fn unsigned(&self) -> __m512i {
@@ -177,6 +202,11 @@ impl PairBlock for [u8; 24] {
     unsafe fn scales(&self) -> (f32, f32) {
         // SAFETY: the caller guarantees F16C.
         unsafe { f16_pair([self[0], self[1], self[2], self[3]]) }
+    }
+    #[inline(always)]
+    unsafe fn scale_lanes(&self) -> __m512 {
+        // SAFETY: the caller guarantees the CPU features.
+        unsafe { f16_lanes([self[0], self[1]]) }
     }
     #[inline(always)]
     unsafe fn unsigned(&self) -> __m512i {
@@ -263,10 +293,14 @@ pub unsafe fn five_bit_tiles(
 }
 
 /// The block formats whose matrices the tiles take directly.
-pub(super) enum Rows<'a> {
+pub(crate) enum Rows<'a> {
     Q4_0(&'a [BlockQ4_0]),
     Q4_1(&'a [BlockQ4_1]),
     Q8_0(&'a [BlockQ8_0]),
+    /// ggml's Q5_0 blocks as bytes.
+    Q5_0(&'a [u8]),
+    /// ggml's Q5_1 blocks as bytes.
+    Q5_1(&'a [u8]),
 }
 
 /// `out[t * ld + r] = dot(w[r], x[t])`: the result token-major, as the layer's output is, so
@@ -292,6 +326,8 @@ pub unsafe fn rows_token_major(
         Rows::Q4_0(w) => pair_tiles(w, nb, x, n, &mut out),
         Rows::Q4_1(w) => pair_tiles(w, nb, x, n, &mut out),
         Rows::Q8_0(w) => pair_tiles(w, nb, x, n, &mut out),
+        Rows::Q5_0(w) => pair_tiles(w.as_chunks::<22>().0, nb, x, n, &mut out),
+        Rows::Q5_1(w) => pair_tiles(w.as_chunks::<24>().0, nb, x, n, &mut out),
     };
     true
 }
@@ -488,9 +524,9 @@ fn micro_tile<B: PairBlock, const R: usize, const P: usize>(
         let d = unsafe { _mm512_loadu_ps(pb.d.as_ptr()) };
         for (row, acc) in rows.iter().zip(acc.iter_mut()) {
             let block = &row[i];
-            // SAFETY: this function has the features `unsigned` and `scales` need.
-            let (wu, dw) = unsafe { (block.unsigned(), block.scales().0) };
-            let products = _mm512_mul_ps(_mm512_set1_ps(dw), d);
+            // SAFETY: this function has the features `unsigned` and `scale_lanes` need.
+            let (wu, dw) = unsafe { (block.unsigned(), block.scale_lanes()) };
+            let products = _mm512_mul_ps(dw, d);
             // Indexed on purpose: with iterators the compiler kept the accumulators in
             // memory and the shuffle a run-time branch (measured 2.6 times slower).
             #[allow(clippy::needless_range_loop)]
