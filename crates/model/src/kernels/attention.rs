@@ -119,27 +119,43 @@ impl Plan {
         self.exp[j] = score;
     }
 
-    /// [`Self::settle`] for scores computed elsewhere, one per key of the block.
-    #[inline(always)]
-    fn settle_from(&mut self, scores: &[f32]) {
-        self.exp[..scores.len()].copy_from_slice(scores);
-        self.settle(scores.len());
-    }
-
     /// Turns the first `n` scores of the block into weights, in key order.
     #[inline(always)]
     fn settle(&mut self, n: usize) {
-        for (e, r) in self.exp.iter_mut().zip(self.raises.iter_mut()).take(n) {
-            let s = *e;
+        let scores = self.exp;
+        self.settle_from(&scores[..n]);
+    }
+
+    /// [`Self::settle`] for the scores of the block's first `scores.len()` keys.
+    #[inline(always)]
+    fn settle_from(&mut self, scores: &[f32]) {
+        let n = scores.len();
+        // exp(-inf) is +0 in every libm, but the vector `exp` treats -inf as a special
+        // input and computes its whole group of 16 with scalar calls: the first key's
+        // rescale (from the initial -inf maximum) is set to its known value afterwards.
+        let mut from_nothing = None;
+        for (i, (&s, (e, r))) in scores
+            .iter()
+            .zip(self.exp.iter_mut().zip(self.raises.iter_mut()))
+            .enumerate()
+        {
             *r = s > self.max;
             if *r {
-                *e = self.max - s;
+                if self.max == f32::NEG_INFINITY {
+                    from_nothing = Some(i);
+                    *e = 0.0;
+                } else {
+                    *e = self.max - s;
+                }
                 self.max = s;
             } else {
                 *e = s - self.max;
             }
         }
         super::libm_expf::expf_in_place(&mut self.exp[..n]);
+        if let Some(i) = from_nothing {
+            self.exp[i] = 0.0;
+        }
     }
 
     /// `(ms, vs)`: the accumulator's rescale factor and key `j`'s weight.
