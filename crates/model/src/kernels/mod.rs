@@ -392,7 +392,7 @@ mod x86_512_kquants;
 #[cfg(target_arch = "x86_64")]
 mod x86_512_low_kquants;
 
-pub use activation::{ggml_expf, silu, swiglu};
+pub use activation::{ggml_expf, silu, swiglu, table_glu};
 pub use attention::{dot_f16_ggml, KvElem};
 pub use quant_dot::{dot_q4_0, dot_q4_1, dot_q8_0, rows_q4_0, rows_q4_1, rows_q8_0, scalar};
 pub use quantize::quantize_blocks_q8_1;
