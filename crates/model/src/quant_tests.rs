@@ -487,3 +487,62 @@ fn wide_low_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
         }
     }
 }
+
+/// The super-block formats' 512-bit tiles writing token-major (a prefill's layer output)
+/// against their row-major result, bit for bit, through `BlockMatrix` as the product driver
+/// calls them: one- and two-tile passes, several rows; a token count that is not whole tiles
+/// is refused with nothing written.
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
+fn wide_k_quant_token_major_matches_row_major_bit_for_bit() {
+    assert!(
+        crate::kernels::wide_available(),
+        "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
+    );
+    let mut s = 53u64;
+    for ty in [
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+    ] {
+        let (rows, nb) = (5, 2);
+        let cols = nb * QK_K;
+        let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s) * 3.0).collect();
+        let m = block_matrix(ty, rows, cols, ty.quantize(&vals)).expect("a supported type");
+        for n in [12, 4, 6] {
+            let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 5.0).collect();
+            let mut xk = vec![BlockQ8K::default(); n * nb];
+            for (row, o) in x.chunks_exact(cols).zip(xk.chunks_exact_mut(nb)) {
+                quantize_row_q8_k(row, o);
+            }
+            let acts = Acts {
+                q8_1: &[],
+                q8_k: &xk,
+            };
+            let mut by_row = vec![0f32; rows * n];
+            m.rows_kernel(0, rows, &acts, n, &mut by_row);
+            let ld = rows + 3;
+            let mut by_token = vec![f32::NAN; n * ld];
+            let wrote = m.rows_token_major(0, rows, &acts, n, &mut by_token[2..], ld);
+            assert_eq!(wrote, n % TILE == 0, "{ty:?}: {n} tokens");
+            if !wrote {
+                assert!(
+                    by_token.iter().all(|v| v.is_nan()),
+                    "{ty:?}: nothing written"
+                );
+                continue;
+            }
+            for r in 0..rows {
+                for t in 0..n {
+                    assert_eq!(
+                        by_token[t * ld + 2 + r].to_bits(),
+                        by_row[r * n + t].to_bits(),
+                        "{ty:?} n {n} row {r} token {t}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -425,10 +425,82 @@ pub(crate) fn five_bit_token_major(
     // requirement; it bounds-checks its slices.
     unsafe { x86_512::rows_token_major(rows, nb, x, n, out, ld) }
 }
+/// Q4_K (`six` false) or Q6_K rows (ggml's bytes, `nb` super-blocks a row) against the
+/// whole tiles of the `n` tokens, `out[r * n + t]`; returns the tokens done.
+///
+/// # Safety
+/// The CPU must support the features `x86_512::available` checks. Slices are bounds-checked.
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86_512_kquants::k_quant_tiles;
+pub(crate) unsafe fn k_quant_tiles(
+    w: &[u8],
+    nb: usize,
+    x: &[crate::quant::BlockQ8K],
+    n: usize,
+    six: bool,
+    out: &mut [f32],
+) -> usize {
+    // SAFETY: the caller guarantees the CPU features, the function's only requirement.
+    unsafe {
+        x86_512_kquants::k_quant_tiles(w, nb, x, n, six, &mut x86_512::Out::RowMajor { out, n })
+    }
+}
+/// Q2_K (`two`) or Q3_K rows: as [`k_quant_tiles`].
+///
+/// # Safety
+/// As [`k_quant_tiles`].
 #[cfg(target_arch = "x86_64")]
-pub(crate) use x86_512_low_kquants::low_k_quant_tiles;
+pub(crate) unsafe fn low_k_quant_tiles(
+    w: &[u8],
+    nb: usize,
+    x: &[crate::quant::BlockQ8K],
+    n: usize,
+    two: bool,
+    out: &mut [f32],
+) -> usize {
+    // SAFETY: the caller guarantees the CPU features, the function's only requirement.
+    unsafe {
+        x86_512_low_kquants::low_k_quant_tiles(
+            w,
+            nb,
+            x,
+            n,
+            two,
+            &mut x86_512::Out::RowMajor { out, n },
+        )
+    }
+}
+
+/// Q2_K, Q3_K, Q4_K or Q6_K rows (`ty`; ggml's bytes, `nb` super-blocks a row) against the
+/// `n` tokens straight into token-major `out` (`out[t * ld + r]`), where the CPU has the
+/// 512-bit tiles and `n` is whole tiles; false (nothing done) where not.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn k_quant_token_major(
+    w: &[u8],
+    nb: usize,
+    x: &[crate::quant::BlockQ8K],
+    n: usize,
+    ty: gguf::GgmlType,
+    out: &mut [f32],
+    ld: usize,
+) -> bool {
+    use gguf::GgmlType;
+    if !x86_512::available() || !n.is_multiple_of(TILE) {
+        return false;
+    }
+    let mut out = x86_512::Out::TokenMajor { out, ld };
+    // SAFETY (each call): the CPU has the features `available` checks, the functions' only
+    // requirement; they bounds-check their slices.
+    unsafe {
+        match ty {
+            GgmlType::Q4_K => x86_512_kquants::k_quant_tiles(w, nb, x, n, false, &mut out),
+            GgmlType::Q6_K => x86_512_kquants::k_quant_tiles(w, nb, x, n, true, &mut out),
+            GgmlType::Q2_K => x86_512_low_kquants::low_k_quant_tiles(w, nb, x, n, true, &mut out),
+            GgmlType::Q3_K => x86_512_low_kquants::low_k_quant_tiles(w, nb, x, n, false, &mut out),
+            _ => return false,
+        }
+    };
+    true
+}
 
 #[cfg(test)]
 mod tests;

@@ -339,6 +339,21 @@ pub(super) enum Out<'a> {
 }
 
 impl Out<'_> {
+    /// Row `r`'s results for tokens `t0..t0 + vals.len()`.
+    #[inline]
+    pub(super) fn put_slice(&mut self, r: usize, t0: usize, vals: &[f32]) {
+        match self {
+            Out::RowMajor { out, n } => {
+                out[r * *n + t0..r * *n + t0 + vals.len()].copy_from_slice(vals);
+            }
+            Out::TokenMajor { out, ld } => {
+                for (t, &x) in vals.iter().enumerate() {
+                    out[(t0 + t) * *ld + r] = x;
+                }
+            }
+        }
+    }
+
     /// Row `r`'s results for tokens `t0..t0 + tokens` (`tokens` ≤ 8), lanes in token order.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]

@@ -15,6 +15,7 @@
 
 use std::arch::x86_64::*;
 
+use super::x86_512::Out;
 use super::TILE;
 use crate::quant::BlockQ8K;
 
@@ -39,7 +40,7 @@ struct TileActs {
 }
 
 /// Q4_K (`six` false) or Q6_K rows (`w` ggml's super-blocks as bytes, `nb` a row) against
-/// the whole tiles of the `n` tokens, `out[r * n + t]`; returns how many tokens it did (a
+/// the whole tiles of the `n` tokens, into `out`; returns how many tokens it did (a
 /// multiple of [`TILE`]); the caller does the rest with the 256-bit kernel.
 ///
 /// # Safety
@@ -52,7 +53,7 @@ pub unsafe fn k_quant_tiles(
     x: &[BlockQ8K],
     n: usize,
     six: bool,
-    out: &mut [f32],
+    out: &mut Out<'_>,
 ) -> usize {
     let tiles = n / TILE;
     let mut prep = Vec::with_capacity(2 * nb);
@@ -60,10 +61,10 @@ pub unsafe fn k_quant_tiles(
     while tile < tiles {
         let p = if tile + 2 <= tiles { 2 } else { 1 };
         match (p, six) {
-            (2, false) => pass::<2, false>(w, nb, x, n, tile, &mut prep, out),
-            (2, true) => pass::<2, true>(w, nb, x, n, tile, &mut prep, out),
-            (_, false) => pass::<1, false>(w, nb, x, n, tile, &mut prep, out),
-            (_, true) => pass::<1, true>(w, nb, x, n, tile, &mut prep, out),
+            (2, false) => pass::<2, false>(w, nb, x, tile, &mut prep, out),
+            (2, true) => pass::<2, true>(w, nb, x, tile, &mut prep, out),
+            (_, false) => pass::<1, false>(w, nb, x, tile, &mut prep, out),
+            (_, true) => pass::<1, true>(w, nb, x, tile, &mut prep, out),
         }
         tile += p;
     }
@@ -77,10 +78,9 @@ fn pass<const P: usize, const SIX: bool>(
     w: &[u8],
     nb: usize,
     x: &[BlockQ8K],
-    n: usize,
     tile: usize,
     prep: &mut Vec<TileActs>,
-    out: &mut [f32],
+    out: &mut Out<'_>,
 ) {
     let rb = nb * if SIX { 210 } else { 144 };
     let nr = w.len() / rb;
@@ -104,8 +104,7 @@ fn pass<const P: usize, const SIX: bool>(
             q4_k_row::<P>(row, prep)
         };
         for (p, part) in res.iter().enumerate() {
-            let at = r * n + t0 + p * TILE;
-            out[at..at + TILE].copy_from_slice(part);
+            out.put_slice(r, t0 + p * TILE, part);
         }
     }
 }

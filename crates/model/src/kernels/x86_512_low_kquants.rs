@@ -13,6 +13,7 @@
 
 use std::arch::x86_64::*;
 
+use super::x86_512::Out;
 use super::x86_512_kquants::{both_halves, f16_pair, finish, pair};
 use super::TILE;
 use crate::quant::BlockQ8K;
@@ -40,7 +41,7 @@ struct LowActs {
 }
 
 /// Q2_K (`two`) or Q3_K rows (`w` ggml's super-blocks as bytes, `nb` a row) against the
-/// whole tiles of the `n` tokens, `out[r * n + t]`; returns how many tokens it did (a
+/// whole tiles of the `n` tokens, into `out`; returns how many tokens it did (a
 /// multiple of [`TILE`]); the caller does the rest with the 256-bit kernel.
 ///
 /// # Safety
@@ -53,7 +54,7 @@ pub unsafe fn low_k_quant_tiles(
     x: &[BlockQ8K],
     n: usize,
     two: bool,
-    out: &mut [f32],
+    out: &mut Out<'_>,
 ) -> usize {
     let tiles = n / TILE;
     let mut prep = Vec::with_capacity(2 * nb);
@@ -61,10 +62,10 @@ pub unsafe fn low_k_quant_tiles(
     while tile < tiles {
         let p = if tile + 2 <= tiles { 2 } else { 1 };
         match (p, two) {
-            (2, true) => pass::<2, true>(w, nb, x, n, tile, &mut prep, out),
-            (2, false) => pass::<2, false>(w, nb, x, n, tile, &mut prep, out),
-            (_, true) => pass::<1, true>(w, nb, x, n, tile, &mut prep, out),
-            (_, false) => pass::<1, false>(w, nb, x, n, tile, &mut prep, out),
+            (2, true) => pass::<2, true>(w, nb, x, tile, &mut prep, out),
+            (2, false) => pass::<2, false>(w, nb, x, tile, &mut prep, out),
+            (_, true) => pass::<1, true>(w, nb, x, tile, &mut prep, out),
+            (_, false) => pass::<1, false>(w, nb, x, tile, &mut prep, out),
         }
         tile += p;
     }
@@ -78,10 +79,9 @@ fn pass<const P: usize, const TWO: bool>(
     w: &[u8],
     nb: usize,
     x: &[BlockQ8K],
-    n: usize,
     tile: usize,
     prep: &mut Vec<LowActs>,
-    out: &mut [f32],
+    out: &mut Out<'_>,
 ) {
     let rb = nb * if TWO { Q2_K_BYTES } else { Q3_K_BYTES };
     let nr = w.len() / rb;
@@ -105,8 +105,7 @@ fn pass<const P: usize, const TWO: bool>(
             q3_k_row::<P>(row, prep)
         };
         for (p, part) in res.iter().enumerate() {
-            let at = r * n + t0 + p * TILE;
-            out[at..at + TILE].copy_from_slice(part);
+            out.put_slice(r, t0 + p * TILE, part);
         }
     }
 }
