@@ -245,7 +245,7 @@ fn wide<const C: usize, const H: usize>(
             next.product::<C>(qs, k, j, first);
         }
         for (plan, scores) in plans.iter_mut().zip(&next.scores).take(heads) {
-            plan.settle_from(&scores[..first]);
+            settle_wide(plan, scores, first);
         }
         for b0 in (0..n).step_by(B) {
             let len = (n - b0).min(B);
@@ -292,7 +292,7 @@ fn wide<const C: usize, const H: usize>(
             }
             if ahead_len > 0 {
                 for (plan, scores) in plans.iter_mut().zip(&next.scores).take(heads) {
-                    plan.settle_from(&scores[..ahead_len]);
+                    settle_wide(plan, scores, ahead_len);
                 }
             }
         }
@@ -308,6 +308,81 @@ fn wide<const C: usize, const H: usize>(
                 }
             }
         }
+    }
+}
+
+/// [`super::Plan::settle_from`] for the first `n` of `scores`, the running maximum as a
+/// prefix maximum across 16 lanes: the maximum is exact and, with no NaN among the
+/// scores, order-free, so each key sees the same maximum before it as in the
+/// one-key-at-a-time loop (which runs instead where a score is NaN). Only the sign of a
+/// zero maximum can differ, which changes no `exp` argument but the sign of a zero one,
+/// and exp(+0) = exp(-0) = 1.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+fn settle_wide(plan: &mut super::Plan, scores: &[f32; super::KEY_BLOCK], n: usize) {
+    // Shifts lanes up by `BY` (an `alignr` count of `16 - BY`), `fill` coming in.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+    fn up<const SHIFT: i32>(x: __m512, fill: __m512) -> __m512 {
+        _mm512_castsi512_ps(_mm512_alignr_epi32::<SHIFT>(
+            _mm512_castps_si512(x),
+            _mm512_castps_si512(fill),
+        ))
+    }
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut s = [ninf; super::KEY_BLOCK / 16];
+    let mut nan = 0u16;
+    for (i, s) in s.iter_mut().enumerate() {
+        let valid = ((1u32 << n.saturating_sub(16 * i).min(16)) - 1) as u16;
+        // SAFETY: 16 f32 at 16*i lie within `scores`; unaligned loads are allowed.
+        let x = unsafe { _mm512_loadu_ps(scores.as_ptr().add(16 * i)) };
+        nan |= _mm512_mask_cmp_ps_mask::<_CMP_UNORD_Q>(valid, x, x);
+        // Keys past the block's end never raise the maximum.
+        *s = _mm512_mask_mov_ps(ninf, valid, x);
+    }
+    if nan != 0 {
+        plan.settle_from(&scores[..n]);
+        return;
+    }
+    let mut zero = 0u32;
+    for (i, s) in s.into_iter().enumerate() {
+        if 16 * i >= n {
+            break;
+        }
+        let mut p = _mm512_max_ps(s, up::<15>(s, ninf));
+        p = _mm512_max_ps(p, up::<14>(p, ninf));
+        p = _mm512_max_ps(p, up::<12>(p, ninf));
+        p = _mm512_max_ps(p, up::<8>(p, ninf));
+        let m0 = _mm512_set1_ps(plan.max);
+        // The maximum before each key: the carried one, then the keys before it.
+        let before = _mm512_max_ps(up::<15>(p, m0), m0);
+        let raises = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(s, before);
+        let e = _mm512_mask_sub_ps(_mm512_sub_ps(s, before), raises, before, s);
+        // exp(-inf) is +0 in every libm, but the vector `exp` treats -inf as a special
+        // input and computes its whole group of 16 with scalar calls: the first key's
+        // rescale (from the initial -inf maximum) is set to its known value afterwards.
+        let nothing = _mm512_mask_cmp_ps_mask::<_CMP_EQ_OQ>(raises, before, ninf);
+        zero |= (nothing as u32) << (16 * i);
+        let e = _mm512_mask_mov_ps(e, nothing, _mm512_setzero_ps());
+        let out = &mut plan.exp[16 * i..16 * i + 16];
+        let flags = &mut plan.raises[16 * i..16 * i + 16];
+        // SAFETY: `out` is 16 writable f32, `flags` 16 writable bools, written with 0 or 1
+        // (valid bools); unaligned stores are allowed.
+        unsafe {
+            _mm512_storeu_ps(out.as_mut_ptr(), e);
+            _mm_storeu_si128(
+                flags.as_mut_ptr() as *mut __m128i,
+                _mm_maskz_mov_epi8(raises, _mm_set1_epi8(1)),
+            );
+        }
+        // Lane 15 of the prefix maximum: the block's last key (the rest are -inf).
+        let top = _mm512_max_ps(p, m0);
+        plan.max = _mm512_cvtss_f32(_mm512_permutexvar_ps(_mm512_set1_epi32(15), top));
+    }
+    super::super::libm_expf::expf_in_place(&mut plan.exp[..n]);
+    while zero != 0 {
+        plan.exp[zero.trailing_zeros() as usize] = 0.0;
+        zero &= zero - 1;
     }
 }
 
