@@ -197,40 +197,74 @@ fn by_row_blocks(ws: &[&Matrix], input: &Input<'_>, n: usize, outs: &mut [&mut [
             tasks.push((m, c * rows_per_task, chunk));
         }
     }
-    tasks.into_par_iter().for_each(|(m, r0, chunk)| {
-        let nr = chunk.len() / n;
-        rows_kernel(
-            ws[m],
-            r0,
-            nr,
-            input.x_f32,
-            &input.acts,
-            &input.scales,
-            n,
-            chunk,
-        );
-    });
+    // Each task's rows come back token-major (`chunk[t * nr + r]`) where its kernel can
+    // write that layout, else row-major; either way the chunk is the task's own.
+    let token_major: Vec<bool> = tasks
+        .into_par_iter()
+        .map(|(m, r0, chunk)| {
+            let nr = chunk.len() / n;
+            if n > 1 && rows_token_major(ws[m], r0, nr, &input.acts, n, chunk, nr) {
+                return true;
+            }
+            rows_kernel(
+                ws[m],
+                r0,
+                nr,
+                input.x_f32,
+                &input.acts,
+                &input.scales,
+                n,
+                chunk,
+            );
+            false
+        })
+        .collect();
     if n != 1 {
+        let mut layouts = token_major.into_iter();
         for ((w, buf), out) in ws.iter().zip(&by_row).zip(outs.iter_mut()) {
-            transpose_to_token_major(buf, w.rows(), n, out);
+            let chunks = w.rows().div_ceil(rows_per_task);
+            let layout: Vec<bool> = layouts.by_ref().take(chunks).collect();
+            assemble_token_major(buf, w.rows(), n, rows_per_task, &layout, out);
         }
     }
 }
 
-/// `out[t * rows + r] = by_row[r * n + t]`, in parallel over groups of tokens. A group
-/// reads a few adjacent values per row and appends to as many output rows, so both sides
-/// stream; one thread writing token by token across a 49,152-row output layer measured 6%
-/// of a loaded server's time, with the other core idle.
-fn transpose_to_token_major(by_row: &[f32], rows: usize, n: usize, out: &mut [f32]) {
+/// `out[t * rows + r]` from the tasks' chunks of `by_row` (chunk `c` holds rows
+/// `c * rows_per_task..`, token-major where `token_major[c]`, else row-major), in parallel
+/// over groups of tokens: a token-major chunk is one contiguous copy per token; a row-major
+/// one is read a few adjacent values per row (one thread writing token by token across a
+/// 49,152-row output layer measured 6% of a loaded server's time, with the other core idle).
+fn assemble_token_major(
+    by_row: &[f32],
+    rows: usize,
+    n: usize,
+    rows_per_task: usize,
+    token_major: &[bool],
+    out: &mut [f32],
+) {
     const TOKENS_PER_TASK: usize = 4;
     out.par_chunks_mut(TOKENS_PER_TASK * rows)
         .enumerate()
         .for_each(|(g, group)| {
             let t0 = g * TOKENS_PER_TASK;
             let nt = group.len() / rows;
-            for (r, src) in by_row.chunks_exact(n).enumerate() {
-                for (dt, &v) in src[t0..t0 + nt].iter().enumerate() {
-                    group[dt * rows + r] = v;
+            for (c, (chunk, &tm)) in by_row
+                .chunks(rows_per_task * n)
+                .zip(token_major)
+                .enumerate()
+            {
+                let (r0, nr) = (c * rows_per_task, chunk.len() / n);
+                if tm {
+                    for dt in 0..nt {
+                        let src = &chunk[(t0 + dt) * nr..(t0 + dt + 1) * nr];
+                        group[dt * rows + r0..dt * rows + r0 + nr].copy_from_slice(src);
+                    }
+                } else {
+                    for (r, src) in chunk.chunks_exact(n).enumerate() {
+                        for (dt, &v) in src[t0..t0 + nt].iter().enumerate() {
+                            group[dt * rows + r0 + r] = v;
+                        }
+                    }
                 }
             }
         });

@@ -248,7 +248,16 @@ fn matmul_rows_do_not_depend_on_batch() {
         GgmlType::F32,
         GgmlType::Q4_K,
     ] {
-        for (rows, n) in [(37, 9), (ROW_BLOCK + 13, TOKEN_SPLIT_MIN + TOKEN_BLOCK + 5)] {
+        // Decode-sized (split by rows) and prefill-sized (split by tokens), each with a token
+        // count of whole tiles (the 512-bit tiles write token-major) and one with a rest.
+        let shapes = [
+            (37, 9),
+            (37, 12),
+            (37, 32),
+            (ROW_BLOCK + 13, TOKEN_SPLIT_MIN + TOKEN_BLOCK + 5),
+            (ROW_BLOCK + 13, TOKEN_SPLIT_MIN + TOKEN_BLOCK + 4),
+        ];
+        for (rows, n) in shapes {
             let (m, _) = matrix(ty, rows, cols, 3);
             let mut s = 5u64;
             let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
