@@ -45,13 +45,18 @@ pub fn matmul_group(
     let q8_k = match ws.iter().find(|w| w.wants_q8_k()) {
         Some(w) => {
             let cols = w.cols();
-            let mut q = vec![BlockQ8K::default(); n * cols / gguf::QK_K];
-            for (row, o) in x_f32
-                .chunks_exact(cols)
-                .zip(q.chunks_exact_mut(cols / gguf::QK_K))
-            {
-                quantize_row_q8_k(row, o);
-            }
+            let nbk = cols / gguf::QK_K;
+            let mut q = vec![BlockQ8K::default(); n * nbk];
+            // Rows in parallel chunks (one core did them all: 3.6% of a Q2_K prefill).
+            let per = n.div_ceil(2 * rayon::current_num_threads()).max(1);
+            let chunks = x_f32
+                .par_chunks(per * cols)
+                .zip(q.par_chunks_mut(per * nbk));
+            chunks.for_each(|(x, q)| {
+                for (row, o) in x.chunks_exact(cols).zip(q.chunks_exact_mut(nbk)) {
+                    quantize_row_q8_k(row, o);
+                }
+            });
             q
         }
         None => Vec::new(),
