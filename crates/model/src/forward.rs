@@ -519,13 +519,37 @@ fn quantize_rows_here(x: &[f32], width: usize, out: &mut [BlockQ8_1]) {
 
 /// RMSNorm as ggml computes it (sum of squares in f64), then the learned scale.
 fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, width: usize, out: &mut [f32]) {
-    for (row, o) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
-        let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
-        let mean = (sum / width as f64) as f32;
-        let scale = 1.0 / (mean + eps).sqrt();
-        for ((ov, &xv), &w) in o.iter_mut().zip(row).zip(weight) {
-            *ov = (xv * scale) * w;
+    // Each row's sum is one chain of dependent f64 additions, in element order as ggml adds
+    // them; four rows' chains run side by side so that they overlap (same additions, same
+    // order within each row).
+    const ROWS_TOGETHER: usize = 4;
+    let group = ROWS_TOGETHER * width;
+    let (whole, rest) = x.split_at(x.len() / group * group);
+    let (out_whole, out_rest) = out.split_at_mut(whole.len());
+    for (xs, outs) in whole.chunks_exact(group).zip(out_whole.chunks_exact_mut(group)) {
+        let rows: [&[f32]; ROWS_TOGETHER] = std::array::from_fn(|j| &xs[j * width..(j + 1) * width]);
+        let mut sums = [0f64; ROWS_TOGETHER];
+        for i in 0..width {
+            for (sum, row) in sums.iter_mut().zip(&rows) {
+                *sum += (row[i] * row[i]) as f64;
+            }
         }
+        for ((row, o), sum) in rows.iter().zip(outs.chunks_exact_mut(width)).zip(sums) {
+            scale_row(row, weight, eps, width, sum, o);
+        }
+    }
+    for (row, o) in rest.chunks_exact(width).zip(out_rest.chunks_exact_mut(width)) {
+        let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
+        scale_row(row, weight, eps, width, sum, o);
+    }
+}
+
+/// `o = row / sqrt(mean + eps) * weight`, the mean from the row's sum of squares.
+fn scale_row(row: &[f32], weight: &[f32], eps: f32, width: usize, sum: f64, o: &mut [f32]) {
+    let mean = (sum / width as f64) as f32;
+    let scale = 1.0 / (mean + eps).sqrt();
+    for ((ov, &xv), &w) in o.iter_mut().zip(row).zip(weight) {
+        *ov = (xv * scale) * w;
     }
 }
 
