@@ -526,8 +526,12 @@ fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, width: usize, out: &mut [f
     let group = ROWS_TOGETHER * width;
     let (whole, rest) = x.split_at(x.len() / group * group);
     let (out_whole, out_rest) = out.split_at_mut(whole.len());
-    for (xs, outs) in whole.chunks_exact(group).zip(out_whole.chunks_exact_mut(group)) {
-        let rows: [&[f32]; ROWS_TOGETHER] = std::array::from_fn(|j| &xs[j * width..(j + 1) * width]);
+    for (xs, outs) in whole
+        .chunks_exact(group)
+        .zip(out_whole.chunks_exact_mut(group))
+    {
+        let rows: [&[f32]; ROWS_TOGETHER] =
+            std::array::from_fn(|j| &xs[j * width..(j + 1) * width]);
         let mut sums = [0f64; ROWS_TOGETHER];
         for i in 0..width {
             for (sum, row) in sums.iter_mut().zip(&rows) {
@@ -538,7 +542,10 @@ fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, width: usize, out: &mut [f
             scale_row(row, weight, eps, width, sum, o);
         }
     }
-    for (row, o) in rest.chunks_exact(width).zip(out_rest.chunks_exact_mut(width)) {
+    for (row, o) in rest
+        .chunks_exact(width)
+        .zip(out_rest.chunks_exact_mut(width))
+    {
         let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
         scale_row(row, weight, eps, width, sum, o);
     }

@@ -224,15 +224,10 @@ impl PairBlock for [u8; 24] {
 /// The CPU must support the features [`available`] checks. Slices are bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn q4_1_rows(w: &[BlockQ4_1], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
-    let done = pair_tiles(w, nb, x, n, &mut Out::RowMajor { out, n });
-    let acts = leftover_tokens(x, nb, done, n);
-    if n > done {
-        for (r, row) in w.chunks_exact(nb).enumerate() {
-            // SAFETY: AVX2 and FMA are among this function's features.
-            let out = &mut out[r * n + done..(r + 1) * n];
-            unsafe { super::x86::vnni::q4_1(row, &acts[..n - done], None, out) };
-        }
-    }
+    // SAFETY (each kernel): AVX2, FMA, AVX-512 VNNI and VL are among this function's features.
+    block_rows(w, nb, x, n, out, |row, acts, out| unsafe {
+        super::x86::vnni::q4_1(row, acts, None, out)
+    });
 }
 
 /// Q8_0: as [`q4_1_rows`].
@@ -241,15 +236,10 @@ pub unsafe fn q4_1_rows(w: &[BlockQ4_1], nb: usize, x: &[BlockQ8_1], n: usize, o
 /// The CPU must support the features [`available`] checks. Slices are bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn q8_0_rows(w: &[BlockQ8_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
-    let done = pair_tiles(w, nb, x, n, &mut Out::RowMajor { out, n });
-    let acts = leftover_tokens(x, nb, done, n);
-    if n > done {
-        for (r, row) in w.chunks_exact(nb).enumerate() {
-            let out = &mut out[r * n + done..(r + 1) * n];
-            // SAFETY: AVX2, FMA, AVX-512 VNNI and VL are among this function's features.
-            unsafe { super::x86::vnni::q8_0(row, &acts[..n - done], out) };
-        }
-    }
+    // SAFETY: as in `q4_1_rows`.
+    block_rows(w, nb, x, n, out, |row, acts, out| unsafe {
+        super::x86::vnni::q8_0(row, acts, out)
+    });
 }
 
 /// Q4_0: as [`q4_1_rows`].
@@ -258,13 +248,30 @@ pub unsafe fn q8_0_rows(w: &[BlockQ8_0], nb: usize, x: &[BlockQ8_1], n: usize, o
 /// The CPU must support the features [`available`] checks. Slices are bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn q4_0_rows(w: &[BlockQ4_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
+    // SAFETY: as in `q4_1_rows`.
+    block_rows(w, nb, x, n, out, |row, acts, out| unsafe {
+        super::x86::vnni::q4_0(row, acts, out)
+    });
+}
+
+/// Row-major rows of a typed block format: whole tiles through [`pair_tiles`], then each
+/// row's tokens after the last tile through `leftover` (the format's 256-bit kernel, one row
+/// against up to three tokens).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn block_rows<B: PairBlock>(
+    w: &[B],
+    nb: usize,
+    x: &[BlockQ8_1],
+    n: usize,
+    out: &mut [f32],
+    leftover: impl Fn(&[B], &[&[BlockQ8_1]], &mut [f32]),
+) {
     let done = pair_tiles(w, nb, x, n, &mut Out::RowMajor { out, n });
     let acts = leftover_tokens(x, nb, done, n);
     if n > done {
         for (r, row) in w.chunks_exact(nb).enumerate() {
-            let out = &mut out[r * n + done..(r + 1) * n];
-            // SAFETY: AVX2, FMA, AVX-512 VNNI and VL are among this function's features.
-            unsafe { super::x86::vnni::q4_0(row, &acts[..n - done], out) };
+            leftover(row, &acts[..n - done], &mut out[r * n + done..(r + 1) * n]);
         }
     }
 }
