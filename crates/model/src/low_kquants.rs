@@ -130,8 +130,9 @@ pub struct Q3K;
 impl Q3K {
     /// The portable definition (the SIMD path is tested against it).
     pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
-        Self::dot_with(w, a, |wb, ab, sc| {
+        Self::dot_with(w, a, |wb, ab| {
             let (hmask, qs) = (&wb[..32], &wb[32..96]);
+            let sc = gguf::q3_k_scales(&wb[96..108]);
             lanes(
                 |e| i32::from(gguf::q2_bits(qs, e) | (gguf::q3_high_bit(hmask, e) << 2)) - 4,
                 |g| i32::from(sc[g]),
@@ -140,18 +141,15 @@ impl Q3K {
         })
     }
 
-    /// The float part shared by both paths; `lanes` gives a super-block's scaled sums.
+    /// The float part shared by both paths; `lanes` gives a super-block's scaled sums (each
+    /// path decodes the packed group scales its own way: the scalar decode was a sixth of a
+    /// Q3_K file's decode step).
     #[inline(always)]
-    fn dot_with(
-        w: &[u8],
-        a: &[BlockQ8K],
-        lanes: impl Fn(&[u8], &BlockQ8K, &[i8; 16]) -> [i32; 8],
-    ) -> f32 {
+    fn dot_with(w: &[u8], a: &[BlockQ8K], lanes: impl Fn(&[u8], &BlockQ8K) -> [i32; 8]) -> f32 {
         let mut acc = [0f32; 8];
         for (wb, ab) in w.chunks_exact(Q3_K_BYTES).zip(a) {
             let d = ab.d * f16_at(wb, 108);
-            let sc = gguf::q3_k_scales(&wb[96..108]);
-            for (acc, lane) in acc.iter_mut().zip(lanes(wb, ab, &sc)) {
+            for (acc, lane) in acc.iter_mut().zip(lanes(wb, ab)) {
                 *acc = d.mul_add(lane as f32, *acc);
             }
         }
@@ -186,9 +184,7 @@ impl QuantFormat for Q3K {
         if simd::has_avx2() {
             // SAFETY: AVX2 is present (checked above), the only requirement of the
             // target-feature function; it checks the slice lengths it reads.
-            return Self::dot_with(w, a, |wb, ab, sc| unsafe {
-                simd::q3_k_lanes(&wb[..32], &wb[32..96], &ab.qs, sc)
-            });
+            return Self::dot_with(w, a, |wb, ab| unsafe { simd::q3_k_lanes(wb, &ab.qs) });
         }
         Self::dot_scalar(w, a)
     }
@@ -198,7 +194,7 @@ impl QuantFormat for Q3K {
 /// lane is an exact `i32`: quants are at most 7 in magnitude, activations at most 127,
 /// scales at most 32, so no lane comes near overflow.
 #[cfg(target_arch = "x86_64")]
-mod simd {
+pub(crate) mod simd {
     use std::arch::x86_64::*;
 
     pub fn has_avx2() -> bool {
@@ -263,14 +259,45 @@ mod simd {
         store(acc)
     }
 
-    /// Q3_K's lanes of signed values (`q − 4`): `hmask` 32 bytes of high bits (element
-    /// `e`'s at bit `e / 32` of `hmask[e % 32]`), `qs` 64 bytes of low bits laid out as
-    /// Q2_K's, `sc` the sixteen signed group scales. As llama.cpp, the low bits and the 4
-    /// a missing high bit subtracts go through `maddubs` separately (at most 2 · 4 · 127
-    /// each, never saturating) and are subtracted in i16.
+    /// `gguf::q3_k_scales` as `i16`s (group `g` in lane `g`), in a few vector instructions.
+    #[inline]
     #[target_feature(enable = "avx2")]
-    pub fn q3_k_lanes(hmask: &[u8], qs: &[u8], a: &[i8; 256], sc: &[i8; 16]) -> [i32; 8] {
-        assert!(hmask.len() >= 32 && qs.len() >= 64);
+    pub fn q3_k_scales_i16(s: &[u8]) -> __m256i {
+        let s = &s[..12];
+        let m4 = _mm_set1_epi8(0x0f);
+        // SAFETY: `s` is 12 readable bytes (sliced above); the load reads the first 8,
+        // unaligned.
+        let low8 = unsafe { _mm_loadl_epi64(s.as_ptr().cast()) };
+        // Group g < 8: the low nibble of byte g; g >= 8: the high nibble of byte g - 8.
+        let low = _mm_unpacklo_epi64(
+            _mm_and_si128(low8, m4),
+            _mm_and_si128(_mm_srli_epi16::<4>(low8), m4),
+        );
+        // Group g's top two bits: bits 2 (g / 4).. of byte 8 + g % 4, so the 32-bit lane
+        // g / 4 of the broadcast bytes 8..12, shifted by 2 (g / 4).
+        let aux = _mm_set1_epi32(i32::from_le_bytes([s[8], s[9], s[10], s[11]]));
+        let high = _mm_and_si128(
+            _mm_srlv_epi32(aux, _mm_setr_epi32(0, 2, 4, 6)),
+            _mm_set1_epi8(3),
+        );
+        // Each byte is at most 63 before the subtraction: no carry crosses bytes.
+        let v = _mm_sub_epi8(
+            _mm_or_si128(low, _mm_slli_epi16::<4>(high)),
+            _mm_set1_epi8(32),
+        );
+        _mm256_cvtepi8_epi16(v)
+    }
+
+    /// Q3_K's lanes of signed values (`q − 4`) for the super-block `wb` (ggml's 110 bytes:
+    /// 32 bytes of high bits, element `e`'s at bit `e / 32` of `hmask[e % 32]`, then 64
+    /// bytes of low bits laid out as Q2_K's, then the packed group scales). As llama.cpp,
+    /// the low bits and the 4 a missing high bit subtracts go through `maddubs` separately
+    /// (at most 2 · 4 · 127 each, never saturating) and are subtracted in i16.
+    #[target_feature(enable = "avx2")]
+    pub fn q3_k_lanes(wb: &[u8], a: &[i8; 256]) -> [i32; 8] {
+        assert!(wb.len() >= 108);
+        let (hmask, qs) = (&wb[..32], &wb[32..96]);
+        let scales = q3_k_scales_i16(&wb[96..108]);
         let four = _mm256_set1_epi8(4);
         let hm = load(hmask, 0);
         // 4 where bit `b` of `hmask[l]` is clear.
@@ -280,6 +307,12 @@ mod simd {
         };
         let mut acc = _mm256_setzero_si256();
         for h in 0..2 {
+            // Groups 8h.. (this half's eight) in both 128-bit lanes.
+            let half_scales = if h == 0 {
+                _mm256_permute2x128_si256::<0x00>(scales, scales)
+            } else {
+                _mm256_permute2x128_si256::<0x11>(scales, scales)
+            };
             for (j, &low) in two_bit_fields(load(qs, 32 * h)).iter().enumerate() {
                 let e = 128 * h + 32 * j;
                 let x = load(a, e);
@@ -287,8 +320,44 @@ mod simd {
                     _mm256_maddubs_epi16(low, x),
                     _mm256_maddubs_epi16(missing(4 * h + j), x),
                 );
-                let g = e / 16;
-                let s = scaled(p, i16::from(sc[g]), i16::from(sc[g + 1]));
+                // Group 2j of the half (its i16 at bytes 4j, 4j + 1) in the low lane,
+                // 2j + 1 in the high one.
+                let (lo, hi) = (4 * j as i8, 4 * j as i8 + 2);
+                let pick = _mm256_setr_epi8(
+                    lo,
+                    lo + 1,
+                    lo,
+                    lo + 1,
+                    lo,
+                    lo + 1,
+                    lo,
+                    lo + 1,
+                    lo,
+                    lo + 1,
+                    lo,
+                    lo + 1,
+                    lo,
+                    lo + 1,
+                    lo,
+                    lo + 1,
+                    hi,
+                    hi + 1,
+                    hi,
+                    hi + 1,
+                    hi,
+                    hi + 1,
+                    hi,
+                    hi + 1,
+                    hi,
+                    hi + 1,
+                    hi,
+                    hi + 1,
+                    hi,
+                    hi + 1,
+                    hi,
+                    hi + 1,
+                );
+                let s = _mm256_madd_epi16(p, _mm256_shuffle_epi8(half_scales, pick));
                 acc = _mm256_add_epi32(acc, s);
             }
         }
@@ -408,9 +477,34 @@ mod tests {
                 .sum();
             let portable = lanes(q3, |g| i32::from(sc3[g]), &a.qs);
             // SAFETY: AVX2 is present (checked above).
-            let got = unsafe { simd::q3_k_lanes(&w3[..32], &w3[32..96], &a.qs, &sc3) };
+            let got = unsafe { simd::q3_k_lanes(&w3, &a.qs) };
             assert_eq!(got, portable, "Q3_K trial {trial}");
             assert_eq!(got.iter().sum::<i32>(), want, "Q3_K trial {trial}");
+        }
+    }
+
+    /// The vector decode of Q3_K's group scales equals gguf's scalar one on every packed
+    /// pattern reached by random bytes (and on the all-zero and all-one bytes).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn q3_k_scales_match_gguf() {
+        if !simd::has_avx2() {
+            eprintln!("q3_k_scales_match_gguf: NOT RUN (no AVX2 on this CPU)");
+            return;
+        }
+        let mut s = 3u64;
+        let mut cases = vec![vec![0u8; 12], vec![0xff; 12]];
+        cases.extend((0..10_000).map(|_| random_bytes(12, &mut s)));
+        for bytes in cases {
+            let mut got = [0i16; 16];
+            // SAFETY: AVX2 is present (checked above); `got` is 32 writable bytes and the
+            // store is unaligned.
+            unsafe {
+                let v = simd::q3_k_scales_i16(&bytes);
+                std::arch::x86_64::_mm256_storeu_si256(got.as_mut_ptr().cast(), v);
+            }
+            let want = gguf::q3_k_scales(&bytes).map(i16::from);
+            assert_eq!(got, want, "{bytes:?}");
         }
     }
 

@@ -16,6 +16,7 @@ use std::arch::x86_64::*;
 use super::x86_512::Out;
 use super::x86_512_kquants::{both_halves, f16_pair, finish, pair};
 use super::TILE;
+use crate::low_kquants::simd::q3_k_scales_i16 as q3_k_scales;
 use crate::quant::BlockQ8K;
 
 /// Bytes of one Q2_K super-block.
@@ -186,35 +187,6 @@ fn chunk_scales(sc_all: __m512i, c: usize) -> __m512i {
     )
 }
 
-/// `gguf::q3_k_scales` as `i16`s, in a few vector instructions: decoded for every row of
-/// every pass, the scalar version took 6% of a Q2_K prefill.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn q3_k_scales(s: &[u8]) -> __m256i {
-    let s = &s[..12];
-    let m4 = _mm_set1_epi8(0x0f);
-    // SAFETY: `s` is 12 readable bytes (sliced above); the load reads the first 8, unaligned.
-    let low8 = unsafe { _mm_loadl_epi64(s.as_ptr().cast()) };
-    // Group g < 8: the low nibble of byte g; g >= 8: the high nibble of byte g - 8.
-    let low = _mm_unpacklo_epi64(
-        _mm_and_si128(low8, m4),
-        _mm_and_si128(_mm_srli_epi16::<4>(low8), m4),
-    );
-    // Group g's top two bits: bits 2 (g / 4).. of byte 8 + g % 4, so the 32-bit lane g / 4
-    // of the broadcast bytes 8..12, shifted by 2 (g / 4).
-    let aux = _mm_set1_epi32(i32::from_le_bytes([s[8], s[9], s[10], s[11]]));
-    let high = _mm_and_si128(
-        _mm_srlv_epi32(aux, _mm_setr_epi32(0, 2, 4, 6)),
-        _mm_set1_epi8(3),
-    );
-    // Each byte is at most 63 before the subtraction: no carry crosses bytes.
-    let v = _mm_sub_epi8(
-        _mm_or_si128(low, _mm_slli_epi16::<4>(high)),
-        _mm_set1_epi8(32),
-    );
-    _mm256_cvtepi8_epi16(v)
-}
-
 /// The four 2-bit fields of each byte of `q`, lowest first. A 16-bit shift moves the upper
 /// byte's bits into the lower byte's top, which the mask drops.
 #[inline]
@@ -327,38 +299,4 @@ fn q3_k_row<const P: usize>(row: &[u8], prep: &[LowActs]) -> [[f32; TILE]; P] {
         }
     }
     std::array::from_fn(|p| finish(acc[p], None))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The vector decode of Q3_K's group scales equals gguf's scalar one on every packed
-    /// pattern reached by random bytes (and on the all-zero and all-one bytes).
-    #[test]
-    #[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
-    fn q3_k_scales_match_gguf() {
-        assert!(
-            crate::kernels::wide_available() && is_x86_feature_detected!("f16c"),
-            "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
-        );
-        let mut seed = 3u64;
-        let mut cases = vec![[0u8; 12], [0xff; 12]];
-        for _ in 0..10_000 {
-            cases.push(std::array::from_fn(|_| {
-                seed = seed
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                (seed >> 56) as u8
-            }));
-        }
-        for s in cases {
-            let mut got = [0i16; 16];
-            // SAFETY: the features are present (checked above); `got` is 32 writable bytes
-            // and the store is unaligned.
-            unsafe { _mm256_storeu_si256(got.as_mut_ptr().cast(), q3_k_scales(&s)) };
-            let want = gguf::q3_k_scales(&s).map(i16::from);
-            assert_eq!(got, want, "{s:?}");
-        }
-    }
 }
