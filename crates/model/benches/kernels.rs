@@ -49,6 +49,12 @@ fn main() {
             "q8_0" => GgmlType::Q8_0,
             "q5_0" => GgmlType::Q5_0,
             "q5_1" => GgmlType::Q5_1,
+            // Super-block formats: COLS a multiple of 256 (ROWS=576 COLS=1536, the default
+            // model's FFN down projection); the time includes the Q8_K quantization.
+            "q2_k" => GgmlType::Q2_K,
+            "q3_k" => GgmlType::Q3_K,
+            "q4_k" => GgmlType::Q4_K,
+            "q6_k" => GgmlType::Q6_K,
             other => panic!("type {other}"),
         };
         let vals: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();

@@ -259,10 +259,17 @@ pub(crate) mod simd {
         store(acc)
     }
 
-    /// `gguf::q3_k_scales` as `i16`s (group `g` in lane `g`), in a few vector instructions.
+    /// `gguf::q3_k_scales` as `i16`s (group `g` in lane `g`).
     #[inline]
     #[target_feature(enable = "avx2")]
     pub fn q3_k_scales_i16(s: &[u8]) -> __m256i {
+        _mm256_cvtepi8_epi16(q3_k_scale_bytes(s))
+    }
+
+    /// `gguf::q3_k_scales` (group `g` in byte `g`), in a few vector instructions.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub fn q3_k_scale_bytes(s: &[u8]) -> __m128i {
         let s = &s[..12];
         let m4 = _mm_set1_epi8(0x0f);
         // SAFETY: `s` is 12 readable bytes (sliced above); the load reads the first 8,
@@ -281,11 +288,10 @@ pub(crate) mod simd {
             _mm_set1_epi8(3),
         );
         // Each byte is at most 63 before the subtraction: no carry crosses bytes.
-        let v = _mm_sub_epi8(
+        _mm_sub_epi8(
             _mm_or_si128(low, _mm_slli_epi16::<4>(high)),
             _mm_set1_epi8(32),
-        );
-        _mm256_cvtepi8_epi16(v)
+        )
     }
 
     /// Q3_K's lanes of signed values (`q − 4`) for the super-block `wb` (ggml's 110 bytes:

@@ -416,11 +416,41 @@ fn wide_low_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
             (4, 13, 6),
             (3, 8, 4),
             (2, 12, 5),
+            // The extremes of every scaled weight (Q3_K: the table entries 255 and 3, from
+            // scale -32 or 31 with quant 0) against activations of -127 and 127.
+            (4, 8, 1),
+            (4, 16, 2),
         ];
         for (case, (rows, n, nb)) in cases.into_iter().enumerate() {
             let cols = nb * QK_K;
             let rb = nb * ty.block_bytes();
-            let w: Vec<u8> = if case % 2 == 0 {
+            let extreme = case >= 7;
+            let w: Vec<u8> = if extreme {
+                // Row r: packed scale bytes all 0 (Q3_K -32, Q2_K 0) or all 0xff (31 and
+                // min 15, Q2_K 15), quant and high-bit bytes all 0 or all 0xff.
+                let mut w = Vec::with_capacity(rows * rb);
+                for r in 0..rows {
+                    let (sc, q) = (
+                        if r % 2 == 0 { 0 } else { 0xff },
+                        if r < 2 { 0 } else { 0xff },
+                    );
+                    for _ in 0..nb {
+                        let start = w.len();
+                        w.resize(start + ty.block_bytes(), q);
+                        let b = &mut w[start..];
+                        let d = half::f16::from_f32(0.01).to_le_bytes();
+                        if ty == GgmlType::Q2_K {
+                            b[..16].fill(sc);
+                            b[80..82].copy_from_slice(&d);
+                            b[82..84].copy_from_slice(&d);
+                        } else {
+                            b[96..108].fill(sc);
+                            b[108..110].copy_from_slice(&d);
+                        }
+                    }
+                }
+                w
+            } else if case % 2 == 0 {
                 let vals: Vec<f32> = (0..rows * cols)
                     .map(|i| lcg(&mut s) * (0.5 + 9.0 * (i / cols % 3) as f32))
                     .collect();
@@ -441,9 +471,23 @@ fn wide_low_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
                 w
             };
             assert_eq!(w.len(), rows * rb);
-            let x: Vec<f32> = (0..n * cols)
-                .map(|i| lcg(&mut s) * (1.0 + 37.0 * (i / cols % 5) as f32))
-                .collect();
+            let x: Vec<f32> = if extreme {
+                // +1 first: Q8_K scales by -127 / +1, so every +1 is -127 and every -1 127, the
+                // ends of its range.
+                (0..n * cols)
+                    .map(|i| {
+                        if (i + i / cols).is_multiple_of(2) {
+                            1.0
+                        } else {
+                            -1.0
+                        }
+                    })
+                    .collect()
+            } else {
+                (0..n * cols)
+                    .map(|i| lcg(&mut s) * (1.0 + 37.0 * (i / cols % 5) as f32))
+                    .collect()
+            };
             let mut xk = vec![BlockQ8K::default(); n * nb];
             for (row, o) in x.chunks_exact(cols).zip(xk.chunks_exact_mut(nb)) {
                 quantize_row_q8_k(row, o);

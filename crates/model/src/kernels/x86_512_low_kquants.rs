@@ -5,24 +5,33 @@
 //! odd), one weight row at a time.
 //!
 //! The integer lanes are `low_kquants`' exact `i32` lane sums (lane `i` of a token holding
-//! elements `4i..4i + 4` of every 32-element chunk, times its group's scale), formed with
-//! `vpdpwssd`. The float part is `Q2K::dot_with`'s or `Q3K::dot_with`'s per token, lane
-//! for lane: the same `d_a · d_w` products (and Q2_K's `-d_a · dmin_w`), the same fused
-//! multiply-adds into the same lanes in the same super-block order, then `hsum8`; so each
-//! token gets exactly the 256-bit kernels' bits, and llama.cpp's.
+//! elements `4i..4i + 4` of every 32-element chunk, times its group's scale). Each weight
+//! is first replaced by its scaled value, looked up in a per-group table of the eight (Q3_K)
+//! or four (Q2_K) values its quant can take: `sc·q` for Q2_K (0..=45), `sc·(q − 4) + 127`
+//! for Q3_K (3..=255), so one unsigned byte. One `vpdpbusd` per 32 elements and token pair
+//! then forms the lanes, where `maddubs` and `vpdpwssd` took two multiplies; Q3_K's `127`
+//! comes back out as `127·Σa` over each lane's activations, which depends on the tokens
+//! only and is formed once per pass. The float part is `Q2K::dot_with`'s or
+//! `Q3K::dot_with`'s per token, lane for lane: the same `d_a · d_w` products (and Q2_K's
+//! `-d_a · dmin_w`), the same fused multiply-adds into the same lanes in the same
+//! super-block order, then `hsum8`; so each token gets exactly the 256-bit kernels' bits,
+//! and llama.cpp's.
 
 use std::arch::x86_64::*;
 
 use super::x86_512::Out;
 use super::x86_512_kquants::{both_halves, f16_pair, finish, pair};
 use super::TILE;
-use crate::low_kquants::simd::q3_k_scales_i16 as q3_k_scales;
+use crate::low_kquants::simd::q3_k_scale_bytes;
 use crate::quant::BlockQ8K;
 
 /// Bytes of one Q2_K super-block.
 const Q2_K_BYTES: usize = 84;
 /// Bytes of one Q3_K super-block.
 const Q3_K_BYTES: usize = 110;
+
+/// What Q3_K's table offset adds to each scaled weight (see the module comment).
+const Q3_K_BIAS: i32 = 127;
 
 /// Per super-block and tile, what the float part and the integer lanes need of the tile's
 /// four tokens, built once per pass instead of once per weight row.
@@ -35,10 +44,9 @@ struct LowActs {
     bsums: [__m512i; 2],
     /// Tokens 0 and 1's quants (`q[0]`), 2 and 3's (`q[1]`), 32 bytes of each a register.
     q: [[__m512i; 8]; 2],
-    /// Q3_K: `4·(a_2k + a_2k+1)` as `i16` for each register of `q`: what Q3_K's `-4`
-    /// offset takes from each `maddubs` pair. It does not depend on the weights, so
-    /// subtracting it here saves llama.cpp's second `maddubs` on every row.
-    four: [[__m512i; 8]; 2],
+    /// Q3_K: `127·Σa` over each lane's 32 activations, for tokens 0 and 1 and for 2 and 3:
+    /// what the tables' offset adds to every row's lanes.
+    bias: [__m512i; 2],
 }
 
 /// Q2_K (`two`) or Q3_K rows (`w` ggml's super-blocks as bytes, `nb` a row) against the
@@ -135,19 +143,24 @@ fn low_acts_of<const TWO: bool>(a: [&BlockQ8K; TILE]) -> LowActs {
     let q: [[__m512i; 8]; 2] = std::array::from_fn(|h| {
         std::array::from_fn(|c| pair(&a[2 * h].qs, &a[2 * h + 1].qs, 32 * c))
     });
-    let four = if TWO {
-        [[_mm512_setzero_si512(); 8]; 2]
+    let bias = if TWO {
+        [_mm512_setzero_si512(); 2]
     } else {
-        // At most 2 · 4 · 128 in magnitude: never saturates.
-        let f = _mm512_set1_epi8(4);
-        q.map(|h| h.map(|v| _mm512_maddubs_epi16(f, v)))
+        let ones = _mm512_set1_epi8(1);
+        // Each lane at most 32 · 128 in magnitude before the multiply by 127: exact.
+        q.map(|h| {
+            let sums = h.iter().fold(_mm512_setzero_si512(), |acc, &v| {
+                _mm512_dpbusd_epi32(acc, ones, v)
+            });
+            _mm512_mullo_epi32(sums, _mm512_set1_epi32(Q3_K_BIAS))
+        })
     };
     LowActs {
         d01: loadps(&d),
         d23: loadps(&d2),
         bsums,
         q,
-        four,
+        bias,
     }
 }
 
@@ -165,25 +178,49 @@ fn scale_lanes(acc: &mut [__m512; 2], d: [__m512; 2], dw: __m512, lanes: [__m512
     }
 }
 
-/// The sixteen group scales as `i16` in both halves, and the index vectors that pick, for
-/// chunk `c`, group `2c` into the low 128 bits of each half and `2c + 1` into the high ones
-/// (the groups of `maddubs`' pairs there).
+/// The sixteen groups' tables of scaled weights, eight bytes each (entry `k` the value of
+/// quant `k`): group `g`'s is qword `g % 8` of `[g / 8]`. `scales` holds the sixteen group
+/// scales as bytes: Q2_K's in 0..16, Q3_K's signed in -32..32. Byte arithmetic wraps, and
+/// every entry's true value fits an unsigned byte (see the module comment), so the wrapped
+/// sums are exact.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn chunk_scales(sc_all: __m512i, c: usize) -> __m512i {
-    let groups = _mm512_set_epi64(
-        0x0001_0001_0001_0001,
-        0x0001_0001_0001_0001,
-        0,
-        0,
-        0x0001_0001_0001_0001,
-        0x0001_0001_0001_0001,
-        0,
-        0,
-    );
-    _mm512_permutexvar_epi16(
-        _mm512_add_epi16(groups, _mm512_set1_epi16(2 * c as i16)),
-        sc_all,
+fn group_tables<const TWO: bool>(scales: __m128i) -> [__m512i; 2] {
+    let all = _mm512_broadcast_i32x4(scales);
+    // Byte j of 128-bit lane l takes group 2l + j / 8 (plus 8 for the second register).
+    let spread = |first: i8| {
+        let pick: [i8; 64] = std::array::from_fn(|b| first + (2 * (b / 16) + (b % 16) / 8) as i8);
+        // SAFETY: `pick` is 64 readable bytes; the load is unaligned.
+        _mm512_shuffle_epi8(all, unsafe { _mm512_loadu_si512(pick.as_ptr().cast()) })
+    };
+    // Entries whose quant has bit 0, 1, 2 set: byte k of each qword has quant k.
+    const BIT0: u64 = 0xaaaa_aaaa_aaaa_aaaa;
+    const BIT1: u64 = 0xcccc_cccc_cccc_cccc;
+    const BIT2: u64 = 0xf0f0_f0f0_f0f0_f0f0;
+    [spread(0), spread(8)].map(|s1| {
+        let s2 = _mm512_add_epi8(s1, s1);
+        let t = _mm512_maskz_mov_epi8(BIT0, s1);
+        let t = _mm512_mask_add_epi8(t, BIT1, t, s2);
+        if TWO {
+            t
+        } else {
+            // `127 − 4·sc + q·sc`: `q − 4` scaled, offset into 3..=255.
+            let s4 = _mm512_add_epi8(s2, s2);
+            let t = _mm512_mask_add_epi8(t, BIT2, t, s4);
+            _mm512_add_epi8(t, _mm512_sub_epi8(_mm512_set1_epi8(Q3_K_BIAS as i8), s4))
+        }
+    })
+}
+
+/// Chunk `c`'s tables for `vpshufb`: group `2c` in the low qword of the 128-bit lanes that
+/// hold the chunk's first 16 elements (0 and 2), group `2c + 1` in those of the others.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn chunk_tables(tables: &[__m512i; 2], c: usize) -> __m512i {
+    let (g0, g1) = ((2 * c % 8) as i64, (2 * c % 8 + 1) as i64);
+    _mm512_permutexvar_epi64(
+        _mm512_set_epi64(g1, g1, g0, g0, g1, g1, g0, g0),
+        tables[c / 4],
     )
 }
 
@@ -218,10 +255,7 @@ fn q2_k_row<const P: usize>(row: &[u8], prep: &[LowActs]) -> [[f32; TILE]; P] {
         let sm = &wb[..16];
         // SAFETY: `sm` is 16 readable bytes; the load is unaligned.
         let packed = unsafe { _mm_loadu_si128(sm.as_ptr().cast()) };
-        let sc_all = _mm512_broadcast_i64x4(_mm256_cvtepu8_epi16(_mm_and_si128(
-            packed,
-            _mm_set1_epi8(0x0f),
-        )));
+        let tables = group_tables::<true>(_mm_and_si128(packed, _mm_set1_epi8(0x0f)));
         let mins = _mm512_broadcast_i64x4(_mm256_cvtepu8_epi16(_mm_and_si128(
             _mm_srli_epi16::<4>(packed),
             _mm_set1_epi8(0x0f),
@@ -240,13 +274,12 @@ fn q2_k_row<const P: usize>(row: &[u8], prep: &[LowActs]) -> [[f32; TILE]; P] {
             let fields = two_bit_fields(both_halves(wb, 16 + 32 * half));
             for k in 0..4 {
                 let c = 4 * half + k;
-                let scales = chunk_scales(sc_all, c);
+                let scaled = _mm512_shuffle_epi8(chunk_tables(&tables, c), fields[k]);
                 for p in 0..P {
                     let ta = &prep[i * P + p];
                     for h in 0..2 {
-                        // At most 2 · 3 · 128 in magnitude: never saturates.
-                        let x = _mm512_maddubs_epi16(fields[k], ta.q[h][c]);
-                        lanes[p][h] = _mm512_dpwssd_epi32(lanes[p][h], x, scales);
+                        // Each lane at most 32 · 45 · 128 in magnitude: exact.
+                        lanes[p][h] = _mm512_dpbusd_epi32(lanes[p][h], scaled, ta.q[h][c]);
                     }
                 }
             }
@@ -271,7 +304,7 @@ fn q3_k_row<const P: usize>(row: &[u8], prep: &[LowActs]) -> [[f32; TILE]; P] {
     for (i, wb) in row.chunks_exact(Q3_K_BYTES).enumerate() {
         let h = u16::from_le_bytes([wb[108], wb[109]]);
         let dw = _mm512_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h)))));
-        let sc_all = _mm512_broadcast_i64x4(q3_k_scales(&wb[96..108]));
+        let tables = group_tables::<false>(q3_k_scale_bytes(&wb[96..108]));
         let hm = both_halves(wb, 0);
         let mut lanes = [[_mm512_setzero_si512(); 2]; P];
         for half in 0..2 {
@@ -281,16 +314,20 @@ fn q3_k_row<const P: usize>(row: &[u8], prep: &[LowActs]) -> [[f32; TILE]; P] {
                 // Element `32c + l`'s high bit is bit `c` of `hmask[l]`.
                 let high = _mm512_test_epi8_mask(hm, _mm512_set1_epi8((1u8 << c) as i8));
                 let q = _mm512_mask_add_epi8(fields[k], high, fields[k], four);
-                let scales = chunk_scales(sc_all, c);
+                let scaled = _mm512_shuffle_epi8(chunk_tables(&tables, c), q);
                 for p in 0..P {
                     let ta = &prep[i * P + p];
                     for h in 0..2 {
-                        // `maddubs` at most 2 · 7 · 128, the difference within ±2,816.
-                        let x =
-                            _mm512_sub_epi16(_mm512_maddubs_epi16(q, ta.q[h][c]), ta.four[h][c]);
-                        lanes[p][h] = _mm512_dpwssd_epi32(lanes[p][h], x, scales);
+                        // Each lane at most 32 · 255 · 128 in magnitude: exact.
+                        lanes[p][h] = _mm512_dpbusd_epi32(lanes[p][h], scaled, ta.q[h][c]);
                     }
                 }
+            }
+        }
+        for p in 0..P {
+            let ta = &prep[i * P + p];
+            for h in 0..2 {
+                lanes[p][h] = _mm512_sub_epi32(lanes[p][h], ta.bias[h]);
             }
         }
         for p in 0..P {
