@@ -41,6 +41,8 @@ impl Default for BlockQ8K {
 /// the scale comes from the signed value of largest magnitude (`-127 / max`), values round
 /// to nearest even and are capped at 127.
 pub fn quantize_row_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
+    let done = crate::kernels::quantize_blocks_q8_k(x, out);
+    let (x, out) = (&x[done * QK_K..], &mut out[done..]);
     #[cfg(target_arch = "x86_64")]
     if simd::has_avx2_fma_f16c() {
         // SAFETY: AVX2, FMA and F16C are present (checked), the function's requirement.

@@ -590,3 +590,66 @@ fn wide_k_quant_token_major_matches_row_major_bit_for_bit() {
         }
     }
 }
+
+/// The vector Q8_K quantization gives the definition's blocks exactly: random magnitudes,
+/// ties after scaling, the largest magnitude with both signs (the first sets the sign),
+/// zeros, NaNs, infinities and subnormals (those blocks go to the definition).
+#[test]
+fn q8_k_quantization_equals_the_definition() {
+    let mut s = 61u64;
+    let mut blocks: Vec<[f32; QK_K]> = Vec::new();
+    for trial in 0..400usize {
+        let amp = 10f32.powi((trial % 9) as i32 - 4);
+        let mut b: [f32; QK_K] = std::array::from_fn(|_| lcg(&mut s) * amp);
+        match trial % 8 {
+            // Ties: max 127 makes the scale -1, so halves stay halves.
+            1 => {
+                b = std::array::from_fn(|i| (i % 255) as f32 * 0.5 - 63.5);
+                b[(trial * 7) % QK_K] = 127.0;
+            }
+            2 => {
+                let (i, j) = ((trial * 13) % QK_K, (trial * 29 + 5) % QK_K);
+                b[i] = -2.0 * amp;
+                b[j] = 2.0 * amp;
+            }
+            3 => b[(trial * 3) % QK_K] = f32::NAN,
+            4 => b = [0.0; QK_K],
+            5 => b[(trial * 11) % QK_K] = if trial % 16 == 5 { f32::INFINITY } else { -0.0 },
+            6 => b = std::array::from_fn(|i| (i as f32 - 128.0) * 1e-42),
+            7 => b = std::array::from_fn(|i| if i % 3 == 0 { f32::NAN } else { 0.0 }),
+            _ => {}
+        }
+        blocks.push(b);
+    }
+    let x: Vec<f32> = blocks.iter().flatten().copied().collect();
+    let mut fast = vec![BlockQ8K::default(); blocks.len()];
+    quantize_row_q8_k(&x, &mut fast);
+    for (i, (blk, got)) in x.chunks_exact(QK_K).zip(&fast).enumerate() {
+        let mut want = [BlockQ8K::default()];
+        quantize_row_q8_k_portable(blk, &mut want);
+        assert_eq!(got.d.to_bits(), want[0].d.to_bits(), "block {i}");
+        assert_eq!(got.qs, want[0].qs, "block {i}");
+        assert_eq!(got.bsums, want[0].bsums, "block {i}");
+    }
+    // Each block alone through the vector path (not just after an earlier fallback).
+    #[cfg(target_arch = "x86_64")]
+    {
+        let mut vector_blocks = 0;
+        for blk in x.chunks_exact(QK_K) {
+            let mut one = [BlockQ8K::default()];
+            let did = crate::kernels::quantize_blocks_q8_k(blk, &mut one);
+            vector_blocks += did;
+            if did == 1 {
+                let mut want = [BlockQ8K::default()];
+                quantize_row_q8_k_portable(blk, &mut want);
+                assert_eq!(one[0].d.to_bits(), want[0].d.to_bits());
+                assert_eq!((one[0].qs, one[0].bsums), (want[0].qs, want[0].bsums));
+            }
+        }
+        eprintln!(
+            "{vector_blocks} of {} blocks went through the vector path",
+            blocks.len()
+        );
+        assert!(!is_x86_feature_detected!("avx2") || vector_blocks >= 300);
+    }
+}

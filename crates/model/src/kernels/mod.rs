@@ -434,7 +434,7 @@ mod x86_512_low_kquants;
 pub use activation::{ggml_expf, silu, swiglu, table_glu};
 pub use attention::{dot_f16_ggml, KvElem};
 pub use quant_dot::{dot_q4_0, dot_q4_1, dot_q8_0, rows_q4_0, rows_q4_1, rows_q8_0, scalar};
-pub use quantize::quantize_blocks_q8_1;
+pub use quantize::{quantize_blocks_q8_1, quantize_blocks_q8_k};
 pub use rope::rope_row;
 #[cfg(target_arch = "x86_64")]
 pub(crate) use x86_512::{available as wide_available, five_bit_tiles};

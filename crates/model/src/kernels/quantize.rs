@@ -1,6 +1,7 @@
-//! Activation quantization to Q8_1 (ggml's `quantize_row_q8_1`), vectorized lane for lane:
-//! the absolute maximum is exact in any order, and each element's `v * (127 / amax)`,
-//! round-half-even and sum are the scalar path's operations, so the blocks are identical.
+//! Activation quantization to Q8_1 (ggml's `quantize_row_q8_1`) and Q8_K (its
+//! `quantize_row_q8_K_ref`), vectorized lane for lane: the absolute maximum is exact in any
+//! order, and each element's scaling, round-half-even and sum are the scalar path's
+//! operations, so the blocks are identical.
 
 /// Quantizes whole 32-element blocks of `x` into `out` where the CPU allows; returns how
 /// many blocks it did (the caller does the rest, e.g. a block holding a NaN, with the
@@ -15,13 +16,101 @@ pub fn quantize_blocks_q8_1(x: &[f32], out: &mut [crate::weights::BlockQ8_1]) ->
     0
 }
 
+/// Quantizes whole 256-element blocks of `x` into `out` as `quant::quantize_row_q8_k`'s
+/// definition does, where the CPU allows; returns how many blocks it did, from the first
+/// (the caller does the rest, e.g. a block whose largest magnitude is not a normal float,
+/// with the definition itself).
+pub fn quantize_blocks_q8_k(x: &[f32], out: &mut [crate::quant::BlockQ8K]) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if super::has_avx2() {
+        // SAFETY: AVX2 and FMA are present (checked); the function stays within both slices.
+        return unsafe { x86::quantize_q8_k(x, out) };
+    }
+    let _ = (x, out);
+    0
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
     use half::f16;
 
+    use crate::quant::BlockQ8K;
     use crate::weights::{BlockQ8_1, QK};
+    use gguf::QK_K;
+
+    /// The definition keeps the first element of the largest magnitude as `max` (its sign
+    /// sets the scale's); NaNs never compare greater, and `max_ps` with the NaN first keeps
+    /// the running maximum, so both skip them as the scalar loop does.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn quantize_q8_k(x: &[f32], out: &mut [BlockQ8K]) -> usize {
+        let mut done = 0;
+        let sign = _mm256_set1_ps(-0.0);
+        for (blk, o) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
+            let blk: &[f32; QK_K] = blk.try_into().expect("chunks_exact gives whole blocks");
+            // SAFETY: `blk` holds 256 f32, 32 loads of 8; unaligned loads are allowed.
+            let v: [__m256; 32] =
+                std::array::from_fn(|i| unsafe { _mm256_loadu_ps(blk.as_ptr().add(8 * i)) });
+            let a = v.map(|x| _mm256_andnot_ps(sign, x));
+            let m = a
+                .iter()
+                .fold(_mm256_setzero_ps(), |m, &x| _mm256_max_ps(x, m));
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+            if amax == 0.0 {
+                *o = BlockQ8K::default();
+                done += 1;
+                continue;
+            }
+            // Below the normal range the scale can overflow, and at infinity every product
+            // is NaN or infinite: the definition's `as i32` saturation is left to it.
+            if !(amax >= f32::MIN_POSITIVE && amax.is_finite()) {
+                break;
+            }
+            let amax_v = _mm256_set1_ps(amax);
+            let first = a
+                .iter()
+                .position(|&x| _mm256_movemask_ps(_mm256_cmp_ps(x, amax_v, _CMP_EQ_OQ)) != 0)
+                .expect("the maximum is one of the elements");
+            let lane =
+                _mm256_movemask_ps(_mm256_cmp_ps(a[first], amax_v, _CMP_EQ_OQ)).trailing_zeros();
+            let max = blk[8 * first + lane as usize];
+            let iscale = -127.0 / max;
+            let is = _mm256_set1_ps(iscale);
+            // Every product of a finite element is within ±127.5 (|x| <= |max|), so it
+            // rounds into i8 range; a NaN element's product is masked to 0, as `as i32`
+            // makes it.
+            let q = v.map(|x| {
+                let y = _mm256_mul_ps(x, is);
+                let y = _mm256_and_ps(y, _mm256_cmp_ps(y, y, _CMP_ORD_Q));
+                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(y);
+                _mm256_min_epi32(_mm256_cvttps_epi32(r), _mm256_set1_epi32(127))
+            });
+            for (c, q) in q.chunks_exact(4).enumerate() {
+                // Values are within ±127, so the saturating packs are exact; they interleave
+                // 128-bit lanes, which the final permutation undoes.
+                let p16a = _mm256_packs_epi32(q[0], q[1]);
+                let p16b = _mm256_packs_epi32(q[2], q[3]);
+                let p8 = _mm256_packs_epi16(p16a, p16b);
+                let ordered =
+                    _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                let dst = &mut o.qs[32 * c..32 * c + 32];
+                // SAFETY: `dst` is 32 writable bytes (sliced above); the store is unaligned.
+                unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), ordered) };
+            }
+            for (s, group) in o.bsums.iter_mut().zip(o.qs.chunks_exact(16)) {
+                *s = group.iter().map(|&q| i16::from(q)).sum();
+            }
+            o.d = 1.0 / iscale;
+            done += 1;
+        }
+        done
+    }
 
     /// # Safety
     /// The CPU must support AVX2 and FMA.
