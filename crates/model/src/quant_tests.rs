@@ -416,6 +416,8 @@ fn wide_low_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
             (4, 13, 6),
             (3, 8, 4),
             (2, 12, 5),
+            // More rows than the 512-bit tile unpacks at a time (1,024 / nb), odd.
+            (173, 12, 6),
             // The extremes of every scaled weight (Q3_K: the table entries 255 and 3, from
             // scale -32 or 31 with quant 0) against activations of -127 and 127.
             (4, 8, 1),
@@ -424,7 +426,7 @@ fn wide_low_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
         for (case, (rows, n, nb)) in cases.into_iter().enumerate() {
             let cols = nb * QK_K;
             let rb = nb * ty.block_bytes();
-            let extreme = case >= 7;
+            let extreme = case >= 8;
             let w: Vec<u8> = if extreme {
                 // Row r: packed scale bytes all 0 (Q3_K -32, Q2_K 0) or all 0xff (31 and
                 // min 15, Q2_K 15), quant and high-bit bytes all 0 or all 0xff.

@@ -207,26 +207,30 @@ fn scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) fn finish(acc: [__m512; 2], acc_m: Option<__m512>) -> [f32; TILE] {
-    let mut lanes = [0f32; 32];
-    let mut mins = [0f32; 16];
-    // SAFETY: `lanes` is 32 writable f32 and `mins` 16; the stores are unaligned.
-    unsafe {
-        _mm512_storeu_ps(lanes.as_mut_ptr(), acc[0]);
-        _mm512_storeu_ps(lanes.as_mut_ptr().add(16), acc[1]);
-        if let Some(m) = acc_m {
-            _mm512_storeu_ps(mins.as_mut_ptr(), m);
-        }
+    // Every addition keeps the scalar definitions' operands and their order (first operand
+    // first, as NaN payloads depend on it), four tokens at once: the 128-bit units of
+    // `acc` are `[t0 lanes 0..4, t0 4..8, t1 0..4, t1 4..8]` and `[t2 .., t3 ..]`.
+    let low = _mm512_shuffle_f32x4::<0b10_00_10_00>(acc[0], acc[1]);
+    let high = _mm512_shuffle_f32x4::<0b11_01_11_01>(acc[0], acc[1]);
+    // `r[j] = acc[4 + j] + acc[j]`, one unit per token.
+    let r = _mm512_add_ps(high, low);
+    // `(v[0] + v[2]) + (v[1] + v[3])` in lane 0 of each unit.
+    let quad = |v: __m512| {
+        let s = _mm512_add_ps(v, _mm512_permute_ps::<0b01_00_11_10>(v));
+        _mm512_add_ps(s, _mm512_permute_ps::<0b10_11_00_01>(s))
+    };
+    let mut sums = quad(r);
+    if let Some(m) = acc_m {
+        sums = _mm512_add_ps(sums, quad(m));
     }
-    std::array::from_fn(|t| {
-        let l: [f32; 8] = std::array::from_fn(|i| lanes[8 * t + i]);
-        let s = crate::low_kquants::hsum8(l);
-        if acc_m.is_some() {
-            let m = &mins[4 * t..4 * t + 4];
-            s + ((m[0] + m[2]) + (m[1] + m[3]))
-        } else {
-            s
-        }
-    })
+    let firsts = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+        sums,
+    );
+    let mut out = [0f32; TILE];
+    // SAFETY: `out` is 4 writable f32; the store is unaligned.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), _mm512_castps512_ps128(firsts)) };
+    out
 }
 
 /// `acc[h] = fma(d_a * d_w, f32(lanes[h]), acc[h])` for a tile's two token pairs: the float

@@ -49,6 +49,22 @@ struct LowActs {
     bias: [__m512i; 2],
 }
 
+/// How many bytes of scaled weights one product unpacks at a time: rows are unpacked in
+/// chunks of about this size (L2-resident), and each chunk meets every pass of tokens.
+const SCALED_BYTES_PER_CHUNK: usize = 256 * 1024;
+
+/// Rows with every weight replaced by its scaled byte (see the module comment), unpacked
+/// once per product and chunk of rows instead of once per pass of tokens.
+#[derive(Default)]
+struct ScaledRows {
+    /// Per row and super-block (`r * nb + i`), its eight 32-element chunks.
+    bytes: Vec<[u8; 256]>,
+    /// Per row and super-block: `d_w`, and Q2_K's `-dmin_w`.
+    d: Vec<[f32; 2]>,
+    /// Q2_K, per row and super-block: the sixteen group minimums.
+    mins: Vec<[i16; 16]>,
+}
+
 /// Q2_K (`two`) or Q3_K rows (`w` ggml's super-blocks as bytes, `nb` a row) against the
 /// whole tiles of the `n` tokens, into `out`; returns how many tokens it did (a
 /// multiple of [`TILE`]); the caller does the rest with the 256-bit kernel.
@@ -65,35 +81,147 @@ pub unsafe fn low_k_quant_tiles(
     two: bool,
     out: &mut Out<'_>,
 ) -> usize {
+    if two {
+        tiles::<true>(w, nb, x, n, out)
+    } else {
+        tiles::<false>(w, nb, x, n, out)
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn tiles<const TWO: bool>(
+    w: &[u8],
+    nb: usize,
+    x: &[BlockQ8K],
+    n: usize,
+    out: &mut Out<'_>,
+) -> usize {
     let tiles = n / TILE;
+    let rb = nb * if TWO { Q2_K_BYTES } else { Q3_K_BYTES };
+    let nr = w.len() / rb;
+    let chunk_rows = (SCALED_BYTES_PER_CHUNK / (256 * nb)).max(2);
+    let mut scaled = ScaledRows::default();
     let mut prep = Vec::with_capacity(2 * nb);
-    let mut tile = 0;
-    while tile < tiles {
-        let p = if tile + 2 <= tiles { 2 } else { 1 };
-        match (p, two) {
-            (2, true) => pass::<2, true>(w, nb, x, tile, &mut prep, out),
-            (2, false) => pass::<2, false>(w, nb, x, tile, &mut prep, out),
-            (_, true) => pass::<1, true>(w, nb, x, tile, &mut prep, out),
-            (_, false) => pass::<1, false>(w, nb, x, tile, &mut prep, out),
+    for r0 in (0..nr).step_by(chunk_rows) {
+        let rows = chunk_rows.min(nr - r0);
+        scaled.fill::<TWO>(&w[r0 * rb..(r0 + rows) * rb]);
+        let mut tile = 0;
+        while tile < tiles {
+            let p = if tile + 2 <= tiles { 2 } else { 1 };
+            if p == 2 {
+                pass::<2, TWO>(&scaled, r0, rows, nb, x, tile, &mut prep, out);
+            } else {
+                pass::<1, TWO>(&scaled, r0, rows, nb, x, tile, &mut prep, out);
+            }
+            tile += p;
         }
-        tile += p;
     }
     tiles * TILE
 }
 
-/// Every row against tiles `tile..tile + P`.
+impl ScaledRows {
+    /// Unpacks `w` (whole rows of Q2_K or Q3_K super-blocks) in place of the last chunk.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn fill<const TWO: bool>(&mut self, w: &[u8]) {
+        self.bytes.clear();
+        self.d.clear();
+        self.mins.clear();
+        if TWO {
+            for wb in w.chunks_exact(Q2_K_BYTES) {
+                let dd = f16_pair(wb, 80);
+                // `-d_a · dmin_w` is `-(d_a · dmin_w)` whichever factor carries the sign.
+                self.d
+                    .push([_mm_cvtss_f32(dd), -_mm_cvtss_f32(_mm_movehdup_ps(dd))]);
+                self.mins
+                    .push(std::array::from_fn(|g| i16::from(wb[g] >> 4)));
+                self.bytes.push(scaled_q2_k(wb));
+            }
+        } else {
+            for wb in w.chunks_exact(Q3_K_BYTES) {
+                let h = u16::from_le_bytes([wb[108], wb[109]]);
+                let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))));
+                self.d.push([dw, 0.0]);
+                self.bytes.push(scaled_q3_k(wb));
+            }
+        }
+    }
+}
+
+/// Stores the low 256 bits of each chunk's scaled weights (both halves are the same).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn store_chunk(out: &mut [u8; 256], c: usize, scaled: __m512i) {
+    let dst = &mut out[32 * c..32 * c + 32];
+    // SAFETY: `dst` is 32 writable bytes (sliced above); the store is unaligned.
+    unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), _mm512_castsi512_si256(scaled)) };
+}
+
+/// One Q2_K super-block's weights as `sc·q` bytes, chunk by chunk.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn scaled_q2_k(wb: &[u8]) -> [u8; 256] {
+    let sm = &wb[..16];
+    // SAFETY: `sm` is 16 readable bytes; the load is unaligned.
+    let packed = unsafe { _mm_loadu_si128(sm.as_ptr().cast()) };
+    let tables = group_tables::<true>(_mm_and_si128(packed, _mm_set1_epi8(0x0f)));
+    let mut out = [0u8; 256];
+    for half in 0..2 {
+        let fields = two_bit_fields(both_halves(wb, 16 + 32 * half));
+        for (k, &f) in fields.iter().enumerate() {
+            let c = 4 * half + k;
+            store_chunk(
+                &mut out,
+                c,
+                _mm512_shuffle_epi8(chunk_tables(&tables, c), f),
+            );
+        }
+    }
+    out
+}
+
+/// One Q3_K super-block's weights as `sc·(q − 4) + 127` bytes, chunk by chunk.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn scaled_q3_k(wb: &[u8]) -> [u8; 256] {
+    let four = _mm512_set1_epi8(4);
+    let tables = group_tables::<false>(q3_k_scale_bytes(&wb[96..108]));
+    let hm = both_halves(wb, 0);
+    let mut out = [0u8; 256];
+    for half in 0..2 {
+        let fields = two_bit_fields(both_halves(wb, 32 + 32 * half));
+        for (k, &f) in fields.iter().enumerate() {
+            let c = 4 * half + k;
+            // Element `32c + l`'s high bit is bit `c` of `hmask[l]`.
+            let high = _mm512_test_epi8_mask(hm, _mm512_set1_epi8((1u8 << c) as i8));
+            let q = _mm512_mask_add_epi8(f, high, f, four);
+            store_chunk(
+                &mut out,
+                c,
+                _mm512_shuffle_epi8(chunk_tables(&tables, c), q),
+            );
+        }
+    }
+    out
+}
+
+/// The chunk's rows `r0 + ..rows` (of the product) against tiles `tile..tile + P`, two rows
+/// at a time.
+// The arguments are the pass's coordinates; a struct for them would only be unpacked here.
+#[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn pass<const P: usize, const TWO: bool>(
-    w: &[u8],
+    scaled: &ScaledRows,
+    r0: usize,
+    rows: usize,
     nb: usize,
     x: &[BlockQ8K],
     tile: usize,
     prep: &mut Vec<LowActs>,
     out: &mut Out<'_>,
 ) {
-    let rb = nb * if TWO { Q2_K_BYTES } else { Q3_K_BYTES };
-    let nr = w.len() / rb;
     let t0 = tile * TILE;
     let acts: [[&[BlockQ8K]; TILE]; P] = std::array::from_fn(|p| {
         std::array::from_fn(|j| &x[(t0 + p * TILE + j) * nb..(t0 + p * TILE + j + 1) * nb])
@@ -106,15 +234,22 @@ fn pass<const P: usize, const TWO: bool>(
             })));
         }
     }
-    for r in 0..nr {
-        let row = &w[r * rb..(r + 1) * rb];
-        let res = if TWO {
-            q2_k_row::<P>(row, prep)
+    let mut r = 0;
+    while r < rows {
+        if r + 2 <= rows {
+            let res = scaled_rows::<2, P, TWO>(scaled, r, nb, prep);
+            for (m, row) in res.iter().enumerate() {
+                for (p, part) in row.iter().enumerate() {
+                    out.put_slice(r0 + r + m, t0 + p * TILE, part);
+                }
+            }
+            r += 2;
         } else {
-            q3_k_row::<P>(row, prep)
-        };
-        for (p, part) in res.iter().enumerate() {
-            out.put_slice(r, t0 + p * TILE, part);
+            let [row] = scaled_rows::<1, P, TWO>(scaled, r, nb, prep);
+            for (p, part) in row.iter().enumerate() {
+                out.put_slice(r0 + r, t0 + p * TILE, part);
+            }
+            r += 1;
         }
     }
 }
@@ -238,102 +373,68 @@ fn two_bit_fields(q: __m512i) -> [__m512i; 4] {
     ]
 }
 
-/// One Q2_K row against `P` tiles: `[tile][token]`. Per super-block, each token's eight
-/// min-term lanes (`m_2i·bsums_2i + m_2i+1·bsums_2i+1`) go in first with `-d_a·dmin_w`,
-/// then the scaled sums with `d_a·d_w`, as `Q2K::dot_with`.
+/// `M` unpacked rows from `r` (of the chunk) against `P` tiles: `[row][tile][token]`. Per
+/// super-block, Q2_K's eight min-term lanes per token (`m_2i·bsums_2i +
+/// m_2i+1·bsums_2i+1`) go in first with `-d_a·dmin_w`, then the scaled sums with
+/// `d_a·d_w`, as `Q2K::dot_with` and `Q3K::dot_with`.
 // Indexed loops: as in `x86_512_kquants.rs`, iterators inline worse here.
 #[allow(clippy::needless_range_loop)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn q2_k_row<const P: usize>(row: &[u8], prep: &[LowActs]) -> [[f32; TILE]; P] {
-    let mut acc = [[_mm512_setzero_ps(); 2]; P];
-    for (i, wb) in row.chunks_exact(Q2_K_BYTES).enumerate() {
-        let dd = f16_pair(wb, 80);
-        let dw = _mm512_set1_ps(_mm_cvtss_f32(dd));
-        // `-d_a · dmin_w` is `-(d_a · dmin_w)` whichever factor carries the sign.
-        let neg_dm = _mm512_set1_ps(-_mm_cvtss_f32(_mm_movehdup_ps(dd)));
-        let sm = &wb[..16];
-        // SAFETY: `sm` is 16 readable bytes; the load is unaligned.
-        let packed = unsafe { _mm_loadu_si128(sm.as_ptr().cast()) };
-        let tables = group_tables::<true>(_mm_and_si128(packed, _mm_set1_epi8(0x0f)));
-        let mins = _mm512_broadcast_i64x4(_mm256_cvtepu8_epi16(_mm_and_si128(
-            _mm_srli_epi16::<4>(packed),
-            _mm_set1_epi8(0x0f),
-        )));
-        for p in 0..P {
-            let ta = &prep[i * P + p];
-            // Each lane `m·bsums + m·bsums` is within ±2·15·4,096: exact.
-            let m = [
-                _mm512_madd_epi16(ta.bsums[0], mins),
-                _mm512_madd_epi16(ta.bsums[1], mins),
-            ];
-            scale_lanes(&mut acc[p], [ta.d01, ta.d23], neg_dm, m);
-        }
-        let mut lanes = [[_mm512_setzero_si512(); 2]; P];
-        for half in 0..2 {
-            let fields = two_bit_fields(both_halves(wb, 16 + 32 * half));
-            for k in 0..4 {
-                let c = 4 * half + k;
-                let scaled = _mm512_shuffle_epi8(chunk_tables(&tables, c), fields[k]);
+fn scaled_rows<const M: usize, const P: usize, const TWO: bool>(
+    scaled: &ScaledRows,
+    r: usize,
+    nb: usize,
+    prep: &[LowActs],
+) -> [[[f32; TILE]; P]; M] {
+    let mut acc = [[[_mm512_setzero_ps(); 2]; P]; M];
+    for i in 0..nb {
+        let at: [usize; M] = std::array::from_fn(|m| (r + m) * nb + i);
+        if TWO {
+            for m in 0..M {
+                let mins = &scaled.mins[at[m]];
+                // SAFETY: `mins` is 32 readable bytes; the load is unaligned.
+                let mins =
+                    _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(mins.as_ptr().cast()) });
+                let neg_dm = _mm512_set1_ps(scaled.d[at[m]][1]);
                 for p in 0..P {
                     let ta = &prep[i * P + p];
-                    for h in 0..2 {
-                        // Each lane at most 32 · 45 · 128 in magnitude: exact.
-                        lanes[p][h] = _mm512_dpbusd_epi32(lanes[p][h], scaled, ta.q[h][c]);
-                    }
+                    // Each lane `m·bsums + m·bsums` is within ±2·15·4,096: exact.
+                    let lanes = [
+                        _mm512_madd_epi16(ta.bsums[0], mins),
+                        _mm512_madd_epi16(ta.bsums[1], mins),
+                    ];
+                    scale_lanes(&mut acc[m][p], [ta.d01, ta.d23], neg_dm, lanes);
                 }
             }
         }
-        for p in 0..P {
-            let ta = &prep[i * P + p];
-            scale_lanes(&mut acc[p], [ta.d01, ta.d23], dw, lanes[p]);
-        }
-    }
-    std::array::from_fn(|p| finish(acc[p], None))
-}
-
-/// One Q3_K row against `P` tiles: `[tile][token]`. Each value `q − 4` is formed as
-/// `maddubs(q, a) − 4·(a + a')` per pair (`q` in 0..8: the low bits with the high bit as
-/// 4), exact `i16`s equal to llama.cpp's `maddubs(low, a) − maddubs(4·!high, a)`.
-#[allow(clippy::needless_range_loop)]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn q3_k_row<const P: usize>(row: &[u8], prep: &[LowActs]) -> [[f32; TILE]; P] {
-    let mut acc = [[_mm512_setzero_ps(); 2]; P];
-    let four = _mm512_set1_epi8(4);
-    for (i, wb) in row.chunks_exact(Q3_K_BYTES).enumerate() {
-        let h = u16::from_le_bytes([wb[108], wb[109]]);
-        let dw = _mm512_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h)))));
-        let tables = group_tables::<false>(q3_k_scale_bytes(&wb[96..108]));
-        let hm = both_halves(wb, 0);
-        let mut lanes = [[_mm512_setzero_si512(); 2]; P];
-        for half in 0..2 {
-            let fields = two_bit_fields(both_halves(wb, 32 + 32 * half));
-            for k in 0..4 {
-                let c = 4 * half + k;
-                // Element `32c + l`'s high bit is bit `c` of `hmask[l]`.
-                let high = _mm512_test_epi8_mask(hm, _mm512_set1_epi8((1u8 << c) as i8));
-                let q = _mm512_mask_add_epi8(fields[k], high, fields[k], four);
-                let scaled = _mm512_shuffle_epi8(chunk_tables(&tables, c), q);
-                for p in 0..P {
-                    let ta = &prep[i * P + p];
-                    for h in 0..2 {
+        let bytes: [&[u8; 256]; M] = std::array::from_fn(|m| &scaled.bytes[at[m]]);
+        let mut lanes = [[[_mm512_setzero_si512(); 2]; P]; M];
+        for c in 0..8 {
+            let w: [__m512i; M] = std::array::from_fn(|m| both_halves(bytes[m], 32 * c));
+            for p in 0..P {
+                let ta = &prep[i * P + p];
+                for h in 0..2 {
+                    let a = ta.q[h][c];
+                    for m in 0..M {
                         // Each lane at most 32 · 255 · 128 in magnitude: exact.
-                        lanes[p][h] = _mm512_dpbusd_epi32(lanes[p][h], scaled, ta.q[h][c]);
+                        lanes[m][p][h] = _mm512_dpbusd_epi32(lanes[m][p][h], w[m], a);
                     }
                 }
             }
         }
-        for p in 0..P {
-            let ta = &prep[i * P + p];
-            for h in 0..2 {
-                lanes[p][h] = _mm512_sub_epi32(lanes[p][h], ta.bias[h]);
+        for m in 0..M {
+            let dw = _mm512_set1_ps(scaled.d[at[m]][0]);
+            for p in 0..P {
+                let ta = &prep[i * P + p];
+                if !TWO {
+                    for h in 0..2 {
+                        lanes[m][p][h] = _mm512_sub_epi32(lanes[m][p][h], ta.bias[h]);
+                    }
+                }
+                scale_lanes(&mut acc[m][p], [ta.d01, ta.d23], dw, lanes[m][p]);
             }
         }
-        for p in 0..P {
-            let ta = &prep[i * P + p];
-            scale_lanes(&mut acc[p], [ta.d01, ta.d23], dw, lanes[p]);
-        }
     }
-    std::array::from_fn(|p| finish(acc[p], None))
+    std::array::from_fn(|m| std::array::from_fn(|p| finish(acc[m][p], None)))
 }
