@@ -26,7 +26,14 @@ fn matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> (Matrix, Vec<f32
 /// scalar reference: activation quantization is the only approximation.
 #[test]
 fn kernels_match_reference_for_every_type_and_tile() {
-    let (rows, cols, n) = (19, 96, 7);
+    // A decode step, a short prompt (split by rows), and a long one (split by tokens), the
+    // last two with the default model's 576-wide rows.
+    for (rows, cols, n) in [(19, 96, 7), (37, 576, 1), (70, 576, 70)] {
+        kernels_match_reference(rows, cols, n);
+    }
+}
+
+fn kernels_match_reference(rows: usize, cols: usize, n: usize) {
     let mut s = 99u64;
     let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 3.0).collect();
     let mut xq = vec![BlockQ8_1::default(); n * cols / QK];
@@ -57,7 +64,9 @@ fn kernels_match_reference_for_every_type_and_tile() {
                     .sum();
                 let got = out[t * rows + r];
                 // Q4_1's offset term uses ggml's f16-rounded activation sum `s`.
-                let tol = if ty == GgmlType::Q4_1 { 2e-2 } else { 2e-3 };
+                // Rounding grows with the row's length (the tolerances were set at 3 blocks).
+                let tol = if ty == GgmlType::Q4_1 { 2e-2 } else { 2e-3 }
+                    * ((cols / QK) as f32 / 3.0).sqrt().max(1.0);
                 assert!(
                     (want - got).abs() < tol * (1.0 + want.abs()),
                     "{ty:?} t{t} r{r}: {want} vs {got}"
@@ -71,8 +80,9 @@ fn kernels_match_reference_for_every_type_and_tile() {
                     Matrix::Q8_0 { data, .. } => scalar::q8_0(&data[r * nb..(r + 1) * nb], a),
                     Matrix::F32 { .. } | Matrix::Blocks(_) => got,
                 };
+                // (The other formats' SIMD sums run in eight lanes, the scalar in one.)
                 assert!(
-                    (scalar - got).abs() <= 1e-5 * (1.0 + got.abs()),
+                    (scalar - got).abs() <= 1e-5 * (nb as f32).sqrt() * (1.0 + got.abs()),
                     "{ty:?} t{t} r{r}: SIMD {got} vs scalar {scalar}"
                 );
             }
@@ -350,7 +360,8 @@ fn wide_q8_0_and_q4_0_tiles_match_the_256_bit_kernels_bit_for_bit() {
         x86_512::available(),
         "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
     );
-    let (rows, cols, n) = (x86_512::ROWS * 2 + 3, 256, 3 * TILE + 3);
+    // Nine micro-tiles and a row; three tiles and three tokens.
+    let (rows, cols, n) = (x86_512::ROWS * 9 + 1, 256, 3 * TILE + 3);
     let nb = cols / QK;
     let mut s = 23u64;
     let x: Vec<f32> = (0..n * cols)
