@@ -117,6 +117,51 @@ impl PairBlock for BlockQ4_0 {
     }
 }
 
+/// A Q4_0 (`WITH_MIN` false) or Q4_1 block with its nibbles already unpacked, in element
+/// order: a product lays its rows out once for all its passes of tokens instead of
+/// unpacking every block in every pass (Q2_K file prefill +2%).
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub(super) struct Unpacked<const WITH_MIN: bool> {
+    d: f32,
+    m: f32,
+    q: [u8; 32],
+}
+
+impl<const WITH_MIN: bool> Unpacked<WITH_MIN> {
+    /// The 16 bytes `qs` as 32 nibbles.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn of(d: f32, m: f32, qs: &[u8; 16]) -> Self {
+        let mut q = [0u8; 32];
+        // SAFETY: `qs` is 16 readable bytes and `q` 32 writable ones; unaligned accesses.
+        unsafe {
+            let v = _mm_loadu_si128(qs.as_ptr().cast());
+            let low = _mm_set1_epi8(0x0f);
+            _mm_storeu_si128(q.as_mut_ptr().cast(), _mm_and_si128(v, low));
+            let high = _mm_and_si128(_mm_srli_epi16::<4>(v), low);
+            _mm_storeu_si128(q.as_mut_ptr().add(16).cast(), high);
+        }
+        Self { d, m, q }
+    }
+}
+
+impl<const WITH_MIN: bool> PairBlock for Unpacked<WITH_MIN> {
+    const OFFSET: i8 = if WITH_MIN { 0 } else { 8 };
+    const MIN: bool = WITH_MIN;
+    const ADDS_MIN_SUM: bool = WITH_MIN;
+    #[inline(always)]
+    unsafe fn scales(&self) -> (f32, f32) {
+        (self.d, self.m)
+    }
+    #[inline(always)]
+    unsafe fn unsigned(&self) -> __m512i {
+        // SAFETY: `q` is 32 readable bytes and `loadu` has no alignment requirement; the
+        // caller guarantees the CPU features.
+        unsafe { _mm512_broadcast_i64x4(_mm256_loadu_si256(self.q.as_ptr().cast())) }
+    }
+}
+
 impl PairBlock for BlockQ8_0 {
     // -128 as a byte is 0x80: adding it is flipping each value's sign bit.
     const OFFSET: i8 = -128;
@@ -330,8 +375,16 @@ pub unsafe fn rows_token_major(
     }
     let mut out = Out::TokenMajor { out, ld };
     match w {
-        Rows::Q4_0(w) => pair_tiles(w, nb, x, n, &mut out),
-        Rows::Q4_1(w) => pair_tiles(w, nb, x, n, &mut out),
+        Rows::Q4_0(w) => {
+            let unpacked: Vec<Unpacked<false>> =
+                w.iter().map(|b| Unpacked::of(b.d, 0.0, &b.qs)).collect();
+            pair_tiles(&unpacked, nb, x, n, &mut out)
+        }
+        Rows::Q4_1(w) => {
+            let unpacked: Vec<Unpacked<true>> =
+                w.iter().map(|b| Unpacked::of(b.d, b.m, &b.qs)).collect();
+            pair_tiles(&unpacked, nb, x, n, &mut out)
+        }
         Rows::Q8_0(w) => pair_tiles(w, nb, x, n, &mut out),
         Rows::Q5_0(w) => pair_tiles(w.as_chunks::<22>().0, nb, x, n, &mut out),
         Rows::Q5_1(w) => pair_tiles(w.as_chunks::<24>().0, nb, x, n, &mut out),
