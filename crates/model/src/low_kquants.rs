@@ -329,40 +329,10 @@ pub(crate) mod simd {
                 // Group 2j of the half (its i16 at bytes 4j, 4j + 1) in the low lane,
                 // 2j + 1 in the high one.
                 let (lo, hi) = (4 * j as i8, 4 * j as i8 + 2);
-                let pick = _mm256_setr_epi8(
-                    lo,
-                    lo + 1,
-                    lo,
-                    lo + 1,
-                    lo,
-                    lo + 1,
-                    lo,
-                    lo + 1,
-                    lo,
-                    lo + 1,
-                    lo,
-                    lo + 1,
-                    lo,
-                    lo + 1,
-                    lo,
-                    lo + 1,
-                    hi,
-                    hi + 1,
-                    hi,
-                    hi + 1,
-                    hi,
-                    hi + 1,
-                    hi,
-                    hi + 1,
-                    hi,
-                    hi + 1,
-                    hi,
-                    hi + 1,
-                    hi,
-                    hi + 1,
-                    hi,
-                    hi + 1,
-                );
+                let pick: [i8; 32] =
+                    std::array::from_fn(|b| (if b < 16 { lo } else { hi }) + (b % 2) as i8);
+                // SAFETY: `pick` is 32 readable bytes; the load is unaligned.
+                let pick = unsafe { _mm256_loadu_si256(pick.as_ptr().cast()) };
                 let s = _mm256_madd_epi16(p, _mm256_shuffle_epi8(half_scales, pick));
                 acc = _mm256_add_epi32(acc, s);
             }

@@ -75,48 +75,6 @@ pub(super) trait PairBlock: Sync {
     unsafe fn unsigned(&self) -> __m512i;
 }
 
-/// 16 packed nibbles → 32 bytes in element order (low nibbles are elements 0..16), in both
-/// halves: one variable shift for all four quarters.
-#[inline(always)]
-unsafe fn nibbles(qs: &[u8; 16]) -> __m512i {
-    // SAFETY: `qs` is 16 readable bytes (unaligned load); the caller guarantees AVX-512 F.
-    unsafe {
-        let q = _mm512_broadcast_i32x4(_mm_loadu_si128(qs.as_ptr().cast()));
-        let shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
-        _mm512_and_si512(_mm512_srlv_epi64(q, shifts), _mm512_set1_epi8(0x0f))
-    }
-}
-
-impl PairBlock for BlockQ4_1 {
-    const OFFSET: i8 = 0;
-    const MIN: bool = true;
-    const ADDS_MIN_SUM: bool = true;
-    #[inline(always)]
-    unsafe fn scales(&self) -> (f32, f32) {
-        (self.d, self.m)
-    }
-    #[inline(always)]
-    unsafe fn unsigned(&self) -> __m512i {
-        // SAFETY: the caller guarantees the CPU features.
-        unsafe { nibbles(&self.qs) }
-    }
-}
-
-impl PairBlock for BlockQ4_0 {
-    const OFFSET: i8 = 8;
-    const MIN: bool = false;
-    const ADDS_MIN_SUM: bool = false;
-    #[inline(always)]
-    unsafe fn scales(&self) -> (f32, f32) {
-        (self.d, 0.0)
-    }
-    #[inline(always)]
-    unsafe fn unsigned(&self) -> __m512i {
-        // SAFETY: the caller guarantees the CPU features.
-        unsafe { nibbles(&self.qs) }
-    }
-}
-
 /// A Q4_0 (`WITH_MIN` false) or Q4_1 block with its nibbles already unpacked, in element
 /// order: a product lays its rows out once for all its passes of tokens instead of
 /// unpacking every block in every pass (Q2_K file prefill +2%).
@@ -126,6 +84,28 @@ pub(super) struct Unpacked<const WITH_MIN: bool> {
     d: f32,
     m: f32,
     q: [u8; 32],
+}
+
+/// Q4_0 blocks with their nibbles unpacked.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn unpacked_q4_0(w: &[BlockQ4_0]) -> Vec<Unpacked<false>> {
+    let mut out = Vec::with_capacity(w.len());
+    for b in w {
+        out.push(Unpacked::of(b.d, 0.0, &b.qs));
+    }
+    out
+}
+
+/// Q4_1 blocks with their nibbles unpacked.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn unpacked_q4_1(w: &[BlockQ4_1]) -> Vec<Unpacked<true>> {
+    let mut out = Vec::with_capacity(w.len());
+    for b in w {
+        out.push(Unpacked::of(b.d, b.m, &b.qs));
+    }
+    out
 }
 
 impl<const WITH_MIN: bool> Unpacked<WITH_MIN> {
@@ -270,9 +250,15 @@ impl PairBlock for [u8; 24] {
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn q4_1_rows(w: &[BlockQ4_1], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
     // SAFETY (each kernel): AVX2, FMA, AVX-512 VNNI and VL are among this function's features.
-    block_rows(w, nb, x, n, out, |row, acts, out| unsafe {
-        super::x86::vnni::q4_1(row, acts, None, out)
-    });
+    block_rows(
+        &unpacked_q4_1(w),
+        w,
+        nb,
+        x,
+        n,
+        out,
+        |row, acts, out| unsafe { super::x86::vnni::q4_1(row, acts, None, out) },
+    );
 }
 
 /// Q8_0: as [`q4_1_rows`].
@@ -282,7 +268,7 @@ pub unsafe fn q4_1_rows(w: &[BlockQ4_1], nb: usize, x: &[BlockQ8_1], n: usize, o
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn q8_0_rows(w: &[BlockQ8_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
     // SAFETY: as in `q4_1_rows`.
-    block_rows(w, nb, x, n, out, |row, acts, out| unsafe {
+    block_rows(w, w, nb, x, n, out, |row, acts, out| unsafe {
         super::x86::vnni::q8_0(row, acts, out)
     });
 }
@@ -294,25 +280,33 @@ pub unsafe fn q8_0_rows(w: &[BlockQ8_0], nb: usize, x: &[BlockQ8_1], n: usize, o
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn q4_0_rows(w: &[BlockQ4_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
     // SAFETY: as in `q4_1_rows`.
-    block_rows(w, nb, x, n, out, |row, acts, out| unsafe {
-        super::x86::vnni::q4_0(row, acts, out)
-    });
+    block_rows(
+        &unpacked_q4_0(w),
+        w,
+        nb,
+        x,
+        n,
+        out,
+        |row, acts, out| unsafe { super::x86::vnni::q4_0(row, acts, out) },
+    );
 }
 
-/// Row-major rows of a typed block format: whole tiles through [`pair_tiles`], then each
-/// row's tokens after the last tile through `leftover` (the format's 256-bit kernel, one row
+/// Row-major rows of a block format: whole tiles through [`pair_tiles`] on `tiled` (the
+/// rows as the tile reads them), then each row of `w` (the same rows as stored) against the
+/// tokens after the last tile through `leftover` (the format's 256-bit kernel, one row
 /// against up to three tokens).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn block_rows<B: PairBlock>(
-    w: &[B],
+fn block_rows<B: PairBlock, W>(
+    tiled: &[B],
+    w: &[W],
     nb: usize,
     x: &[BlockQ8_1],
     n: usize,
     out: &mut [f32],
-    leftover: impl Fn(&[B], &[&[BlockQ8_1]], &mut [f32]),
+    leftover: impl Fn(&[W], &[&[BlockQ8_1]], &mut [f32]),
 ) {
-    let done = pair_tiles(w, nb, x, n, &mut Out::RowMajor { out, n });
+    let done = pair_tiles(tiled, nb, x, n, &mut Out::RowMajor { out, n });
     let acts = leftover_tokens(x, nb, done, n);
     if n > done {
         for (r, row) in w.chunks_exact(nb).enumerate() {
@@ -375,16 +369,8 @@ pub unsafe fn rows_token_major(
     }
     let mut out = Out::TokenMajor { out, ld };
     match w {
-        Rows::Q4_0(w) => {
-            let unpacked: Vec<Unpacked<false>> =
-                w.iter().map(|b| Unpacked::of(b.d, 0.0, &b.qs)).collect();
-            pair_tiles(&unpacked, nb, x, n, &mut out)
-        }
-        Rows::Q4_1(w) => {
-            let unpacked: Vec<Unpacked<true>> =
-                w.iter().map(|b| Unpacked::of(b.d, b.m, &b.qs)).collect();
-            pair_tiles(&unpacked, nb, x, n, &mut out)
-        }
+        Rows::Q4_0(w) => pair_tiles(&unpacked_q4_0(w), nb, x, n, &mut out),
+        Rows::Q4_1(w) => pair_tiles(&unpacked_q4_1(w), nb, x, n, &mut out),
         Rows::Q8_0(w) => pair_tiles(w, nb, x, n, &mut out),
         Rows::Q5_0(w) => pair_tiles(w.as_chunks::<22>().0, nb, x, n, &mut out),
         Rows::Q5_1(w) => pair_tiles(w.as_chunks::<24>().0, nb, x, n, &mut out),
