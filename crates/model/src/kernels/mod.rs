@@ -423,6 +423,8 @@ mod quant_dot;
 mod quantize;
 mod rope;
 #[cfg(target_arch = "x86_64")]
+mod tile_out;
+#[cfg(target_arch = "x86_64")]
 mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_512;
@@ -480,7 +482,7 @@ pub(crate) unsafe fn k_quant_tiles(
 ) -> usize {
     // SAFETY: the caller guarantees the CPU features, the function's only requirement.
     unsafe {
-        x86_512_kquants::k_quant_tiles(w, nb, x, n, six, &mut x86_512::Out::RowMajor { out, n })
+        x86_512_kquants::k_quant_tiles(w, nb, x, n, six, &mut tile_out::Out::RowMajor { out, n })
     }
 }
 /// Q2_K (`two`) or Q3_K rows: as [`k_quant_tiles`].
@@ -504,7 +506,7 @@ pub(crate) unsafe fn low_k_quant_tiles(
             x,
             n,
             two,
-            &mut x86_512::Out::RowMajor { out, n },
+            &mut tile_out::Out::RowMajor { out, n },
         )
     }
 }
@@ -526,7 +528,7 @@ pub(crate) fn k_quant_token_major(
     if !x86_512::available() || !n.is_multiple_of(TILE) {
         return false;
     }
-    let mut out = x86_512::Out::TokenMajor { out, ld };
+    let mut out = tile_out::Out::TokenMajor { out, ld };
     // SAFETY (each call): the CPU has the features `available` checks, the functions' only
     // requirement; they bounds-check their slices.
     unsafe {

@@ -27,6 +27,7 @@
 
 use std::arch::x86_64::*;
 
+use super::tile_out::Out;
 use super::TILE;
 use crate::weights::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
 
@@ -376,84 +377,6 @@ pub unsafe fn rows_token_major(
         Rows::Q5_1(w) => pair_tiles(w.as_chunks::<24>().0, nb, x, n, &mut out),
     };
     true
-}
-
-/// Where the tiles' results go: `out[r * n + t]`, or `out[t * ld + r]`.
-pub(super) enum Out<'a> {
-    RowMajor { out: &'a mut [f32], n: usize },
-    TokenMajor { out: &'a mut [f32], ld: usize },
-}
-
-impl Out<'_> {
-    /// Row `r`'s results for tokens `t0..t0 + vals.len()`.
-    #[inline]
-    pub(super) fn put_slice(&mut self, r: usize, t0: usize, vals: &[f32]) {
-        match self {
-            Out::RowMajor { out, n } => {
-                out[r * *n + t0..r * *n + t0 + vals.len()].copy_from_slice(vals);
-            }
-            Out::TokenMajor { out, ld } => {
-                for (t, &x) in vals.iter().enumerate() {
-                    out[(t0 + t) * *ld + r] = x;
-                }
-            }
-        }
-    }
-
-    /// Row `r`'s results for tokens `t0..t0 + tokens` (`tokens` ≤ 8), lanes in token order.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-    fn put_row(&mut self, r: usize, t0: usize, tokens: usize, v: __m256) {
-        let mut lanes = [0f32; 2 * TILE];
-        // SAFETY: `lanes` is 8 writable f32; unaligned stores are allowed.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
-        match self {
-            Out::RowMajor { out, n } => {
-                out[r * *n + t0..r * *n + t0 + tokens].copy_from_slice(&lanes[..tokens]);
-            }
-            Out::TokenMajor { out, ld } => {
-                for (t, &x) in lanes.iter().enumerate().take(tokens) {
-                    out[(t0 + t) * *ld + r] = x;
-                }
-            }
-        }
-    }
-
-    /// Rows `r..r + ROWS`' results (as [`Self::put_row`]); token-major, the four rows are
-    /// transposed in registers into one 4-value store per token.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-    fn put_rows(&mut self, r: usize, t0: usize, tokens: usize, v: [__m256; ROWS]) {
-        let Out::TokenMajor { out, ld } = self else {
-            for (i, v) in v.into_iter().enumerate() {
-                self.put_row(r + i, t0, tokens, v);
-            }
-            return;
-        };
-        // [a0 b0 a1 b1 | a4 b4 a5 b5] and so on, then [a0 b0 c0 d0 | a4 b4 c4 d4] ...
-        let ab_lo = _mm256_unpacklo_ps(v[0], v[1]);
-        let ab_hi = _mm256_unpackhi_ps(v[0], v[1]);
-        let cd_lo = _mm256_unpacklo_ps(v[2], v[3]);
-        let cd_hi = _mm256_unpackhi_ps(v[2], v[3]);
-        let by_token = [
-            _mm256_shuffle_ps::<0x44>(ab_lo, cd_lo),
-            _mm256_shuffle_ps::<0xEE>(ab_lo, cd_lo),
-            _mm256_shuffle_ps::<0x44>(ab_hi, cd_hi),
-            _mm256_shuffle_ps::<0xEE>(ab_hi, cd_hi),
-        ];
-        for t in 0..tokens {
-            let quad = &by_token[t % 4];
-            let four = if t < 4 {
-                _mm256_castps256_ps128(*quad)
-            } else {
-                _mm256_extractf128_ps::<1>(*quad)
-            };
-            let at = (t0 + t) * *ld + r;
-            let dst = &mut out[at..at + ROWS];
-            // SAFETY: `dst` is 4 writable f32 (sliced just above); unaligned is allowed.
-            unsafe { _mm_storeu_ps(dst.as_mut_ptr(), four) };
-        }
-    }
 }
 
 /// Every row of `w` (`nb` blocks each) against the whole tiles of the `n` tokens, into

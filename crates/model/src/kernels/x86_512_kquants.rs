@@ -15,7 +15,7 @@
 
 use std::arch::x86_64::*;
 
-use super::x86_512::Out;
+use super::tile_out::Out;
 use super::TILE;
 use crate::quant::BlockQ8K;
 

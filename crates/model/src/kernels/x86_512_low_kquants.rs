@@ -19,7 +19,7 @@
 
 use std::arch::x86_64::*;
 
-use super::x86_512::Out;
+use super::tile_out::Out;
 use super::x86_512_kquants::{both_halves, f16_pair, finish, pair};
 use super::TILE;
 use crate::low_kquants::simd::q3_k_scale_bytes;
