@@ -95,18 +95,6 @@ impl QuantFormat for Q2K {
         crate::kquants::k_quant_matrix_rows::<Self>(w, row_bytes, x, nb, n, out);
     }
 
-    #[cfg(target_arch = "x86_64")]
-    fn rows_token_major(
-        w: &[u8],
-        x: &[BlockQ8K],
-        nb: usize,
-        n: usize,
-        out: &mut [f32],
-        ld: usize,
-    ) -> bool {
-        crate::kernels::k_quant_token_major(w, nb, x, n, Self::TYPE, out, ld)
-    }
-
     #[inline(always)]
     fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         #[cfg(target_arch = "x86_64")]
@@ -164,18 +152,6 @@ impl QuantFormat for Q3K {
     #[inline(always)]
     fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8K], nb: usize, n: usize, out: &mut [f32]) {
         crate::kquants::k_quant_matrix_rows::<Self>(w, row_bytes, x, nb, n, out);
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    fn rows_token_major(
-        w: &[u8],
-        x: &[BlockQ8K],
-        nb: usize,
-        n: usize,
-        out: &mut [f32],
-        ld: usize,
-    ) -> bool {
-        crate::kernels::k_quant_token_major(w, nb, x, n, Self::TYPE, out, ld)
     }
 
     #[inline(always)]

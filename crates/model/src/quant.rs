@@ -89,6 +89,18 @@ pub struct Acts<'a> {
 pub trait ActBlock: Sized + 'static {
     const ELEMS: usize;
     fn pick<'a>(acts: &Acts<'a>) -> &'a [Self];
+    /// Rows of format `ty` (ggml's bytes, `nb` blocks of these activations a row) against
+    /// the `n` tokens of `x` into token-major `out[t * ld + r]`, where a 512-bit tile takes
+    /// the format and the CPU has it; false, nothing done, where not.
+    fn token_major(
+        ty: GgmlType,
+        w: &[u8],
+        x: &[Self],
+        nb: usize,
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool;
 }
 
 impl ActBlock for BlockQ8_1 {
@@ -96,12 +108,46 @@ impl ActBlock for BlockQ8_1 {
     fn pick<'a>(acts: &Acts<'a>) -> &'a [Self] {
         acts.q8_1
     }
+    fn token_major(
+        ty: GgmlType,
+        w: &[u8],
+        x: &[Self],
+        nb: usize,
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if let GgmlType::Q5_0 | GgmlType::Q5_1 = ty {
+            let with_min = ty == GgmlType::Q5_1;
+            return crate::kernels::five_bit_token_major(w, nb, x, n, with_min, out, ld);
+        }
+        let _ = (ty, w, x, nb, n, out, ld);
+        false
+    }
 }
 
 impl ActBlock for BlockQ8K {
     const ELEMS: usize = QK_K;
     fn pick<'a>(acts: &Acts<'a>) -> &'a [Self] {
         acts.q8_k
+    }
+    fn token_major(
+        ty: GgmlType,
+        w: &[u8],
+        x: &[Self],
+        nb: usize,
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return crate::kernels::k_quant_token_major(w, nb, x, n, ty, out, ld);
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (ty, w, x, nb, n, out, ld);
+            false
+        }
     }
 }
 
@@ -139,8 +185,7 @@ pub trait QuantFormat: Send + Sync + 'static {
         out: &mut [f32],
         ld: usize,
     ) -> bool {
-        let _ = (w, x, nb, n, out, ld);
-        false
+        Self::Act::token_major(Self::TYPE, w, x, nb, n, out, ld)
     }
 }
 
@@ -281,17 +326,6 @@ impl QuantFormat for Q5_0 {
     fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8_1], nb: usize, n: usize, out: &mut [f32]) {
         five_bit_matrix_rows::<Self>(w, row_bytes, x, nb, n, false, out);
     }
-    #[cfg(target_arch = "x86_64")]
-    fn rows_token_major(
-        w: &[u8],
-        x: &[BlockQ8_1],
-        nb: usize,
-        n: usize,
-        out: &mut [f32],
-        ld: usize,
-    ) -> bool {
-        crate::kernels::five_bit_token_major(w, nb, x, n, false, out, ld)
-    }
 }
 
 /// Q5_0's or Q5_1's (`with_min`) tile: the SIMD rows where the CPU has them, else the
@@ -361,17 +395,6 @@ impl QuantFormat for Q5_1 {
     #[inline(always)]
     fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8_1], nb: usize, n: usize, out: &mut [f32]) {
         five_bit_matrix_rows::<Self>(w, row_bytes, x, nb, n, true, out);
-    }
-    #[cfg(target_arch = "x86_64")]
-    fn rows_token_major(
-        w: &[u8],
-        x: &[BlockQ8_1],
-        nb: usize,
-        n: usize,
-        out: &mut [f32],
-        ld: usize,
-    ) -> bool {
-        crate::kernels::five_bit_token_major(w, nb, x, n, true, out, ld)
     }
 }
 
