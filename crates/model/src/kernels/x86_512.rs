@@ -196,38 +196,35 @@ unsafe fn five_bits(qh: [u8; 4], qs: &[u8; 16]) -> __m512i {
     }
 }
 
-/// A Q5_0 block as ggml stores it: f16 `d`, 4 bytes of fifth bits, 16 of nibbles.
-impl PairBlock for [u8; 22] {
-    const OFFSET: i8 = 16;
-    const MIN: bool = false;
-    const ADDS_MIN_SUM: bool = true;
-    #[inline(always)]
-    unsafe fn scales(&self) -> (f32, f32) {
-        // SAFETY: the caller guarantees F16C.
-        unsafe { f16_pair([self[0], self[1], 0, 0]) }
-    }
-    #[inline(always)]
-    unsafe fn scale_lanes(&self) -> __m512 {
-        // SAFETY: the caller guarantees the CPU features.
-        unsafe { f16_lanes([self[0], self[1]]) }
-    }
-    #[inline(always)]
-    unsafe fn unsigned(&self) -> __m512i {
-        let (qh, qs) = (self[2..6].try_into(), self[6..22].try_into());
-        // SAFETY: the caller guarantees the CPU features.
-        unsafe { five_bits(qh.unwrap_or_default(), &qs.unwrap_or_default()) }
-    }
+/// The five-bit formats by their size in bytes: ggml's Q5_0 block (22: f16 `d`, 4 bytes of
+/// fifth bits, 16 of nibbles) and Q5_1 block (24: f16 `d` and `m`, then the same).
+struct FiveBit<const N: usize>;
+
+impl<const N: usize> FiveBit<N> {
+    /// Whether the block has `m`; fails to compile for any size but the two.
+    const MIN: bool = {
+        assert!(
+            N == 22 || N == 24,
+            "a five-bit block is 22 (Q5_0) or 24 (Q5_1) bytes"
+        );
+        N == 24
+    };
 }
 
-/// A Q5_1 block as ggml stores it: f16 `d` and `m`, 4 bytes of fifth bits, 16 of nibbles.
-impl PairBlock for [u8; 24] {
-    const OFFSET: i8 = 0;
-    const MIN: bool = true;
+impl<const N: usize> PairBlock for [u8; N] {
+    // Q5_0's values are `q - 16`; Q5_1's are unsigned, with a minimum.
+    const OFFSET: i8 = if FiveBit::<N>::MIN { 0 } else { 16 };
+    const MIN: bool = FiveBit::<N>::MIN;
     const ADDS_MIN_SUM: bool = true;
     #[inline(always)]
     unsafe fn scales(&self) -> (f32, f32) {
+        let m = if Self::MIN {
+            [self[2], self[3]]
+        } else {
+            [0, 0]
+        };
         // SAFETY: the caller guarantees F16C.
-        unsafe { f16_pair([self[0], self[1], self[2], self[3]]) }
+        unsafe { f16_pair([self[0], self[1], m[0], m[1]]) }
     }
     #[inline(always)]
     unsafe fn scale_lanes(&self) -> __m512 {
@@ -236,7 +233,7 @@ impl PairBlock for [u8; 24] {
     }
     #[inline(always)]
     unsafe fn unsigned(&self) -> __m512i {
-        let (qh, qs) = (self[4..8].try_into(), self[8..24].try_into());
+        let (qh, qs) = (self[N - 20..N - 16].try_into(), self[N - 16..].try_into());
         // SAFETY: the caller guarantees the CPU features.
         unsafe { five_bits(qh.unwrap_or_default(), &qs.unwrap_or_default()) }
     }
