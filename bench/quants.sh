@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # kvwarden against llama.cpp's own llama-bench on the K-quant files (Q4_K_M and Q6_K, made by
 # scripts/fetch-quant-models.sh), same files, same run, same thread count: pp512 and tg128
-# in tokens per second, and their ratios. llama-bench is built from the same sdist as the
-# references (bench/build-llama-server.sh llama-bench, cached in .peer/), flash attention on
-# as in the references, its other settings its defaults. Run on an otherwise idle machine;
+# in tokens per second, and their ratios; also against llama.cpp with its plain kernels only
+# (`--repack 0`, `GGML_CPU_TILED_MM=0`), whose arithmetic kvwarden reproduces. llama-bench is
+# built from the same sdist as the references (bench/build-llama-server.sh llama-bench,
+# cached in .peer/), flash attention on as in the references, its other settings its
+# defaults (so its weight repacking and tiled matmul on). Run on an otherwise idle machine;
 # timings are never pass/fail tests. QUANTS="Q4_K_M Q6_K" and THREADS override the defaults.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,18 +19,25 @@ for q in ${QUANTS:-Q4_K_M Q6_K}; do
   ours=$(BENCH_MODEL=$file BENCH_PP=$np BENCH_TG=$ng RAYON_NUM_THREADS=$threads \
     cargo bench -q -p model --bench throughput 2>/dev/null | tail -1)
   theirs=$("$llama_bench" -m "models/$file" -p "$np" -n "$ng" -t "$threads" -fa 1 -o json 2>/dev/null)
-  python3 - "$q" "$ours" "$theirs" "$np" "$ng" <<'PY'
+  # llama.cpp again with its plain kernels only (no weight repacking, no tiled K-quant
+  # matmul): the arithmetic kvwarden reproduces bit for bit (scripts/record-llama-references.py).
+  plain=$(GGML_CPU_TILED_MM=0 "$llama_bench" -m "models/$file" -p "$np" -n "$ng" -t "$threads" \
+    -fa 1 --repack 0 -o json 2>/dev/null)
+  python3 - "$q" "$ours" "$theirs" "$plain" <<'PY'
 import json, re, sys
-q, ours, theirs, np_, ng = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4], sys.argv[5]
+q, ours = sys.argv[1], sys.argv[2]
 ours = {k: float(v) for k, v in re.findall(r"(pp\d+|tg\d+)=([0-9.]+)", ours)}
-peer = {}
-for run in theirs:
-    key = f"pp{run['n_prompt']}" if run["n_prompt"] else f"tg{run['n_gen']}"
-    peer[key] = run["avg_ts"]
-print(f"{q}: kvwarden " + " ".join(f"{k}={v:.1f}" for k, v in ours.items())
-      + " | llama.cpp " + " ".join(f"{k}={v:.1f}" for k, v in peer.items()))
+
+def rates(runs):
+    return {(f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"): r["avg_ts"]
+            for r in json.loads(runs)}
+
+peer, plain = rates(sys.argv[3]), rates(sys.argv[4])
+line = lambda d: " ".join(f"{k}={v:.1f}" for k, v in d.items())
+print(f"{q}: kvwarden {line(ours)} | llama.cpp {line(peer)} | llama.cpp plain kernels {line(plain)}")
 for k in ours:
     if k in peer:
-        print(f"{q} {k}: kvwarden / llama.cpp = {ours[k] / peer[k]:.2f}")
+        print(f"{q} {k}: kvwarden / llama.cpp = {ours[k] / peer[k]:.2f}"
+              + (f" (plain kernels: {ours[k] / plain[k]:.2f})" if k in plain else ""))
 PY
 done
