@@ -1,6 +1,6 @@
 //! Where the 512-bit tiles write their results: a row-major block (`out[r * n + t]`) or the
-//! layer's token-major output (`out[t * ld + r]`), one row, four rows transposed in
-//! registers, or sixteen rows' lanes at a time.
+//! layer's token-major output (`out[t * ld + r]`), a row at a time or four rows transposed
+//! in registers.
 
 use std::arch::x86_64::*;
 
