@@ -1,8 +1,8 @@
 //! Register-tiled Q2_K and Q3_K prefill products for CPUs with AVX-512 (BW, VNNI), laid
 //! out as `x86_512_kquants.rs`'s Q4_K and Q6_K tiles: two tokens per 512-bit register
-//! (token `2k` of a tile in the low half, `2k + 1` in the high half), each super-block
-//! unpacked once for two tiles of 4 tokens (one at the end when the count of tiles is
-//! odd), one weight row at a time.
+//! (token `2k` of a tile in the low half, `2k + 1` in the high half), passes of two tiles of
+//! 4 tokens (one at the end when the count of tiles is odd), two weight rows at a time. The
+//! rows are unpacked once per product, in chunks that stay in L2, for all its passes.
 //!
 //! The integer lanes are `low_kquants`' exact `i32` lane sums (lane `i` of a token holding
 //! elements `4i..4i + 4` of every 32-element chunk, times its group's scale). Each weight
