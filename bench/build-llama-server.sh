@@ -29,6 +29,16 @@ if [ -z "$only" ] && [ -x "$bin" ]; then
   echo "$bin"
   exit 0
 fi
+# A fresh machine may lack the build tools: install them where we may (root with apt-get),
+# as the README promises that the project's own scripts install what they need.
+missing=()
+for tool in cmake ninja c++; do
+  command -v "$tool" >/dev/null || missing+=("$tool")
+done
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "build-llama-server: installing cmake ninja-build g++ (missing: ${missing[*]})" >&2
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake ninja-build g++; } >&2
+fi
 for tool in cmake ninja c++; do
   command -v "$tool" >/dev/null || { echo "build-llama-server: $tool is required (apt-get install cmake ninja-build g++)" >&2; exit 1; }
 done
