@@ -10,7 +10,7 @@ kvwarden: real traffic with it.\n\
 kvwarden: ******************************************************************";
 
 /// Applies `--inject-fault` to the serve arguments before the engine starts.
-pub fn apply(args: &mut crate::serve::ServeArgs) {
+pub fn apply(args: &mut crate::serve_args::ServeArgs) {
     if args.inject_fault.as_deref() == Some("incident") {
         eprintln!(
             "kvwarden: FAULT INJECTED: over-length prompts become placeholders that decode \
@@ -18,6 +18,6 @@ pub fn apply(args: &mut crate::serve::ServeArgs) {
         );
         engine::fault::inject_incident();
         // Stale pages must keep their old contents for the leak to be observable.
-        args.kv_scrub = crate::serve::ScrubArg::None;
+        args.kv_scrub = crate::serve_args::ScrubArg::None;
     }
 }

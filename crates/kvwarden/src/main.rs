@@ -17,8 +17,9 @@ mod fault;
 mod node;
 mod router_cmd;
 mod serve;
+mod serve_args;
 
-use serve::ServeArgs;
+use serve_args::ServeArgs;
 
 pub(crate) const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 

@@ -9,7 +9,7 @@ use axum::routing::get;
 use engine::EngineHandle;
 use transfer::{NodeIdentity, NodeService, TransferMetrics};
 
-use crate::serve::ServeArgs;
+use crate::serve_args::ServeArgs;
 use crate::shutdown_signal;
 
 pub fn run(args: ServeArgs, engine: EngineHandle, identity: NodeIdentity) -> Result<()> {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-use crate::serve::TlsArgs;
+use crate::serve_args::TlsArgs;
 use crate::{open_model, DEFAULT_MODEL};
 
 #[derive(clap::Args)]

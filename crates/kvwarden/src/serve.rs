@@ -1,123 +1,13 @@
 //! `kvwarden serve`: the monolithic OpenAI API, or one side (`--role prefill|decode`) of
 //! the disaggregated mode.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use engine::EngineConfig;
 
-use crate::{open_model, DEFAULT_MODEL};
-
-#[derive(clap::Args)]
-pub struct ServeArgs {
-    #[command(flatten)]
-    pub(crate) edge: crate::edge::EdgeArgs,
-    #[arg(long, default_value = DEFAULT_MODEL)]
-    pub(crate) model: PathBuf,
-    /// The model id clients must send (default: the model file's name without .gguf).
-    #[arg(long)]
-    pub(crate) served_model_name: Option<String>,
-    /// Advertised context window (default: the smaller of the model's and the pool's).
-    /// Refused at startup when the KV pool cannot hold one request of this length.
-    #[arg(long)]
-    pub(crate) max_context: Option<usize>,
-    /// KV pool size in tokens, allocated at start.
-    #[arg(long, default_value_t = 16_384, conflicts_with = "kv_pool_mib")]
-    pub(crate) kv_pool_tokens: usize,
-    /// KV pool size as a memory budget in MiB instead of tokens (whole pages that fit).
-    #[arg(long)]
-    pub(crate) kv_pool_mib: Option<usize>,
-    #[arg(long, default_value_t = 16)]
-    pub(crate) kv_page_tokens: usize,
-    #[arg(long, value_enum, default_value_t = KvDtypeArg::F16)]
-    pub(crate) kv_dtype: KvDtypeArg,
-    /// What a KV page holds after its lease ends.
-    #[arg(long, value_enum, default_value_t = ScrubArg::Zero)]
-    pub(crate) kv_scrub: ScrubArg,
-    /// Tokens per forward pass (decode rows plus prefill chunks).
-    #[arg(long, default_value_t = 512)]
-    pub(crate) max_batch_tokens: usize,
-    /// Requests holding KV pages at once; more wait in the queue.
-    #[arg(long, default_value_t = 32)]
-    pub(crate) max_running: usize,
-    /// Admitted requests that may wait for a running slot; beyond that, requests get 429
-    /// with Retry-After.
-    #[arg(long, default_value_t = 256)]
-    pub(crate) max_waiting: usize,
-    /// Do not reuse prompt K/V between requests (by default reuse stays within a tenant).
-    #[arg(long)]
-    pub(crate) no_prefix_cache: bool,
-    /// JSON file with a list of prompt texts (e.g. a common system prompt, rendered as the
-    /// model sees it) that the operator declares public: their cached pages may be shared
-    /// across tenants. Everything else is shared only within one tenant.
-    #[arg(long)]
-    pub(crate) public_prefixes: Option<PathBuf>,
-    /// Run one side of the disaggregated mode instead of the OpenAI API: `--port` is then
-    /// the internal API (gRPC over mutual TLS, for `kvwarden router` and other nodes).
-    #[arg(long, value_enum, requires_all = ["tls_ca", "tls_cert", "tls_key"])]
-    pub(crate) role: Option<RoleArg>,
-    #[command(flatten)]
-    pub(crate) tls: TlsArgs,
-    /// Node roles: plain HTTP `/health` and `/metrics` on this port (0 picks one).
-    #[arg(long, requires = "role")]
-    pub(crate) metrics_port: Option<u16>,
-    /// Node roles: how long a decode node waits for a prompt's K/V after reserving pages,
-    /// and a prefill node for the decode node to take it.
-    #[arg(long, default_value_t = 60)]
-    pub(crate) handoff_timeout_secs: u64,
-    /// FAULT-INJECTION BUILD ONLY: re-enact a known bug, to test `kvwarden audit`.
-    #[cfg(feature = "fault-injection")]
-    #[arg(long, value_parser = ["incident"])]
-    pub(crate) inject_fault: Option<String>,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-pub enum KvDtypeArg {
-    F16,
-    F32,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-pub enum ScrubArg {
-    Zero,
-    Poison,
-    None,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum RoleArg {
-    Prefill,
-    Decode,
-}
-
-/// The cluster identity of a router or node (see `kvwarden certs`).
-#[derive(clap::Args, Clone)]
-pub struct TlsArgs {
-    /// The cluster CA certificate (PEM): peers must present a certificate it signed.
-    #[arg(long)]
-    pub tls_ca: Option<PathBuf>,
-    /// This process's certificate (PEM), signed by the cluster CA.
-    #[arg(long)]
-    pub tls_cert: Option<PathBuf>,
-    /// This process's private key (PEM).
-    #[arg(long)]
-    pub tls_key: Option<PathBuf>,
-}
-
-impl TlsArgs {
-    pub fn load(&self) -> Result<transfer::TlsIdentity> {
-        let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key)
-        else {
-            bail!("--tls-ca, --tls-cert and --tls-key are required: internal traffic is mutually authenticated (make them with `kvwarden certs`)");
-        };
-        Ok(transfer::TlsIdentity::load(&transfer::TlsFiles {
-            ca: ca.clone(),
-            cert: cert.clone(),
-            key: key.clone(),
-        })?)
-    }
-}
+use crate::open_model;
+use crate::serve_args::{KvDtypeArg, RoleArg, ScrubArg, ServeArgs};
 
 pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
     #[cfg(feature = "fault-injection")]

@@ -1,6 +1,11 @@
+//! A model's hyperparameters, every one read from its GGUF metadata and checked at load;
+//! keys that would change the graph in ways this forward pass does not implement are refused.
+
 use gguf::GgufFile;
 
 use crate::ModelError;
+
+mod gemma3;
 
 /// The GGUF `general.architecture` values this forward pass implements. Each is the llama
 /// block (RMSNorm, rotary attention with grouped KV heads, SwiGLU) with its own additions,
@@ -228,9 +233,9 @@ impl LlamaConfig {
             )));
         }
         let gemma = match arch {
-            Arch::Gemma3 => Some(crate::gemma3::read(
+            Arch::Gemma3 => Some(gemma3::read(
                 f,
-                &crate::gemma3::Dims {
+                &gemma3::Dims {
                     n_layers,
                     dim,
                     n_heads,
