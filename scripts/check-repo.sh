@@ -30,6 +30,15 @@ for section in '## Threat model' '### Clients' '### Other tenants' '### Operator
   grep -q "^$section" ARCHITECTURE.md || complain "ARCHITECTURE.md lacks the threat model section '$section'"
 done
 
+# The kv feature that skips the read checks (a baseline for bench/kv-checks.sh, which builds
+# it into its own target dir) is enabled by no manifest: no build of a crate can pull it in.
+if hits=$(git grep -n 'bench-unchecked-baseline' -- '*.toml' ':(exclude)crates/kv/Cargo.toml'); then
+  complain "a manifest enables kv's bench-unchecked-baseline (the read checks off):"
+  echo "$hits" >&2
+fi
+grep -q '^bench-unchecked-baseline = \[\]$' crates/kv/Cargo.toml ||
+  complain "crates/kv/Cargo.toml: bench-unchecked-baseline must enable nothing else"
+
 # ARCHITECTURE.md names only files and Rust items that exist, so the map stays true as code
 # moves (scripts/check-architecture.py says what it resolves and how).
 python3 scripts/check-architecture.py || fail=1
