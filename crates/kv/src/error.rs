@@ -37,8 +37,6 @@ pub enum KvError {
         request: RequestId,
         owner: RequestId,
     },
-    #[error("stale page descriptor: page generation {held}, current {current}")]
-    StaleDescriptor { held: u64, current: u64 },
     #[error("page is not fully written ({written} of {capacity} slots on layer {layer}); only full pages can be shared")]
     NotFull {
         layer: usize,

@@ -5,8 +5,8 @@
 //!
 //! * Page memory lives inside the page's current owner. A [`PageLease`] *moves* the page's
 //!   buffer out of the pool; nothing else can name it. Dropping the lease scrubs the buffer
-//!   and moves it back, bumping its generation. There is no raw page index anywhere in the
-//!   public API, so "read page 17" cannot be expressed.
+//!   and moves it back. There is no raw page index or page handle other than the owning
+//!   ones anywhere in the public API, so "read page 17" cannot be expressed.
 //! * Each lease records, per layer, how many slots were written under it. Reading past that
 //!   extent is [`KvError::UnwrittenRead`], a hard error in release builds too.
 //! * A full page can be frozen into a [`SharedPage`]: immutable, reference-counted, tagged
@@ -23,19 +23,24 @@
 
 mod error;
 mod evict;
+mod layout;
+mod lease;
 mod pool;
 mod prefix;
 mod sequence;
+mod shared;
+mod state;
 mod sync;
 mod transfer;
 
 pub use error::KvError;
-pub use pool::{
-    KvDtype, KvLayout, KvPool, PageDescriptor, PageLease, PoolConfig, PoolCounts, ScrubPolicy,
-    SharedPage,
-};
+pub use layout::{KvDtype, KvLayout, KvSlice};
+pub use lease::PageLease;
+pub use pool::{KvPool, PoolConfig, PoolCounts};
 pub use prefix::{PrefixCache, PrefixError, PrefixMatch, PublicPrefixes, TreeStats};
-pub use sequence::{KvRun, KvSlice, SequenceKv};
+pub use sequence::{KvRun, SequenceKv};
+pub use shared::SharedPage;
+pub use state::ScrubPolicy;
 
 /// False only in the benchmark-only build that measures what the read checks cost; servers
 /// refuse to start without them.

@@ -1,8 +1,9 @@
+use crate::layout::{KvLayout, KvSlice};
+use crate::lease::PageLease;
+use crate::pool::KvPool;
+use crate::shared::SharedPage;
 use crate::sync::Arc;
-
-use crate::{KvError, KvPool, Owner, PageLease, SharedPage, Visibility};
-
-pub use crate::pool::KvSlice;
+use crate::{KvError, Owner, Visibility};
 
 /// One page's worth of a sequence's K and V rows on one layer: `tokens` consecutive
 /// positions, `kv_dim` values each.
@@ -99,7 +100,7 @@ impl SequenceKv {
         })
     }
 
-    pub fn layout(&self) -> crate::KvLayout {
+    pub fn layout(&self) -> KvLayout {
         self.pool.layout()
     }
 
@@ -131,20 +132,6 @@ impl SequenceKv {
             .iter()
             .filter(|b| matches!(b, Block::Owned(_)))
             .count()
-    }
-
-    /// The block table as descriptors, in position order, for protocols that name this
-    /// sequence's pages outside the process (e.g. a prefill-to-decode transfer). They grant
-    /// nothing: the receiver checks them with [`KvPool::validate`], which refuses them once
-    /// a page has been released.
-    pub fn descriptors(&self) -> Vec<crate::PageDescriptor> {
-        self.blocks
-            .iter()
-            .map(|b| match b {
-                Block::Owned(lease) => lease.descriptor(),
-                Block::Shared(page) => page.descriptor(),
-            })
-            .collect()
     }
 
     /// Makes room for `total_tokens` positions, leasing pages all or nothing.

@@ -4,13 +4,7 @@
 //! the crate may name `std::sync` directly, or loom would not see that synchronization.
 
 #[cfg(loom)]
-pub use loom::sync::{
-    atomic::{AtomicU64, Ordering},
-    Arc, Mutex, MutexGuard,
-};
+pub use loom::sync::{Arc, Mutex, MutexGuard};
 
 #[cfg(not(loom))]
-pub use std::sync::{
-    atomic::{AtomicU64, Ordering},
-    Arc, Mutex, MutexGuard,
-};
+pub use std::sync::{Arc, Mutex, MutexGuard};

@@ -74,15 +74,8 @@ fn concurrent_allocate_release() {
                             for lease in &mut leases {
                                 write_own(lease, t as f32);
                             }
-                            let ds: Vec<_> = leases.iter().map(|l| l.descriptor()).collect();
                             assert_balanced(&pool);
                             drop(leases);
-                            for d in ds {
-                                assert!(matches!(
-                                    pool.validate(&d),
-                                    Err(KvError::StaleDescriptor { .. })
-                                ));
-                            }
                         }
                         Err(KvError::PoolExhausted { needed, .. }) => assert_eq!(needed, want),
                         Err(e) => panic!("{e}"),
@@ -121,7 +114,6 @@ fn concurrent_shared_page_drop_and_reuse() {
             .freeze(Visibility::Public)
             .map_err(|(_, e)| e)
             .unwrap();
-        let d = page.descriptor();
         assert_eq!(pool.counts().cached, 1);
 
         // Two readers drop their references concurrently; whichever is last returns the page.
@@ -130,12 +122,12 @@ fn concurrent_shared_page_drop_and_reuse() {
             thread::spawn(move || drop(page))
         };
         // A third thread wants both pages: it can only get them once the shared page is
-        // back, scrubbed, and under a new generation.
+        // back and scrubbed, and then it is no longer cached.
         let taker = {
             let pool = pool.clone();
             thread::spawn(move || {
                 if let Ok(mut leases) = pool.allocate(RequestId(2), 2) {
-                    assert!(pool.validate(&d).is_err());
+                    assert_eq!(pool.counts().cached, 0);
                     for lease in &mut leases {
                         write_own(lease, 2.0);
                     }
@@ -149,7 +141,6 @@ fn concurrent_shared_page_drop_and_reuse() {
         taker.join().unwrap();
         let c = pool.counts();
         assert_eq!((c.free, c.leased, c.cached), (2, 0, 0));
-        assert!(pool.validate(&d).is_err());
         assert_free_pages_scrubbed(&pool);
     });
 }

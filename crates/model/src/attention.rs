@@ -5,7 +5,7 @@ use half::f16;
 use kv::{KvRun, KvSlice};
 use rayon::prelude::*;
 
-use crate::forward::BatchItem;
+use crate::batch::BatchItem;
 use crate::kernels::KvElem;
 use crate::{LlamaConfig, ModelError};
 

@@ -6,6 +6,7 @@
 //! across a reduction), so a greedy request gives the same tokens alone or batched.
 
 mod attention;
+mod batch;
 pub mod config;
 pub mod forward;
 pub mod gemma3;
@@ -17,8 +18,9 @@ pub mod sampling;
 pub mod synth;
 pub mod weights;
 
+pub use batch::{BatchItem, Logits, LogitsWanted};
 pub use config::LlamaConfig;
-pub use forward::{BatchItem, Logits, LogitsWanted, Model};
+pub use forward::Model;
 pub use sampling::{Sampler, SamplingParams};
 
 /// Errors from loading or running a model.

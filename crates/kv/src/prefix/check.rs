@@ -3,7 +3,8 @@
 
 use std::collections::HashMap;
 
-use super::{PrefixCache, PUBLIC, PUBLIC_HOLDER, ROOT};
+use super::tree::ROOT;
+use super::{PrefixCache, PUBLIC, PUBLIC_HOLDER};
 use crate::evict::Holder;
 use crate::Visibility;
 

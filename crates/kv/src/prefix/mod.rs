@@ -33,13 +33,15 @@
 use std::collections::HashMap;
 
 // The consistency checks the tests run, kept apart from the cache's own work.
-#[path = "prefix_check.rs"]
 mod check;
+mod tree;
 
 use crate::evict::Holder;
-use crate::pool::PoolInner;
+use crate::shared::SharedPage;
+use crate::state::PoolInner;
 use crate::sync::Arc;
-use crate::{IsolationDomain, SharedPage, Visibility};
+use crate::{IsolationDomain, Visibility};
+use tree::{Tree, ROOT};
 
 /// Token prefixes the operator declared public (e.g. a shared system prompt), from
 /// configuration. Pages inside them may be shared across all domains.
@@ -174,118 +176,10 @@ pub struct TreeStats {
     pub nodes: usize,
 }
 
-const ROOT: usize = 0;
 /// The public tree's place in [`PrefixCache::trees`].
 const PUBLIC: usize = 0;
 /// The holder of public pages in the pool's eviction lists; tenants are numbered after it.
 const PUBLIC_HOLDER: Holder = 0;
-
-struct Node {
-    /// `None` only at the root.
-    page: Option<Arc<SharedPage>>,
-    parent: usize,
-    /// The `page_tokens` token ids this node's page covers (its key in the parent).
-    edge: Box<[u32]>,
-    children: HashMap<Box<[u32]>, usize>,
-}
-
-struct Tree {
-    /// `None` for the public tree.
-    domain: Option<IsolationDomain>,
-    /// Arena; `None` marks a vacant slot, listed in `vacant`.
-    nodes: Vec<Option<Node>>,
-    vacant: Vec<usize>,
-    live: usize,
-}
-
-impl Tree {
-    fn new(domain: Option<IsolationDomain>) -> Self {
-        Self {
-            domain,
-            nodes: vec![Some(Node {
-                page: None,
-                parent: ROOT,
-                edge: Box::new([]),
-                children: HashMap::new(),
-            })],
-            vacant: Vec::new(),
-            live: 0,
-        }
-    }
-
-    fn node(&self, id: usize) -> &Node {
-        self.nodes[id].as_ref().expect("live node id")
-    }
-
-    fn node_mut(&mut self, id: usize) -> &mut Node {
-        self.nodes[id].as_mut().expect("live node id")
-    }
-
-    /// Node ids of the longest cached path matching `tokens`, at most `limit` pages, every
-    /// page readable by `reader` (checked again here although inserts guarantee it: this
-    /// is the last point before pages leave the cache).
-    fn walk(&self, tokens: &[u32], limit: usize, p: usize, reader: &IsolationDomain) -> Vec<usize> {
-        let mut path = Vec::new();
-        let mut at = ROOT;
-        for i in 0..limit {
-            let Some(&child) = self.node(at).children.get(&tokens[i * p..(i + 1) * p]) else {
-                break;
-            };
-            let readable = self
-                .node(child)
-                .page
-                .as_ref()
-                .is_some_and(|pg| pg.visibility().readable_by(reader));
-            if !readable {
-                debug_assert!(false, "unreadable page in a tree its reader may walk");
-                break;
-            }
-            path.push(child);
-            at = child;
-        }
-        path
-    }
-
-    fn add_child(&mut self, parent: usize, edge: &[u32], page: Arc<SharedPage>) -> usize {
-        let node = Node {
-            page: Some(page),
-            parent,
-            edge: edge.into(),
-            children: HashMap::new(),
-        };
-        let id = match self.vacant.pop() {
-            Some(id) => {
-                self.nodes[id] = Some(node);
-                id
-            }
-            None => {
-                self.nodes.push(Some(node));
-                self.nodes.len() - 1
-            }
-        };
-        self.node_mut(parent).children.insert(edge.into(), id);
-        self.live += 1;
-        id
-    }
-
-    /// Removes a leaf; returns its parent.
-    fn remove_leaf(&mut self, id: usize) -> usize {
-        let node = self.nodes[id].take().expect("live node id");
-        debug_assert!(node.children.is_empty() && id != ROOT);
-        self.node_mut(node.parent).children.remove(&node.edge);
-        self.vacant.push(id);
-        self.live -= 1;
-        node.parent
-    }
-
-    fn live_ids(&self) -> impl Iterator<Item = usize> + '_ {
-        self.nodes
-            .iter()
-            .enumerate()
-            .filter(|(id, n)| *id != ROOT && n.is_some())
-            .map(|(id, _)| id)
-    }
-}
 
 /// A page the cache holds, and the tree nodes that hold it (a public page can sit in the
 /// public tree and at the start of several domain trees).

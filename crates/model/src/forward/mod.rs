@@ -1,0 +1,313 @@
+//! The model and its forward pass: one step over a batch of sequences, each through its own
+//! KV view, with logits only for the rows that are sampled from.
+
+mod load;
+mod rope;
+mod rows;
+
+use rayon::prelude::*;
+
+use crate::attention::attention;
+use crate::batch::{BatchItem, Logits, LogitsWanted};
+use crate::config::FfnAct;
+use crate::kernels::{matmul, matmul_group};
+use crate::weights::{BlockQ8_1, Matrix, QK};
+use crate::{LlamaConfig, ModelError};
+use rope::RopeTable;
+use rows::{
+    add_in_place, norm_quantize, quantize_rows, quantize_rows_here, residual, rms_norm_rows,
+    rows_per_chunk,
+};
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Matrix,
+    wk: Matrix,
+    wv: Matrix,
+    wo: Matrix,
+    ffn_norm: Vec<f32>,
+    w_gate: Matrix,
+    w_up: Matrix,
+    w_down: Matrix,
+    /// Q, K and V projection biases (qwen2; optional in every architecture, as in llama.cpp).
+    bq: Option<Vec<f32>>,
+    bk: Option<Vec<f32>>,
+    bv: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights of Q and K, applied before the rotation (qwen3, gemma3).
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    /// RMSNorms of the attention output and of the FFN output before each residual add
+    /// (gemma3).
+    post_attn_norm: Option<Vec<f32>>,
+    post_ffn_norm: Option<Vec<f32>>,
+}
+
+/// A loaded llama-family model.
+pub struct Model {
+    pub config: LlamaConfig,
+    embed: Matrix,
+    layers: Vec<Layer>,
+    output_norm: Vec<f32>,
+    /// `None` when the output projection is tied to the token embedding.
+    output: Option<Matrix>,
+    /// Llama 3's RoPE frequency factors (`rope_freqs.weight`): rotary pair `i` turns at
+    /// `theta_i / factor_i`.
+    rope_freqs: Option<Vec<f32>>,
+    /// Kernels run inside this pool: a forward pass enters it once, and every parallel loop
+    /// inside then starts on the calling worker instead of handing off to a sleeping thread
+    /// (a handoff per matrix costs milliseconds when another process shares the cores).
+    threads: rayon::ThreadPool,
+}
+
+impl Model {
+    pub fn kv_layout(&self, page_tokens: usize, dtype: kv::KvDtype) -> kv::KvLayout {
+        kv::KvLayout {
+            n_layers: self.config.n_layers,
+            kv_dim: self.config.kv_dim(),
+            page_tokens,
+            dtype,
+        }
+    }
+
+    /// Sets the number of compute threads (default: `RAYON_NUM_THREADS` or all cores).
+    pub fn set_threads(&mut self, n: usize) -> Result<(), ModelError> {
+        self.threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("kvwarden-compute-{i}"))
+            .build()
+            .map_err(|e| ModelError::Unsupported(format!("cannot start compute threads: {e}")))?;
+        Ok(())
+    }
+
+    /// Runs one step over a batch. Each item's result is independent: an item whose KV
+    /// access fails gets its error and is left out of the rest of the step, the others go on.
+    pub fn forward(&self, items: &mut [BatchItem<'_>]) -> Vec<Result<Logits, ModelError>> {
+        self.threads.install(|| self.forward_in_pool(items))
+    }
+
+    fn forward_in_pool(&self, items: &mut [BatchItem<'_>]) -> Vec<Result<Logits, ModelError>> {
+        let c = &self.config;
+        let (dim, kv_dim, q_dim, hd) = (c.dim, c.kv_dim(), c.q_dim(), c.head_dim);
+        let mut status: Vec<Result<(), ModelError>> = items
+            .iter()
+            .map(
+                |it| match it.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                    Some(&id) => Err(ModelError::TokenOutOfRange {
+                        id,
+                        vocab: c.vocab_size,
+                    }),
+                    None => Ok(()),
+                },
+            )
+            .collect();
+        // Flat rows: (item, absolute position).
+        let mut rows: Vec<(usize, usize)> = Vec::new();
+        let mut starts = Vec::with_capacity(items.len());
+        for (i, it) in items.iter().enumerate() {
+            starts.push(rows.len());
+            let base = it.kv.len();
+            rows.extend((0..it.tokens.len()).map(|t| (i, base + t)));
+        }
+        let n = rows.len();
+        if n == 0 {
+            return status.into_iter().map(|s| s.map(|_| Vec::new())).collect();
+        }
+
+        let mut x = vec![0f32; n * dim];
+        for (i, it) in items.iter().enumerate() {
+            if status[i].is_err() {
+                continue;
+            }
+            for (t, &tok) in it.tokens.iter().enumerate() {
+                let r = starts[i] + t;
+                let row = &mut x[r * dim..(r + 1) * dim];
+                self.embed.row_f32(tok as usize, row);
+                if let Some(s) = c.embed_scale {
+                    row.iter_mut().for_each(|v| *v *= s);
+                }
+            }
+        }
+        // One table per distinct rotation (Gemma's local and global layers differ).
+        let mut keys: Vec<(f32, f32)> = Vec::new();
+        let mut ropes: Vec<RopeTable> = Vec::new();
+        let mut rope_of = Vec::with_capacity(c.layers.len());
+        for l in &c.layers {
+            let key = (l.rope_base, l.rope_freq_scale);
+            let at = match keys.iter().position(|k| *k == key) {
+                Some(at) => at,
+                None => {
+                    let positions = rows.iter().map(|&(_, p)| p);
+                    ropes.push(RopeTable::new(c, l, self.rope_freqs.as_deref(), positions));
+                    keys.push(key);
+                    keys.len() - 1
+                }
+            };
+            rope_of.push(at);
+        }
+
+        let mut xn = vec![0f32; n * dim];
+        let mut xq = vec![BlockQ8_1::default(); n * dim / QK];
+        let mut aq = vec![BlockQ8_1::default(); n * q_dim / QK];
+        let mut q = vec![0f32; n * q_dim];
+        let mut k = vec![0f32; n * kv_dim];
+        let mut v = vec![0f32; n * kv_dim];
+        let mut attn = vec![0f32; n * q_dim];
+        let mut proj = vec![0f32; n * dim];
+        let mut gate = vec![0f32; n * c.ffn_dim];
+        let mut up = vec![0f32; n * c.ffn_dim];
+        let mut hq = vec![BlockQ8_1::default(); n * c.ffn_dim / QK];
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            let rope = &ropes[rope_of[li]];
+            norm_quantize(&x, &layer.attn_norm, c.rms_eps, dim, &mut xn, &mut xq);
+            matmul_group(
+                &[&layer.wq, &layer.wk, &layer.wv],
+                &xn,
+                &xq,
+                n,
+                &mut [&mut q, &mut k, &mut v],
+            );
+            // As llama.cpp's graph: bias after the product, then the per-head norm, then RoPE.
+            for (out, bias, width) in [
+                (&mut q, &layer.bq, q_dim),
+                (&mut k, &layer.bk, kv_dim),
+                (&mut v, &layer.bv, kv_dim),
+            ] {
+                if let Some(b) = bias {
+                    for row in out.chunks_exact_mut(width) {
+                        add_in_place(row, b);
+                    }
+                }
+            }
+            for (out, norm) in [(&mut q, &layer.q_norm), (&mut k, &layer.k_norm)] {
+                if let Some(w) = norm {
+                    let heads = out.clone();
+                    rms_norm_rows(&heads, w, c.rms_eps, hd, out);
+                }
+            }
+            let per = rows_per_chunk(n);
+            let rotate = |(chunk, (qc, kc)): (usize, (&mut [f32], &mut [f32]))| {
+                let rows = qc.chunks_exact_mut(q_dim).zip(kc.chunks_exact_mut(kv_dim));
+                for (j, (qr, kr)) in rows.enumerate() {
+                    rope.apply(chunk * per + j, qr, hd);
+                    rope.apply(chunk * per + j, kr, hd);
+                }
+            };
+            if per >= n {
+                rotate((0, (&mut q[..], &mut k[..])));
+            } else {
+                let (qs, ks) = (
+                    q.par_chunks_mut(per * q_dim),
+                    k.par_chunks_mut(per * kv_dim),
+                );
+                qs.zip(ks).enumerate().for_each(rotate);
+            }
+            if let Some(s) = c.q_scale {
+                q.iter_mut().for_each(|v| *v *= s);
+            }
+            for (i, it) in items.iter_mut().enumerate() {
+                if status[i].is_err() {
+                    continue;
+                }
+                let base = it.kv.len();
+                for t in 0..it.tokens.len() {
+                    let r = starts[i] + t;
+                    if let Err(e) = it.kv.write(
+                        li,
+                        base + t,
+                        &k[r * kv_dim..(r + 1) * kv_dim],
+                        &v[r * kv_dim..(r + 1) * kv_dim],
+                    ) {
+                        status[i] = Err(e.into());
+                        break;
+                    }
+                }
+            }
+            attention(c, li, items, &starts, &mut status, &q, &mut attn);
+            quantize_rows(&attn, q_dim, &mut aq);
+            matmul(&layer.wo, &attn, &aq, n, &mut proj);
+            residual(&mut x, &mut proj, &layer.post_attn_norm, c.rms_eps, dim);
+            norm_quantize(&x, &layer.ffn_norm, c.rms_eps, dim, &mut xn, &mut xq);
+            matmul_group(
+                &[&layer.w_gate, &layer.w_up],
+                &xn,
+                &xq,
+                n,
+                &mut [&mut gate, &mut up],
+            );
+            let ffn = c.ffn_dim;
+            let per = rows_per_chunk(n);
+            let activate = |((g, u), hq): ((&mut [f32], &[f32]), &mut [BlockQ8_1])| {
+                match c.ffn_act {
+                    FfnAct::Silu => crate::kernels::swiglu(g, u),
+                    FfnAct::GeluTanh => crate::gemma3::geglu(g, u),
+                }
+                quantize_rows_here(g, ffn, hq);
+            };
+            if per >= n {
+                activate(((&mut gate[..], &up[..]), &mut hq[..]));
+            } else {
+                let (gs, us) = (gate.par_chunks_mut(per * ffn), up.par_chunks(per * ffn));
+                gs.zip(us)
+                    .zip(hq.par_chunks_mut(per * ffn / QK))
+                    .for_each(activate);
+            }
+            matmul(&layer.w_down, &gate, &hq, n, &mut proj);
+            residual(&mut x, &mut proj, &layer.post_ffn_norm, c.rms_eps, dim);
+        }
+
+        for (i, it) in items.iter_mut().enumerate() {
+            if status[i].is_ok() {
+                let new_len = it.kv.len() + it.tokens.len();
+                if let Err(e) = it.kv.commit(new_len) {
+                    status[i] = Err(e.into());
+                }
+            }
+        }
+
+        // Final norm and output projection only for the rows that are sampled from.
+        let mut wanted: Vec<usize> = Vec::new();
+        for (i, it) in items.iter().enumerate() {
+            if status[i].is_err() || it.tokens.is_empty() {
+                continue;
+            }
+            match it.logits {
+                LogitsWanted::None => {}
+                LogitsWanted::Last => wanted.push(starts[i] + it.tokens.len() - 1),
+                LogitsWanted::All => wanted.extend(starts[i]..starts[i] + it.tokens.len()),
+            }
+        }
+        let m = wanted.len();
+        let mut sel = vec![0f32; m * dim];
+        for (j, &r) in wanted.iter().enumerate() {
+            sel[j * dim..(j + 1) * dim].copy_from_slice(&x[r * dim..(r + 1) * dim]);
+        }
+        let mut seln = vec![0f32; m * dim];
+        rms_norm_rows(&sel, &self.output_norm, c.rms_eps, dim, &mut seln);
+        let mut selq = vec![BlockQ8_1::default(); m * dim / QK];
+        quantize_rows(&seln, dim, &mut selq);
+        let out_w = self.output.as_ref().unwrap_or(&self.embed);
+        let mut logits = vec![0f32; m * c.vocab_size];
+        if m > 0 {
+            matmul(out_w, &seln, &selq, m, &mut logits);
+        }
+
+        let mut cursor = 0;
+        items
+            .iter()
+            .zip(status)
+            .map(|(it, st)| {
+                st?;
+                let count = match it.logits {
+                    LogitsWanted::None => 0,
+                    _ if it.tokens.is_empty() => 0,
+                    LogitsWanted::Last => 1,
+                    LogitsWanted::All => it.tokens.len(),
+                };
+                let out = logits[cursor * c.vocab_size..(cursor + count) * c.vocab_size].to_vec();
+                cursor += count;
+                Ok(out)
+            })
+            .collect()
+    }
+}
