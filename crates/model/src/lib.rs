@@ -6,12 +6,11 @@
 //! across a reduction), so a greedy request gives the same tokens alone or batched.
 
 mod attention;
+pub mod blocks;
 pub mod config;
 pub mod forward;
 pub mod gemma3;
 pub mod kernels;
-pub mod kquants;
-pub mod low_kquants;
 pub mod quant;
 pub mod sampling;
 pub mod synth;
