@@ -33,9 +33,9 @@ fn matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> (Matrix, Vec<f32
     let deq = f.tensor_f32(info);
     let bytes = f.tensor_bytes(info);
     let data = match ty {
-        GgmlType::Q4_0 => Data::Q4_0(crate::quant::Q4_0::load(ty, bytes)),
-        GgmlType::Q4_1 => Data::Q4_1(crate::quant::Q4_1::load(ty, bytes)),
-        GgmlType::Q8_0 => Data::Q8_0(crate::quant::Q8_0::load(ty, bytes)),
+        GgmlType::Q4_0 => Data::Q4_0(crate::quant::q4_0::Q4_0::load(ty, bytes)),
+        GgmlType::Q4_1 => Data::Q4_1(crate::quant::q4_1::Q4_1::load(ty, bytes)),
+        GgmlType::Q8_0 => Data::Q8_0(crate::quant::q8_0::Q8_0::load(ty, bytes)),
         _ => Data::Other,
     };
     (Matrix::load(&f, info, rows, cols).unwrap(), deq, data)

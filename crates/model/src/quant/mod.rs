@@ -1,6 +1,5 @@
-//! Weight formats: one [`QuantFormat`] implementation per format, each in its own file
-//! (`float.rs`, `q4_0.rs`, `q4_1.rs`, `q8_0.rs`, `q5.rs`, `kquants.rs`, `low_kquants.rs`),
-//! defining its stored block, its reference dequantization, its dot product against the
+//! Weight formats: one [`QuantFormat`] implementation per format, each in its own file of
+//! this folder (a family of formats sharing kernels shares one), defining its stored block, its reference dequantization, its dot product against the
 //! activation quantization ggml pairs it with (f32, Q8_1 blocks of 32, or Q8_K super-blocks
 //! of 256) and the kernels it runs per instruction set; [`table`] maps GGUF types to them.
 //!
@@ -13,13 +12,13 @@
 //! k-quants have AVX2 builds of the integer lanes (run-time dispatch, as in `kernels/`);
 //! integer lanes do not depend on how they are summed, so both paths give the same bits.
 
-mod float;
+pub mod float;
 pub mod kquants;
 pub mod low_kquants;
-mod q4_0;
-mod q4_1;
+pub mod q4_0;
+pub mod q4_1;
 pub mod q5;
-mod q8_0;
+pub mod q8_0;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 pub mod table;
@@ -28,14 +27,6 @@ use gguf::GgmlType;
 
 use crate::blocks::{Acts, BlockQ8K, BlockQ8_1, TILE};
 use crate::kernels::{ActKind, WeightRows};
-
-pub use float::F32;
-pub use kquants::{Q4K, Q5K, Q6K};
-pub use low_kquants::{Q2K, Q3K};
-pub use q4_0::Q4_0;
-pub use q4_1::Q4_1;
-pub use q5::{Q5_0, Q5_1};
-pub use q8_0::Q8_0;
 
 /// An activation block type: how many elements a block covers, and where to find it.
 pub trait ActBlock: Copy + Send + Sync + 'static {

@@ -4,8 +4,7 @@
 
 use gguf::GgmlType;
 
-use super::{QuantFormat, QuantMatrix, WeightMatrix};
-use super::{F32, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+use super::*;
 
 /// Builds a matrix of `rows` × `cols` from a tensor's type and bytes.
 type Constructor = fn(GgmlType, usize, usize, &[u8]) -> Box<dyn WeightMatrix>;
@@ -21,19 +20,19 @@ fn boxed<F: QuantFormat>(
 
 /// Every GGUF type a matrix can be loaded from, and the format that multiplies it.
 const FORMATS: &[(GgmlType, Constructor)] = &[
-    (GgmlType::F32, boxed::<F32>),
-    (GgmlType::F16, boxed::<F32>),
-    (GgmlType::BF16, boxed::<F32>),
-    (GgmlType::Q4_0, boxed::<Q4_0>),
-    (GgmlType::Q4_1, boxed::<Q4_1>),
-    (GgmlType::Q8_0, boxed::<Q8_0>),
-    (GgmlType::Q5_0, boxed::<Q5_0>),
-    (GgmlType::Q5_1, boxed::<Q5_1>),
-    (GgmlType::Q2_K, boxed::<Q2K>),
-    (GgmlType::Q3_K, boxed::<Q3K>),
-    (GgmlType::Q4_K, boxed::<Q4K>),
-    (GgmlType::Q5_K, boxed::<Q5K>),
-    (GgmlType::Q6_K, boxed::<Q6K>),
+    (GgmlType::F32, boxed::<float::F32>),
+    (GgmlType::F16, boxed::<float::F32>),
+    (GgmlType::BF16, boxed::<float::F32>),
+    (GgmlType::Q4_0, boxed::<q4_0::Q4_0>),
+    (GgmlType::Q4_1, boxed::<q4_1::Q4_1>),
+    (GgmlType::Q8_0, boxed::<q8_0::Q8_0>),
+    (GgmlType::Q5_0, boxed::<q5::Q5_0>),
+    (GgmlType::Q5_1, boxed::<q5::Q5_1>),
+    (GgmlType::Q2_K, boxed::<low_kquants::Q2K>),
+    (GgmlType::Q3_K, boxed::<low_kquants::Q3K>),
+    (GgmlType::Q4_K, boxed::<kquants::Q4K>),
+    (GgmlType::Q5_K, boxed::<kquants::Q5K>),
+    (GgmlType::Q6_K, boxed::<kquants::Q6K>),
 ];
 
 /// A matrix of GGUF type `ty` (`bytes`: `rows` rows of `cols` elements, `cols` whole

@@ -3,6 +3,9 @@
 
 use gguf::QK_K;
 
+use super::kquants::{Q4K, Q5K, Q6K};
+use super::low_kquants::{Q2K, Q3K};
+use super::q5::{Q5_0, Q5_1};
 use super::*;
 use crate::blocks::QK;
 use crate::kernels::{matmul, quantize_row_q8_k, quantize_row_q8_k_portable};
