@@ -13,6 +13,7 @@
 //! integer lanes do not depend on how they are summed, so both paths give the same bits.
 
 pub mod float;
+pub mod iq4_nl;
 pub mod kquants;
 pub mod low_kquants;
 pub mod q4_0;

@@ -33,6 +33,7 @@ const FORMATS: &[(GgmlType, Constructor)] = &[
     (GgmlType::Q4_K, boxed::<kquants::Q4K>),
     (GgmlType::Q5_K, boxed::<kquants::Q5K>),
     (GgmlType::Q6_K, boxed::<kquants::Q6K>),
+    (GgmlType::IQ4_NL, boxed::<iq4_nl::IQ4NL>),
 ];
 
 /// A matrix of GGUF type `ty` (`bytes`: `rows` rows of `cols` elements, `cols` whole

@@ -72,6 +72,7 @@ fn kernels_match_the_reference_dequantization() {
         GgmlType::Q4_K,
         GgmlType::Q5_K,
         GgmlType::Q6_K,
+        GgmlType::IQ4_NL,
     ] {
         let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
         let mut w = gguf::GgufWriter::new();
@@ -157,9 +158,9 @@ fn unsupported_types_are_refused_by_name() {
     );
     let e = gguf::GgufError::UnknownTensorType {
         name: "w".into(),
-        ty: 20,
+        ty: 23,
     };
-    assert!(e.to_string().contains("IQ4_NL"), "{e}");
+    assert!(e.to_string().contains("IQ4_XS"), "{e}");
 }
 
 /// Q5_0 and Q5_1 through the SIMD tile (one token and tiles of 2 to 4) against the
@@ -684,5 +685,70 @@ fn q8_k_quantization_equals_the_definition() {
             blocks.len()
         );
         assert!(!is_x86_feature_detected!("avx2") || vector_blocks >= 300);
+    }
+}
+
+/// IQ4_NL on rows of one to five blocks (so with and without the odd last block llama.cpp
+/// adds apart): the product as the driver runs it (compiled for AVX2 and FMA where the CPU
+/// has them, alone and batched) equals the portable definition bit for bit, and both the
+/// f64 product of the dequantized weights and activations up to float rounding.
+#[test]
+fn iq4_nl_products_match_the_definition_and_the_reference() {
+    use super::iq4_nl::IQ4NL;
+    let ty = GgmlType::IQ4_NL;
+    let mut s = 71u64;
+    for nb in 1..=5 {
+        let (rows, cols, n) = (3, nb * QK, 6);
+        let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s) * 2.0).collect();
+        let w = ty.quantize(&vals);
+        let mut deq = vec![0f32; rows * cols];
+        ty.dequantize(&w, &mut deq);
+        let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 3.0).collect();
+        let mut xq = vec![BlockQ8_1::default(); n * nb];
+        for (row, o) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(nb)) {
+            quantize_row_q8_1(row, o);
+        }
+        let m = table::matrix(ty, rows, cols, &w).expect("IQ4_NL loads");
+        let acts = Acts {
+            f32: &x,
+            q8_1: &xq,
+            q8_k: &[],
+            tile_scales: &[],
+        };
+        let mut out = vec![0f32; rows * n];
+        m.rows_kernel(0, rows, &acts, n, &mut out);
+        let rb = nb * ty.block_bytes();
+        for r in 0..rows {
+            let row = &w[r * rb..(r + 1) * rb];
+            for t in 0..n {
+                let a = &xq[t * nb..(t + 1) * nb];
+                let want = IQ4NL::dot_scalar(row, a);
+                let at = format!("{nb} blocks, row {r} token {t}");
+                assert_eq!(out[r * n + t].to_bits(), want.to_bits(), "{at}");
+                let one = {
+                    let one_acts = Acts { q8_1: a, ..acts };
+                    let mut one = [0f32];
+                    m.rows_kernel(r, 1, &one_acts, 1, &mut one);
+                    one[0]
+                };
+                assert_eq!(one.to_bits(), want.to_bits(), "{at} alone");
+                let exact: f64 = (0..cols)
+                    .map(|c| {
+                        let b = &a[c / QK];
+                        f64::from(deq[r * cols + c]) * f64::from(b.qs[c % QK]) * f64::from(b.d)
+                    })
+                    .sum();
+                let scale: f64 = (0..cols)
+                    .map(|c| (f64::from(deq[r * cols + c]) * f64::from(x[t * cols + c])).abs())
+                    .sum();
+                assert!(
+                    (f64::from(want) - exact).abs() <= 1e-5 * (1.0 + scale),
+                    "{at}: {want} vs {exact}"
+                );
+            }
+        }
+        let mut row = vec![0f32; cols];
+        m.row_f32(2, &mut row);
+        assert_eq!(row, deq[2 * cols..3 * cols]);
     }
 }
