@@ -10,7 +10,7 @@ use crate::ModelError;
 
 // The forward pass and the benches name these here.
 pub use crate::blocks::{BlockQ8_1, QK};
-pub use crate::kernels::{quantize_row_q8_1, quantize_row_q8_1_scalar};
+pub use crate::kernels::quantize_row_q8_1;
 
 /// A weight matrix of `rows` output rows, each `cols` long, in the format it was stored in.
 pub struct Matrix(Box<dyn WeightMatrix>);

@@ -560,7 +560,7 @@ fn q4_1_row_pairs_match_single_rows_bit_for_bit() {
 /// scalar path) and blocks after it.
 #[test]
 fn simd_q8_1_quantization_matches_the_scalar_definition() {
-    use crate::weights::{quantize_row_q8_1, quantize_row_q8_1_scalar};
+    use super::quantize_row_q8_1_scalar;
     let mut s = 53u64;
     let mut x: Vec<f32> = (0..QK * 40).map(|_| lcg(&mut s) * 7.0).collect();
     // amax 127 makes the scale exactly 1, so these elements land on .5 ties.
