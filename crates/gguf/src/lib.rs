@@ -9,12 +9,14 @@
 // the SIMD kernels of the `model` crate, each with its own safety argument and test.
 #![forbid(unsafe_code)]
 
+mod iq4_nl;
 mod low_kquants;
 mod quants;
 mod reader;
 mod types;
 mod writer;
 
+pub use iq4_nl::KVALUES_IQ4NL;
 pub use low_kquants::{q2_bits, q3_high_bit, q3_k_scales};
 pub use quants::{k4_scale_min, q6_at, QK_K};
 pub use reader::{GgufFile, TensorInfo};

@@ -1,6 +1,6 @@
 use half::{bf16, f16};
 
-use crate::{low_kquants, quants};
+use crate::{iq4_nl, low_kquants, quants};
 
 /// Tensor element types that kvwarden can load. Values are ggml's type ids; the k-quants
 /// keep ggml's names (`Q4_K`), which rustc's naming lint would turn into `Q4K`.
@@ -19,6 +19,7 @@ pub enum GgmlType {
     Q4_K,
     Q5_K,
     Q6_K,
+    IQ4_NL,
     BF16,
 }
 
@@ -87,6 +88,7 @@ impl GgmlType {
             12 => Self::Q4_K,
             13 => Self::Q5_K,
             14 => Self::Q6_K,
+            20 => Self::IQ4_NL,
             30 => Self::BF16,
             _ => return None,
         })
@@ -106,6 +108,7 @@ impl GgmlType {
             Self::Q4_K => 12,
             Self::Q5_K => 13,
             Self::Q6_K => 14,
+            Self::IQ4_NL => 20,
             Self::BF16 => 30,
         }
     }
@@ -114,7 +117,7 @@ impl GgmlType {
     pub fn block_elems(self) -> usize {
         match self {
             Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 => 32,
+            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::IQ4_NL => 32,
             Self::Q2_K | Self::Q3_K | Self::Q4_K | Self::Q5_K | Self::Q6_K => quants::QK_K,
         }
     }
@@ -134,6 +137,7 @@ impl GgmlType {
             Self::Q4_K => 2 + 2 + 12 + 128,
             Self::Q5_K => 2 + 2 + 12 + 32 + 128,
             Self::Q6_K => 128 + 64 + 16 + 2,
+            Self::IQ4_NL => 2 + 16,
         }
     }
 
@@ -192,6 +196,7 @@ impl GgmlType {
                 Self::Q4_K => quants::dequantize_q4_k(block, out),
                 Self::Q5_K => quants::dequantize_q5_k(block, out),
                 Self::Q6_K => quants::dequantize_q6_k(block, out),
+                Self::IQ4_NL => iq4_nl::dequantize_iq4_nl(block, out),
             }
         }
     }
@@ -253,6 +258,7 @@ impl GgmlType {
                 Self::Q4_K => quants::quantize_q4_k(x, &mut out),
                 Self::Q5_K => quants::quantize_q5_k(x, &mut out),
                 Self::Q6_K => quants::quantize_q6_k(x, &mut out),
+                Self::IQ4_NL => iq4_nl::quantize_iq4_nl(x, &mut out),
             }
         }
         out

@@ -9,7 +9,6 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use engine::{EngineConfig, Event, GenerateRequest, IsolationDomain, SamplingParams};
-use gguf::GgmlType;
 
 mod edge;
 #[cfg(feature = "fault-injection")]
@@ -121,8 +120,9 @@ struct SynthArgs {
     context: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Weight type of the layer matrices: f32, f16, q4_0, q4_1, q8_0, q5_0, q5_1, q2_k,
-    /// q3_k, q4_k, q5_k, q6_k (the k-quants need dim and ffn multiples of 256).
+    /// Weight type of the layer matrices, any the model loads, by its ggml name in lower case
+    /// (f32, f16, q8_0, q4_k, ...; an unknown name lists them all). The k-quants need dim
+    /// and ffn multiples of 256.
     #[arg(long, default_value = "q8_0")]
     weight_type: String,
     /// Architecture: llama, llama3 (llama with Llama 3's RoPE factors and BOS), qwen2, qwen3,
@@ -276,23 +276,13 @@ async fn shutdown_signal() {
 }
 
 fn synth(args: SynthArgs) -> Result<()> {
-    let weight_type = match args.weight_type.as_str() {
-        "f32" => GgmlType::F32,
-        "f16" => GgmlType::F16,
-        "q4_0" => GgmlType::Q4_0,
-        "q4_1" => GgmlType::Q4_1,
-        "q8_0" => GgmlType::Q8_0,
-        "q5_0" => GgmlType::Q5_0,
-        "q5_1" => GgmlType::Q5_1,
-        "q2_k" => GgmlType::Q2_K,
-        "q3_k" => GgmlType::Q3_K,
-        "q4_k" => GgmlType::Q4_K,
-        "q5_k" => GgmlType::Q5_K,
-        "q6_k" => GgmlType::Q6_K,
-        other => bail!(
-            "unknown weight type {other:?} (f32, f16, q4_0, q4_1, q8_0, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k)"
-        ),
-    };
+    let weight_type = model::quant::table::by_name(&args.weight_type).with_context(|| {
+        format!(
+            "unknown weight type {:?} ({})",
+            args.weight_type,
+            model::quant::table::names()
+        )
+    })?;
     let arch = model::synth::SynthArch::from_name(&args.arch).with_context(|| {
         format!(
             "unknown architecture {:?} ({})",

@@ -5,7 +5,6 @@
 //! `RAYON_NUM_THREADS=1 cargo bench -p model --bench kernels -- q4_1 q4_0 q8_0 q5_0 q5_1`
 use std::time::Instant;
 
-use gguf::GgmlType;
 use model::kernels::matmul;
 use model::weights::{quantize_row_q8_1, BlockQ8_1, Matrix, QK};
 
@@ -43,20 +42,10 @@ fn main() {
             }
             continue;
         }
-        let ty = match t.as_str() {
-            "q4_0" => GgmlType::Q4_0,
-            "q4_1" => GgmlType::Q4_1,
-            "q8_0" => GgmlType::Q8_0,
-            "q5_0" => GgmlType::Q5_0,
-            "q5_1" => GgmlType::Q5_1,
-            // Super-block formats: COLS a multiple of 256 (ROWS=576 COLS=1536, the default
-            // model's FFN down projection); the time includes the Q8_K quantization.
-            "q2_k" => GgmlType::Q2_K,
-            "q3_k" => GgmlType::Q3_K,
-            "q4_k" => GgmlType::Q4_K,
-            "q6_k" => GgmlType::Q6_K,
-            other => panic!("type {other}"),
-        };
+        // Super-block formats need COLS a multiple of 256 (ROWS=576 COLS=1536, the default
+        // model's FFN down projection); their time includes the Q8_K quantization.
+        let ty = model::quant::table::by_name(t)
+            .unwrap_or_else(|| panic!("type {t} (one of {})", model::quant::table::names()));
         let vals: Vec<f32> = (0..rows * cols).map(|_| rnd()).collect();
         let mut w = gguf::GgufWriter::new();
         w.tensor_f32("w", &[cols as u64, rows as u64], ty, &vals);

@@ -7,12 +7,11 @@
 
 mod attention;
 mod batch;
+pub mod blocks;
 pub mod config;
 pub mod forward;
 pub mod gemma3;
 pub mod kernels;
-pub mod kquants;
-pub mod low_kquants;
 pub mod quant;
 pub mod sampling;
 pub mod synth;

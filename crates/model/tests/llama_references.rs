@@ -35,7 +35,7 @@ struct Tolerance {
 }
 
 /// Every kernel reproduces llama.cpp's arithmetic (its AVX2 float order, `model::quant`,
-/// `model::low_kquants`): the logits are llama.cpp's to the last bit, so the relative error
+/// `model::quant::low_kquants`): the logits are llama.cpp's to the last bit, so the relative error
 /// is the 1e-6 rounding of the recorded values (measured: 1.9e-6), and the absolute one adds
 /// llama.cpp's f32 normalization over the vocabulary (measured: up to 3.2e-4).
 const EXACT: Tolerance = Tolerance {

@@ -283,6 +283,7 @@ fn chunking_and_batching_never_change_a_row() {
         GgmlType::Q4_1,
         GgmlType::Q8_0,
         GgmlType::F16,
+        GgmlType::IQ4_NL,
     ] {
         for dtype in [KvDtype::F16, KvDtype::F32] {
             let spec = spec(96, 6, 2, ty);

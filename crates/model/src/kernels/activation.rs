@@ -1,7 +1,7 @@
 //! Elementwise activations, lane for lane as ggml computes them.
 
 #[cfg(target_arch = "x86_64")]
-use super::has_avx2;
+use super::cpu::has_avx2;
 
 /// `exp(x)` as ggml's vectorized SwiGLU computes it (its AVX-512 polynomial, which is what
 /// llama.cpp runs on the reference machines), evaluated lane by lane. Within 1.5 ulp of the
@@ -60,7 +60,7 @@ pub fn table_glu(gate: &mut [f32], up: &[f32], table: &[f32], scalar: impl Fn(f3
     let n = gate.len().min(up.len());
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if super::has_f16c() && table.len() == 1 << 16 {
+    if super::cpu::has_f16c() && table.len() == 1 << 16 {
         // SAFETY: AVX2, FMA and F16C are present (checked); the table has an entry for
         // every 16-bit index (checked); the function stays within the first `n` elements.
         done = unsafe { x86::table_glu(&mut gate[..n], &up[..n], table) };

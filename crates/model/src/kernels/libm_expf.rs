@@ -100,7 +100,7 @@ fn is_special(x: f32) -> bool {
 pub fn expf_in_place(xs: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if vector_matches_libm() {
-        let f = super::features();
+        let f = super::cpu::features();
         if f.wide {
             // SAFETY: AVX-512 F and DQ are present (checked).
             unsafe { x86::expf_512(xs) };
@@ -124,7 +124,7 @@ pub fn vector_matches_libm() -> bool {
     *MATCHES.get_or_init(|| {
         let probes = probe_inputs();
         let mut got = probes.clone();
-        let f = super::features();
+        let f = super::cpu::features();
         if f.wide {
             // SAFETY: AVX-512 F and DQ are present (checked).
             unsafe { x86::expf_512(&mut got) };
@@ -308,7 +308,7 @@ mod tests {
     fn batch_expf_gives_the_c_librarys_bits_for_every_non_positive_input() {
         #[cfg(target_arch = "x86_64")]
         assert!(
-            !super::super::features().avx2 || vector_matches_libm(),
+            !super::super::cpu::features().avx2 || vector_matches_libm(),
             "the vector expf differs from this C library's: attention falls back to the \
              scalar call, correct but slower"
         );

@@ -1,10 +1,105 @@
-//! One weight row against a tile of activation rows, per quantization type: the run-time
-//! choice of instruction set, and the portable reference every SIMD build is tested against.
+//! The products of Q4_0, Q4_1 and Q8_0 (the widened-scale blocks): the run-time choice of
+//! instruction set (512-bit tiles, VNNI, AVX2, portable) for a whole product, a row or a
+//! tile, and the portable reference every SIMD build is tested against.
 
-use super::TILE;
 #[cfg(target_arch = "x86_64")]
-use super::{has_avx2, has_vnni, x86};
-use crate::weights::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+use super::cpu::{has_avx2, has_vnni, wide_available};
+#[cfg(target_arch = "x86_64")]
+use super::{x86, x86_512};
+use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, TileScales, TILE};
+
+macro_rules! product {
+    ($name:ident, $token_major:ident, $wt:ty, $wide:ident, $wide_tm:ident, $rows:ident) => {
+        /// Rows of `w` (`nb` blocks each) against the `n` tokens of `x`, `out[r * n + t]`:
+        /// the 512-bit tiles where the CPU has them and there is a tile of tokens, else
+        /// the 256-bit or portable rows.
+        pub fn $name(w: &[$wt], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
+            #[cfg(target_arch = "x86_64")]
+            if n >= TILE && wide_available() {
+                // SAFETY: the CPU has the features `wide_available` checks, the function's
+                // only requirement; it bounds-checks its slices.
+                unsafe { x86_512::$wide(w, nb, x, n, out) };
+                return;
+            }
+            $rows(w, nb, x, n, out);
+        }
+
+        /// Rows of `w` against the `n` tokens straight into token-major `out[t * ld + r]`,
+        /// where the CPU has the 512-bit tiles and `n` is whole tiles; false (nothing done)
+        /// where not.
+        pub fn $token_major(
+            w: &[$wt],
+            nb: usize,
+            x: &[BlockQ8_1],
+            n: usize,
+            out: &mut [f32],
+            ld: usize,
+        ) -> bool {
+            #[cfg(target_arch = "x86_64")]
+            if wide_available() {
+                // SAFETY: the CPU has the features `wide_available` checks, the function's
+                // only requirement; it bounds-checks its slices.
+                return unsafe { x86_512::$wide_tm(w, nb, x, n, out, ld) };
+            }
+            let _ = (w, nb, x, n, out, ld);
+            false
+        }
+    };
+}
+product!(
+    q4_0_product,
+    q4_0_token_major,
+    BlockQ4_0,
+    q4_0_rows,
+    q4_0_token_major,
+    rows_q4_0
+);
+product!(
+    q8_0_product,
+    q8_0_token_major,
+    BlockQ8_0,
+    q8_0_rows,
+    token_major,
+    rows_q8_0
+);
+
+/// [`q4_0_product`] for Q4_1, whose 256-bit kernel takes the tiles' gathered scales.
+pub fn q4_1_product(
+    w: &[BlockQ4_1],
+    nb: usize,
+    x: &[BlockQ8_1],
+    scales: &[TileScales],
+    n: usize,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if n >= TILE && wide_available() {
+        // SAFETY: the CPU has the features `wide_available` checks, the function's only
+        // requirement; it bounds-checks its slices.
+        unsafe { x86_512::q4_1_rows(w, nb, x, n, out) };
+        return;
+    }
+    rows_q4_1(w, nb, x, scales, n, out);
+}
+
+/// [`q4_0_token_major`] for Q4_1.
+pub fn q4_1_token_major(
+    w: &[BlockQ4_1],
+    nb: usize,
+    x: &[BlockQ8_1],
+    n: usize,
+    out: &mut [f32],
+    ld: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if wide_available() {
+        // SAFETY: the CPU has the features `wide_available` checks, the function's only
+        // requirement; it bounds-checks its slices.
+        return unsafe { x86_512::token_major(w, nb, x, n, out, ld) };
+    }
+    let _ = (w, nb, x, n, out, ld);
+    false
+}
 
 macro_rules! dispatch {
     ($name:ident, $wt:ty, $scalar:path, $simd:ident) => {
@@ -34,11 +129,11 @@ macro_rules! dispatch {
 }
 
 /// One Q4_1 weight row against a tile of activation rows; `scales` are the tile's
-/// [`tile_scales`] when it is a whole tile.
+/// gathered scales (`Acts::tile_scales`) when it is a whole tile.
 pub fn dot_q4_1(
     w: &[BlockQ4_1],
     acts: &[&[BlockQ8_1]],
-    scales: Option<&[[f32; 2 * TILE]]>,
+    scales: Option<&[TileScales]>,
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
@@ -93,13 +188,13 @@ macro_rules! rows_dispatch {
 rows_dispatch!(rows_q4_0, BlockQ4_0, scalar::q4_0, q4_0_rows);
 rows_dispatch!(rows_q8_0, BlockQ8_0, scalar::q8_0, q8_0_rows);
 
-/// [`rows_q4_0`] for Q4_1, with the tiles' gathered scales ([`super::tile_scales`], or
+/// [`rows_q4_0`] for Q4_1, with the tiles' gathered scales (`Acts::tile_scales`, or
 /// empty).
 pub fn rows_q4_1(
     w: &[BlockQ4_1],
     nb: usize,
     x: &[BlockQ8_1],
-    scales: &[[f32; 2 * TILE]],
+    scales: &[TileScales],
     n: usize,
     out: &mut [f32],
 ) {

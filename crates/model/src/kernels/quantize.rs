@@ -1,14 +1,107 @@
 //! Activation quantization to Q8_1 (ggml's `quantize_row_q8_1`) and Q8_K (its
-//! `quantize_row_q8_K_ref`), vectorized lane for lane: the absolute maximum is exact in any
-//! order, and each element's scaling, round-half-even and sum are the scalar path's
-//! operations, so the blocks are identical.
+//! `quantize_row_q8_K_ref`): the definitions, and their vector builds, lane for lane: the
+//! absolute maximum is exact in any order, and each element's scaling, round-half-even and
+//! sum are the scalar path's operations, so the blocks are identical.
+
+use gguf::QK_K;
+use half::f16;
+
+use crate::blocks::{BlockQ8K, BlockQ8_1, QK};
+
+/// Quantizes one activation row (length a multiple of 32) the way ggml does for Q8_1:
+/// scale `amax / 127` stored as f16, values rounded to nearest, sum scaled and stored as f16.
+pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) {
+    let done = quantize_blocks_q8_1(x, out);
+    quantize_row_q8_1_scalar(&x[done * QK..], &mut out[done..]);
+}
+
+/// The definition [`quantize_row_q8_1`]'s SIMD path is tested against.
+pub fn quantize_row_q8_1_scalar(x: &[f32], out: &mut [BlockQ8_1]) {
+    for (blk, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let amax = blk.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        // ggml multiplies by 127 / amax, not 1 / d: the two differ in the last bit.
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in o.qs.iter_mut().zip(blk) {
+            let r = round_ties_even_small(v * id) as i32;
+            *q = r as i8;
+            sum += r;
+        }
+        o.d = f16::from_f32(d).to_f32();
+        o.s = f16::from_f32(d * sum as f32).to_f32();
+    }
+}
+
+/// Round half to even for |y| < 2^22, as `_mm256_round_ps(_MM_ROUND_NEAREST)` does: adding
+/// and subtracting 1.5 * 2^23 leaves the integer the FPU rounded to. (`round_ties_even`
+/// compiles to a libm call on baseline x86-64, the hottest line of quantization.)
+#[inline]
+fn round_ties_even_small(y: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
+    (y + MAGIC) - MAGIC
+}
+
+/// Quantizes one activation row (length a multiple of 256) as ggml's reference Q8_K does:
+/// the scale comes from the signed value of largest magnitude (`-127 / max`), values round
+/// to nearest even and are capped at 127.
+pub fn quantize_row_q8_k(x: &[f32], out: &mut [BlockQ8K]) {
+    let done = quantize_blocks_q8_k(x, out);
+    let (x, out) = (&x[done * QK_K..], &mut out[done..]);
+    #[cfg(target_arch = "x86_64")]
+    if super::cpu::avx2_fma_f16c_detected() {
+        // SAFETY: AVX2, FMA and F16C are present (checked), the function's requirement.
+        // (Compiled there, the rounding is one instruction instead of a `rintf` call.)
+        unsafe { quantize_row_q8_k_for_avx2(x, out) };
+        return;
+    }
+    quantize_row_q8_k_portable(x, out);
+}
+
+/// [`quantize_row_q8_k_portable`] compiled for AVX2, FMA and F16C: the rounding becomes one
+/// instruction (exactly specified, so the same result) instead of a `rintf` call.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_row_q8_k_for_avx2(x: &[f32], out: &mut [BlockQ8K]) {
+    quantize_row_q8_k_portable(x, out);
+}
+
+/// The definition of [`quantize_row_q8_k`] (its vector path is tested against it).
+#[inline(always)]
+pub fn quantize_row_q8_k_portable(x: &[f32], out: &mut [BlockQ8K]) {
+    for (blk, o) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
+        let mut max = 0f32;
+        let mut amax = 0f32;
+        for &v in blk {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            *o = BlockQ8K::default();
+            continue;
+        }
+        let iscale = -127.0 / max;
+        for (q, &v) in o.qs.iter_mut().zip(blk) {
+            *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+        }
+        for (s, group) in o.bsums.iter_mut().zip(o.qs.chunks_exact(16)) {
+            *s = group.iter().map(|&q| i16::from(q)).sum();
+        }
+        o.d = 1.0 / iscale;
+    }
+}
 
 /// Quantizes whole 32-element blocks of `x` into `out` where the CPU allows; returns how
 /// many blocks it did (the caller does the rest, e.g. a block holding a NaN, with the
 /// scalar definition).
-pub fn quantize_blocks_q8_1(x: &[f32], out: &mut [crate::weights::BlockQ8_1]) -> usize {
+pub fn quantize_blocks_q8_1(x: &[f32], out: &mut [BlockQ8_1]) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if super::has_avx2() {
+    if super::cpu::has_avx2() {
         // SAFETY: AVX2 and FMA are present (checked); the function stays within both slices.
         return unsafe { x86::quantize(x, out) };
     }
@@ -16,13 +109,13 @@ pub fn quantize_blocks_q8_1(x: &[f32], out: &mut [crate::weights::BlockQ8_1]) ->
     0
 }
 
-/// Quantizes whole 256-element blocks of `x` into `out` as `quant::quantize_row_q8_k`'s
+/// Quantizes whole 256-element blocks of `x` into `out` as [`quantize_row_q8_k`]'s
 /// definition does, where the CPU allows; returns how many blocks it did, from the first
 /// (the caller does the rest, e.g. a block whose largest magnitude is not a normal float,
 /// with the definition itself).
-pub fn quantize_blocks_q8_k(x: &[f32], out: &mut [crate::quant::BlockQ8K]) -> usize {
+pub fn quantize_blocks_q8_k(x: &[f32], out: &mut [BlockQ8K]) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if super::has_avx2() {
+    if super::cpu::has_avx2() {
         // SAFETY: AVX2 and FMA are present (checked); the function stays within both slices.
         return unsafe { x86::quantize_q8_k(x, out) };
     }
@@ -36,8 +129,7 @@ mod x86 {
 
     use half::f16;
 
-    use crate::quant::BlockQ8K;
-    use crate::weights::{BlockQ8_1, QK};
+    use crate::blocks::{BlockQ8K, BlockQ8_1, QK};
     use gguf::QK_K;
 
     /// The definition keeps the first element of the largest magnitude as `max` (its sign
@@ -167,5 +259,22 @@ mod x86 {
             done += 1;
         }
         done
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn magic_rounding_is_round_half_even() {
+        let mut y = -130.0f32;
+        while y < 130.0 {
+            assert_eq!(super::round_ties_even_small(y), y.round_ties_even(), "{y}");
+            y += 0.125;
+        }
+        for y in [
+            0.5f32, 1.5, 2.5, -0.5, -1.5, 126.49999, 126.5, 127.5, -127.5,
+        ] {
+            assert_eq!(super::round_ties_even_small(y), y.round_ties_even(), "{y}");
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! Rotary position embedding of one row, as ggml's CPU kernel rounds it.
 
 #[cfg(target_arch = "x86_64")]
-use super::has_avx2;
+use super::cpu::has_avx2;
 
 /// Rotates each head of `x` (heads of `hd` values) by the angles whose `cos` and `sin` are
 /// given per pair: pair `i` is elements `2i, 2i + 1` (llama's NORMAL mode) or `i, i + half`

@@ -1,6 +1,11 @@
 use super::attention::{reduce16, tail_f64};
+#[cfg(target_arch = "x86_64")]
+use super::cpu::{has_avx2, has_f16c, has_vnni, wide_available};
+use super::matmul::{tile_scales, ROW_BLOCK, TOKEN_BLOCK, TOKEN_SPLIT_MIN};
 use super::*;
-use crate::weights::quantize_row_q8_1;
+use crate::blocks::{Acts, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, QK, TILE};
+use crate::quant::QuantFormat;
+use crate::weights::{quantize_row_q8_1, Matrix};
 use gguf::GgmlType;
 
 fn lcg(seed: &mut u64) -> f32 {
@@ -10,7 +15,15 @@ fn lcg(seed: &mut u64) -> f32 {
     ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
 }
 
-fn matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> (Matrix, Vec<f32>) {
+/// A test matrix's blocks in the widened formats, for the tests of their kernels.
+enum Data {
+    Q4_0(Vec<BlockQ4_0>),
+    Q4_1(Vec<BlockQ4_1>),
+    Q8_0(Vec<BlockQ8_0>),
+    Other,
+}
+
+fn matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> (Matrix, Vec<f32>, Data) {
     let mut s = seed;
     let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
     let mut w = gguf::GgufWriter::new();
@@ -18,7 +31,14 @@ fn matrix(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> (Matrix, Vec<f32
     let f = gguf::GgufFile::parse(w.to_bytes()).unwrap();
     let info = f.tensor("w").unwrap();
     let deq = f.tensor_f32(info);
-    (Matrix::load(&f, info, rows, cols).unwrap(), deq)
+    let bytes = f.tensor_bytes(info);
+    let data = match ty {
+        GgmlType::Q4_0 => Data::Q4_0(crate::quant::q4_0::Q4_0::load(ty, bytes)),
+        GgmlType::Q4_1 => Data::Q4_1(crate::quant::q4_1::Q4_1::load(ty, bytes)),
+        GgmlType::Q8_0 => Data::Q8_0(crate::quant::q8_0::Q8_0::load(ty, bytes)),
+        _ => Data::Other,
+    };
+    (Matrix::load(&f, info, rows, cols).unwrap(), deq, data)
 }
 
 /// Each kernel (SIMD where the CPU has it) against the plain f32 product of the
@@ -53,7 +73,7 @@ fn kernels_match_reference(rows: usize, cols: usize, n: usize) {
         GgmlType::Q8_0,
         GgmlType::F32,
     ] {
-        let (m, deq) = matrix(ty, rows, cols, 7);
+        let (m, deq, d) = matrix(ty, rows, cols, 7);
         let mut out = vec![0f32; n * rows];
         matmul(&m, &x, &xq, n, &mut out);
         for t in 0..n {
@@ -74,11 +94,11 @@ fn kernels_match_reference(rows: usize, cols: usize, n: usize) {
                 // The dispatched (SIMD) tile against the portable definition.
                 let nb = cols / QK;
                 let a = &xq[t * nb..(t + 1) * nb];
-                let scalar = match &m {
-                    Matrix::Q4_0 { data, .. } => scalar::q4_0(&data[r * nb..(r + 1) * nb], a),
-                    Matrix::Q4_1 { data, .. } => scalar::q4_1(&data[r * nb..(r + 1) * nb], a),
-                    Matrix::Q8_0 { data, .. } => scalar::q8_0(&data[r * nb..(r + 1) * nb], a),
-                    Matrix::F32 { .. } | Matrix::Blocks(_) => got,
+                let scalar = match &d {
+                    Data::Q4_0(data) => scalar::q4_0(&data[r * nb..(r + 1) * nb], a),
+                    Data::Q4_1(data) => scalar::q4_1(&data[r * nb..(r + 1) * nb], a),
+                    Data::Q8_0(data) => scalar::q8_0(&data[r * nb..(r + 1) * nb], a),
+                    Data::Other => got,
                 };
                 // (The other formats' SIMD sums run in eight lanes, the scalar in one.)
                 assert!(
@@ -167,29 +187,29 @@ fn avx2_and_vnni_kernels_agree_bit_for_bit() {
     }
     let acts: Vec<&[BlockQ8_1]> = xq.chunks(nb).collect();
     for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-        let (m, _) = matrix(ty, 3, cols, 5);
+        let (_, _, d) = matrix(ty, 3, cols, 5);
         for r in 0..3 {
             let (mut a, mut b) = ([0f32; TILE], [0f32; TILE]);
             // SAFETY: AVX2, FMA, AVX-512 VNNI and VL are present (checked above).
             unsafe {
-                match &m {
-                    Matrix::Q4_0 { data, .. } => {
+                match &d {
+                    Data::Q4_0(data) => {
                         x86::avx2::q4_0(&data[r * nb..(r + 1) * nb], &acts, &mut a);
                         x86::vnni::q4_0(&data[r * nb..(r + 1) * nb], &acts, &mut b);
                     }
-                    Matrix::Q4_1 { data, .. } => {
+                    Data::Q4_1(data) => {
                         x86::avx2::q4_1(&data[r * nb..(r + 1) * nb], &acts, None, &mut a);
                         x86::vnni::q4_1(&data[r * nb..(r + 1) * nb], &acts, None, &mut b);
                     }
-                    Matrix::Q8_0 { data, .. } => {
+                    Data::Q8_0(data) => {
                         x86::avx2::q8_0(&data[r * nb..(r + 1) * nb], &acts, &mut a);
                         x86::vnni::q8_0(&data[r * nb..(r + 1) * nb], &acts, &mut b);
                     }
-                    Matrix::F32 { .. } | Matrix::Blocks(_) => unreachable!(),
+                    Data::Other => unreachable!(),
                 }
             }
             assert_eq!(a.map(f32::to_bits), b.map(f32::to_bits), "{ty:?} row {r}");
-            if let Matrix::Q4_1 { data, .. } = &m {
+            if let Data::Q4_1(data) = &d {
                 // The tile with gathered scales gives the same bits as without.
                 let scales = tile_scales(&xq, TILE, nb);
                 let mut c = [0f32; TILE];
@@ -268,7 +288,7 @@ fn matmul_rows_do_not_depend_on_batch() {
             (ROW_BLOCK + 13, TOKEN_SPLIT_MIN + TOKEN_BLOCK + 4),
         ];
         for (rows, n) in shapes {
-            let (m, _) = matrix(ty, rows, cols, 3);
+            let (m, _, _) = matrix(ty, rows, cols, 3);
             let mut s = 5u64;
             let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s)).collect();
             let mut xq = vec![BlockQ8_1::default(); n * cols / QK];
@@ -309,10 +329,10 @@ fn matmul_rows_do_not_depend_on_batch() {
 #[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
 fn wide_q4_1_tiles_match_the_256_bit_kernel_bit_for_bit() {
     assert!(
-        x86_512::available(),
+        wide_available(),
         "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
     );
-    let (rows, cols, n) = (x86_512::ROWS * 2 + 3, 256, 3 * TILE + 3);
+    let (rows, cols, n) = (tile_out::ROWS * 2 + 3, 256, 3 * TILE + 3);
     let nb = cols / QK;
     let mut s = 11u64;
     let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 4.0).collect();
@@ -320,8 +340,8 @@ fn wide_q4_1_tiles_match_the_256_bit_kernel_bit_for_bit() {
     for t in 0..n {
         quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
     }
-    let (m, _) = matrix(GgmlType::Q4_1, rows, cols, 17);
-    let Matrix::Q4_1 { data, .. } = &m else {
+    let (_, _, d) = matrix(GgmlType::Q4_1, rows, cols, 17);
+    let Data::Q4_1(data) = &d else {
         unreachable!("a Q4_1 matrix")
     };
     let mut wide = vec![0f32; rows * n];
@@ -357,11 +377,11 @@ fn wide_q4_1_tiles_match_the_256_bit_kernel_bit_for_bit() {
 #[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
 fn wide_q8_0_and_q4_0_tiles_match_the_256_bit_kernels_bit_for_bit() {
     assert!(
-        x86_512::available(),
+        wide_available(),
         "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
     );
     // Nine micro-tiles and a row; three tiles and three tokens.
-    let (rows, cols, n) = (x86_512::ROWS * 9 + 1, 256, 3 * TILE + 3);
+    let (rows, cols, n) = (tile_out::ROWS * 9 + 1, 256, 3 * TILE + 3);
     let nb = cols / QK;
     let mut s = 23u64;
     let x: Vec<f32> = (0..n * cols)
@@ -372,18 +392,18 @@ fn wide_q8_0_and_q4_0_tiles_match_the_256_bit_kernels_bit_for_bit() {
         quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
     }
     for ty in [GgmlType::Q8_0, GgmlType::Q4_0] {
-        let (m, _) = matrix(ty, rows, cols, 29);
+        let (_, _, d) = matrix(ty, rows, cols, 29);
         let mut wide = vec![0f32; rows * n];
         let one_row = |r: usize, t: usize| {
             let mut one = [0f32; 1];
             let act: [&[BlockQ8_1]; 1] = [&xq[t * nb..(t + 1) * nb]];
             // SAFETY: AVX2 and FMA are present (implied by the check above).
             unsafe {
-                match &m {
-                    Matrix::Q8_0 { data, .. } => {
+                match &d {
+                    Data::Q8_0(data) => {
                         x86::avx2::q8_0(&data[r * nb..(r + 1) * nb], &act, &mut one)
                     }
-                    Matrix::Q4_0 { data, .. } => {
+                    Data::Q4_0(data) => {
                         x86::avx2::q4_0(&data[r * nb..(r + 1) * nb], &act, &mut one)
                     }
                     _ => unreachable!("a Q8_0 or Q4_0 matrix"),
@@ -393,9 +413,9 @@ fn wide_q8_0_and_q4_0_tiles_match_the_256_bit_kernels_bit_for_bit() {
         };
         // SAFETY: the features are present (checked above).
         unsafe {
-            match &m {
-                Matrix::Q8_0 { data, .. } => x86_512::q8_0_rows(data, nb, &xq, n, &mut wide),
-                Matrix::Q4_0 { data, .. } => x86_512::q4_0_rows(data, nb, &xq, n, &mut wide),
+            match &d {
+                Data::Q8_0(data) => x86_512::q8_0_rows(data, nb, &xq, n, &mut wide),
+                Data::Q4_0(data) => x86_512::q4_0_rows(data, nb, &xq, n, &mut wide),
                 _ => unreachable!("a Q8_0 or Q4_0 matrix"),
             }
         };
@@ -496,8 +516,8 @@ fn q4_1_row_pairs_match_single_rows_bit_for_bit() {
     for t in 0..n {
         quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
     }
-    let (m, _) = matrix(GgmlType::Q4_1, rows, cols, 37);
-    let Matrix::Q4_1 { data, .. } = &m else {
+    let (_, _, d) = matrix(GgmlType::Q4_1, rows, cols, 37);
+    let Data::Q4_1(data) = &d else {
         unreachable!("a Q4_1 matrix")
     };
     let scales = tile_scales(&xq, n, nb);
@@ -540,7 +560,7 @@ fn q4_1_row_pairs_match_single_rows_bit_for_bit() {
 /// scalar path) and blocks after it.
 #[test]
 fn simd_q8_1_quantization_matches_the_scalar_definition() {
-    use crate::weights::{quantize_row_q8_1, quantize_row_q8_1_scalar};
+    use super::quantize_row_q8_1_scalar;
     let mut s = 53u64;
     let mut x: Vec<f32> = (0..QK * 40).map(|_| lcg(&mut s) * 7.0).collect();
     // amax 127 makes the scale exactly 1, so these elements land on .5 ties.
@@ -597,10 +617,10 @@ fn query_rounding_matches_the_scalar_conversion() {
 #[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
 fn wide_token_major_tiles_match_row_major_bit_for_bit() {
     assert!(
-        x86_512::available(),
+        wide_available(),
         "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
     );
-    let (rows, cols) = (x86_512::ROWS * 2 + 3, 256);
+    let (rows, cols) = (tile_out::ROWS * 2 + 3, 256);
     let nb = cols / QK;
     for n in [12, 8, 4] {
         let mut s = 41u64;
@@ -617,58 +637,20 @@ fn wide_token_major_tiles_match_row_major_bit_for_bit() {
             GgmlType::Q5_1,
         ];
         for ty in types {
-            let (m, _) = matrix(ty, rows, cols, 43);
+            let (m, _, _) = matrix(ty, rows, cols, 43);
             let mut by_row = vec![0f32; rows * n];
             // Token-major into a wider output, as a row block of a layer: columns 5.. of 40.
             let ld = rows + 7;
             let mut by_token = vec![f32::NAN; n * ld];
-            let acts = crate::quant::Acts {
+            let acts = Acts {
+                f32: &[],
                 q8_1: &xq,
                 q8_k: &[],
+                tile_scales: &[],
             };
-            // SAFETY: the features are present (checked above).
-            let wrote = unsafe {
-                match &m {
-                    Matrix::Q4_0 { data, .. } => {
-                        x86_512::q4_0_rows(data, nb, &xq, n, &mut by_row);
-                        x86_512::rows_token_major(
-                            x86_512::Rows::Q4_0(data),
-                            nb,
-                            &xq,
-                            n,
-                            &mut by_token[5..],
-                            ld,
-                        )
-                    }
-                    Matrix::Q4_1 { data, .. } => {
-                        x86_512::q4_1_rows(data, nb, &xq, n, &mut by_row);
-                        x86_512::rows_token_major(
-                            x86_512::Rows::Q4_1(data),
-                            nb,
-                            &xq,
-                            n,
-                            &mut by_token[5..],
-                            ld,
-                        )
-                    }
-                    Matrix::Q8_0 { data, .. } => {
-                        x86_512::q8_0_rows(data, nb, &xq, n, &mut by_row);
-                        x86_512::rows_token_major(
-                            x86_512::Rows::Q8_0(data),
-                            nb,
-                            &xq,
-                            n,
-                            &mut by_token[5..],
-                            ld,
-                        )
-                    }
-                    Matrix::Blocks(b) => {
-                        b.rows_kernel(0, rows, &acts, n, &mut by_row);
-                        b.rows_token_major(0, rows, &acts, n, &mut by_token[5..], ld)
-                    }
-                    Matrix::F32 { .. } => unreachable!("a quantized matrix"),
-                }
-            };
+            // Through the matrix as the driver calls it: row-major, then token-major.
+            m.rows_kernel(0, rows, &acts, n, &mut by_row);
+            let wrote = m.rows_token_major(0, rows, &acts, n, &mut by_token[5..], ld);
             assert!(wrote, "{ty:?}: {n} tokens are whole tiles");
             for r in 0..rows {
                 for t in 0..n {
@@ -688,14 +670,13 @@ fn wide_token_major_tiles_match_row_major_bit_for_bit() {
             }
         }
     }
-    let (m, _) = matrix(GgmlType::Q4_1, 4, cols, 47);
-    let Matrix::Q4_1 { data, .. } = &m else {
+    let (_, _, d) = matrix(GgmlType::Q4_1, 4, cols, 47);
+    let Data::Q4_1(data) = &d else {
         unreachable!("a Q4_1 matrix")
     };
     let xq = vec![BlockQ8_1::default(); 6 * nb];
     let mut out = vec![0f32; 6 * 4];
     // SAFETY: the features are present (checked above).
-    let wrote =
-        unsafe { x86_512::rows_token_major(x86_512::Rows::Q4_1(data), nb, &xq, 6, &mut out, 4) };
+    let wrote = unsafe { x86_512::token_major(data, nb, &xq, 6, &mut out, 4) };
     assert!(!wrote, "6 tokens are not whole tiles");
 }

@@ -3,7 +3,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::weights::BlockQ8_1;
+use crate::blocks::BlockQ8_1;
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -46,7 +46,7 @@ macro_rules! quant_kernels {
             use std::arch::x86_64::*;
 
             use super::{hsum, load_act, unpack_nibbles};
-            use crate::weights::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+            use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
 
             /// Sums of products of 32 unsigned bytes (0..=128) with 32 signed bytes, as
             /// 8 i32 lanes converted to f32. `maddubs` cannot saturate here:

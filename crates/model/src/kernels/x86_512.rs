@@ -27,26 +27,14 @@
 
 use std::arch::x86_64::*;
 
-use super::tile_out::Out;
-use super::TILE;
-use crate::weights::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
-
-/// Weight rows per micro-tile: 4 rows × 4 token pairs = 16 accumulators, with the pairs'
-/// activations (and offsets) still within the 32 vector registers. Measured on Zen 5 for
-/// Q4_1: 3, 5 and 6 rows were 3-7% slower.
-pub const ROWS: usize = 4;
+use super::tile_out::{Out, ROWS};
+use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, TILE};
 
 /// Token pairs of a pass of two tiles.
 const PAIRS: usize = TILE;
 
-/// Whether this CPU runs the kernels here.
-pub fn available() -> bool {
-    let f = super::features();
-    f.wide && f.f16c
-}
-
 /// A weight block format as the pair tiles need it.
-pub(super) trait PairBlock: Sync {
+pub(crate) trait PairBlock: Sync {
     /// What [`Self::unsigned`] adds to each signed value (0: the values are unsigned).
     const OFFSET: i8;
     /// Whether the format has a minimum (`m_w * s_a`, summed apart: ggml's `summs`).
@@ -57,12 +45,12 @@ pub(super) trait PairBlock: Sync {
     /// `(d_w, m_w)`; `m_w` unused without [`Self::MIN`].
     ///
     /// # Safety
-    /// The CPU must support the features [`available`] checks.
+    /// The CPU must support the features [`super::cpu::wide_available`] checks.
     unsafe fn scales(&self) -> (f32, f32);
     /// `d_w` in every lane.
     ///
     /// # Safety
-    /// The CPU must support the features [`available`] checks.
+    /// The CPU must support the features [`super::cpu::wide_available`] checks.
     #[inline(always)]
     unsafe fn scale_lanes(&self) -> __m512 {
         // SAFETY: the caller guarantees the CPU features.
@@ -72,7 +60,7 @@ pub(super) trait PairBlock: Sync {
     /// both halves of a register.
     ///
     /// # Safety
-    /// The CPU must support the features [`available`] checks.
+    /// The CPU must support the features [`super::cpu::wide_available`] checks.
     unsafe fn unsigned(&self) -> __m512i;
 }
 
@@ -253,7 +241,7 @@ impl<const N: usize> PairBlock for [u8; N] {
 /// 256-bit kernel.
 ///
 /// # Safety
-/// The CPU must support the features [`available`] checks. Slices are bounds-checked.
+/// The CPU must support the features [`super::cpu::wide_available`] checks. Slices are bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn q4_1_rows(w: &[BlockQ4_1], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
     // SAFETY (each kernel): AVX2, FMA, AVX-512 VNNI and VL are among this function's features.
@@ -265,7 +253,7 @@ pub unsafe fn q4_1_rows(w: &[BlockQ4_1], nb: usize, x: &[BlockQ8_1], n: usize, o
 /// Q8_0: as [`q4_1_rows`].
 ///
 /// # Safety
-/// The CPU must support the features [`available`] checks. Slices are bounds-checked.
+/// The CPU must support the features [`super::cpu::wide_available`] checks. Slices are bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn q8_0_rows(w: &[BlockQ8_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
     // SAFETY: as in `q4_1_rows`.
@@ -277,7 +265,7 @@ pub unsafe fn q8_0_rows(w: &[BlockQ8_0], nb: usize, x: &[BlockQ8_1], n: usize, o
 /// Q4_0: as [`q4_1_rows`].
 ///
 /// # Safety
-/// The CPU must support the features [`available`] checks. Slices are bounds-checked.
+/// The CPU must support the features [`super::cpu::wide_available`] checks. Slices are bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn q4_0_rows(w: &[BlockQ4_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
     // SAFETY: as in `q4_1_rows`.
@@ -316,38 +304,22 @@ fn block_rows<B: PairBlock, W>(
     }
 }
 
-/// Q5_0 (`with_min` false) or Q5_1 rows (`w` ggml's blocks as bytes, `nb` blocks a row)
-/// against the whole tiles of the `n` tokens, `out[r * n + t]`; returns how many tokens
-/// it did (a multiple of [`TILE`]); the caller does the rest with the 256-bit kernel.
+/// The rows of `w` (`nb` blocks each) against the whole tiles of the `n` tokens,
+/// `out[r * n + t]`; returns how many tokens it did (a multiple of [`TILE`]); the caller does
+/// the rest with the 256-bit kernel. (Q5_0 and Q5_1, whose blocks the tiles read as stored.)
 ///
 /// # Safety
-/// The CPU must support the features [`available`] checks. Slices are bounds-checked.
+/// The CPU must support the features [`super::cpu::wide_available`] checks. Slices are
+/// bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn five_bit_tiles(
-    w: &[u8],
+pub unsafe fn row_major_tiles<B: PairBlock>(
+    w: &[B],
     nb: usize,
     x: &[BlockQ8_1],
     n: usize,
-    with_min: bool,
     out: &mut [f32],
 ) -> usize {
-    let mut out = Out::RowMajor { out, n };
-    if with_min {
-        pair_tiles(w.as_chunks::<24>().0, nb, x, n, &mut out)
-    } else {
-        pair_tiles(w.as_chunks::<22>().0, nb, x, n, &mut out)
-    }
-}
-
-/// The block formats whose matrices the tiles take directly.
-pub(crate) enum Rows<'a> {
-    Q4_0(&'a [BlockQ4_0]),
-    Q4_1(&'a [BlockQ4_1]),
-    Q8_0(&'a [BlockQ8_0]),
-    /// ggml's Q5_0 blocks as bytes.
-    Q5_0(&'a [u8]),
-    /// ggml's Q5_1 blocks as bytes.
-    Q5_1(&'a [u8]),
+    pair_tiles(w, nb, x, n, &mut Out::RowMajor { out, n })
 }
 
 /// `out[t * ld + r] = dot(w[r], x[t])`: the result token-major, as the layer's output is, so
@@ -355,10 +327,11 @@ pub(crate) enum Rows<'a> {
 /// Only whole tiles: returns false, doing nothing, when `n` is not a multiple of [`TILE`].
 ///
 /// # Safety
-/// The CPU must support the features [`available`] checks. Slices are bounds-checked.
+/// The CPU must support the features [`super::cpu::wide_available`] checks. Slices are
+/// bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn rows_token_major(
-    w: Rows<'_>,
+pub unsafe fn token_major<B: PairBlock>(
+    w: &[B],
     nb: usize,
     x: &[BlockQ8_1],
     n: usize,
@@ -368,14 +341,33 @@ pub unsafe fn rows_token_major(
     if !n.is_multiple_of(TILE) {
         return false;
     }
-    let mut out = Out::TokenMajor { out, ld };
-    match w {
-        Rows::Q4_0(w) => pair_tiles(&unpacked_q4_0(w), nb, x, n, &mut out),
-        Rows::Q4_1(w) => pair_tiles(w, nb, x, n, &mut out),
-        Rows::Q8_0(w) => pair_tiles(w, nb, x, n, &mut out),
-        Rows::Q5_0(w) => pair_tiles(w.as_chunks::<22>().0, nb, x, n, &mut out),
-        Rows::Q5_1(w) => pair_tiles(w.as_chunks::<24>().0, nb, x, n, &mut out),
-    };
+    pair_tiles(w, nb, x, n, &mut Out::TokenMajor { out, ld });
+    true
+}
+
+/// [`token_major`] for Q4_0, its nibbles unpacked first.
+///
+/// # Safety
+/// As [`token_major`].
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn q4_0_token_major(
+    w: &[BlockQ4_0],
+    nb: usize,
+    x: &[BlockQ8_1],
+    n: usize,
+    out: &mut [f32],
+    ld: usize,
+) -> bool {
+    if !n.is_multiple_of(TILE) {
+        return false;
+    }
+    pair_tiles(
+        &unpacked_q4_0(w),
+        nb,
+        x,
+        n,
+        &mut Out::TokenMajor { out, ld },
+    );
     true
 }
 

@@ -16,8 +16,8 @@
 use std::arch::x86_64::*;
 
 use super::tile_out::Out;
-use super::TILE;
-use crate::quant::BlockQ8K;
+use crate::blocks::BlockQ8K;
+use crate::blocks::TILE;
 
 /// Per super-block and tile, what the float part needs of the tile's four tokens, built
 /// once per pass instead of once per weight row.
@@ -44,10 +44,10 @@ struct TileActs {
 /// multiple of [`TILE`]); the caller does the rest with the 256-bit kernel.
 ///
 /// # Safety
-/// The CPU must support the features `super::x86_512::available` checks, and F16C.
+/// The CPU must support the features `super::cpu::wide_available` checks, and F16C.
 /// Slices are bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn k_quant_tiles(
+pub(super) unsafe fn k_quant_tiles(
     w: &[u8],
     nb: usize,
     x: &[BlockQ8K],
@@ -69,6 +69,44 @@ pub unsafe fn k_quant_tiles(
         tile += p;
     }
     tiles * TILE
+}
+
+/// [`k_quant_tiles`] into a row-major block, `out[r * n + t]`.
+///
+/// # Safety
+/// As [`k_quant_tiles`].
+pub unsafe fn k_quant_rows(
+    w: &[u8],
+    nb: usize,
+    x: &[BlockQ8K],
+    n: usize,
+    six: bool,
+    out: &mut [f32],
+) -> usize {
+    // SAFETY: the caller guarantees the CPU features, the function's only requirement.
+    unsafe { k_quant_tiles(w, nb, x, n, six, &mut Out::RowMajor { out, n }) }
+}
+
+/// [`k_quant_tiles`] straight into token-major `out[t * ld + r]`, where `n` is whole tiles;
+/// false (nothing done) where not.
+///
+/// # Safety
+/// As [`k_quant_tiles`].
+pub unsafe fn k_quant_token_major(
+    w: &[u8],
+    nb: usize,
+    x: &[BlockQ8K],
+    n: usize,
+    six: bool,
+    out: &mut [f32],
+    ld: usize,
+) -> bool {
+    if !n.is_multiple_of(TILE) {
+        return false;
+    }
+    // SAFETY: the caller guarantees the CPU features, the function's only requirement.
+    unsafe { k_quant_tiles(w, nb, x, n, six, &mut Out::TokenMajor { out, ld }) };
+    true
 }
 
 /// Every row against tiles `tile..tile + P`.

@@ -19,11 +19,11 @@
 
 use std::arch::x86_64::*;
 
+use super::avx2_low_kquants::q3_k_scale_bytes;
 use super::tile_out::Out;
 use super::x86_512_kquants::{both_halves, f16_pair, finish, pair};
-use super::TILE;
-use crate::low_kquants::simd::q3_k_scale_bytes;
-use crate::quant::BlockQ8K;
+use crate::blocks::BlockQ8K;
+use crate::blocks::TILE;
 
 /// Bytes of one Q2_K super-block.
 const Q2_K_BYTES: usize = 84;
@@ -70,10 +70,10 @@ struct ScaledRows {
 /// multiple of [`TILE`]); the caller does the rest with the 256-bit kernel.
 ///
 /// # Safety
-/// The CPU must support the features `super::x86_512::available` checks, and F16C.
+/// The CPU must support the features `super::cpu::wide_available` checks, and F16C.
 /// Slices are bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn low_k_quant_tiles(
+pub(super) unsafe fn low_k_quant_tiles(
     w: &[u8],
     nb: usize,
     x: &[BlockQ8K],
@@ -86,6 +86,44 @@ pub unsafe fn low_k_quant_tiles(
     } else {
         tiles::<false>(w, nb, x, n, out)
     }
+}
+
+/// [`low_k_quant_tiles`] into a row-major block, `out[r * n + t]`.
+///
+/// # Safety
+/// As [`low_k_quant_tiles`].
+pub unsafe fn low_k_quant_rows(
+    w: &[u8],
+    nb: usize,
+    x: &[BlockQ8K],
+    n: usize,
+    two: bool,
+    out: &mut [f32],
+) -> usize {
+    // SAFETY: the caller guarantees the CPU features, the function's only requirement.
+    unsafe { low_k_quant_tiles(w, nb, x, n, two, &mut Out::RowMajor { out, n }) }
+}
+
+/// [`low_k_quant_tiles`] straight into token-major `out[t * ld + r]`, where `n` is whole
+/// tiles; false (nothing done) where not.
+///
+/// # Safety
+/// As [`low_k_quant_tiles`].
+pub unsafe fn low_k_quant_token_major(
+    w: &[u8],
+    nb: usize,
+    x: &[BlockQ8K],
+    n: usize,
+    two: bool,
+    out: &mut [f32],
+    ld: usize,
+) -> bool {
+    if !n.is_multiple_of(TILE) {
+        return false;
+    }
+    // SAFETY: the caller guarantees the CPU features, the function's only requirement.
+    unsafe { low_k_quant_tiles(w, nb, x, n, two, &mut Out::TokenMajor { out, ld }) };
+    true
 }
 
 #[inline]

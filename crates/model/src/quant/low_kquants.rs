@@ -1,7 +1,7 @@
-//! Q2_K and Q3_K against Q8_K activations: one [`QuantFormat`] each, a portable definition
-//! and an AVX2 build of its integer part, dispatched at run time as the other k-quants in
-//! `quant.rs` are, and for prefill on AVX-512 CPUs the register tiles of
-//! `kernels/x86_512_low_kquants.rs`.
+//! Q2_K and Q3_K against Q8_K activations, kept as ggml's bytes: one [`QuantFormat`] each, a
+//! portable definition and an AVX2 build of its integer part (`kernels/avx2_low_kquants.rs`),
+//! dispatched at run time as the other k-quants are, and for prefill on AVX-512 CPUs the
+//! register tiles of `kernels/x86_512_low_kquants.rs`.
 //!
 //! Both formats have sixteen groups of 16 per super-block. Their dot products are written
 //! as exact integer sums per group, scaled by the group's integer scale, then one float
@@ -10,18 +10,15 @@
 
 use gguf::{GgmlType, QK_K};
 
-use crate::quant::{f16_at, BlockQ8K, QuantFormat};
+use super::{byte_blocks, QuantFormat};
+use crate::blocks::{f16_at, hsum8, BlockQ8K};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::{avx2_low_kquants as simd, cpu, x86_512_low_kquants};
 
 /// Bytes of one Q2_K super-block.
 const Q2_K_BYTES: usize = 84;
 /// Bytes of one Q3_K super-block.
 const Q3_K_BYTES: usize = 110;
-
-/// llama.cpp's `hsum_float_8`: the order in which its AVX2 kernels add their eight lanes.
-pub(crate) fn hsum8(acc: [f32; 8]) -> f32 {
-    let r: [f32; 4] = std::array::from_fn(|j| acc[4 + j] + acc[j]);
-    (r[0] + r[2]) + (r[1] + r[3])
-}
 
 /// The eight lane sums of a super-block as llama.cpp's AVX2 kernels form them: lane `i` holds
 /// elements `4i..4i+4` (mod 32) of every 32-element chunk `c` (element `32c + 4i + ...`),
@@ -44,7 +41,7 @@ fn lanes(value: impl Fn(usize) -> i32, scale: impl Fn(usize) -> i32, a: &[i8; QK
 /// `Σ x·a = d·da·Σ_g sc_g Σ q·a − dmin·da·Σ_g m_g Σ a`, in llama.cpp's AVX2 float order
 /// (`ggml_vec_dot_q2_K_q8_K`): per super-block, eight lanes of the min term (groups `2i`,
 /// `2i + 1` from `bsums`) and eight of the scaled sums, each added to its lane accumulator by
-/// a fused multiply-add, then [`hsum8`]. So the logits are llama.cpp's bit for bit.
+/// a fused multiply-add, then [`hsum8`](crate::blocks::hsum8). So the logits are llama.cpp's bit for bit.
 pub struct Q2K;
 
 impl Q2K {
@@ -88,17 +85,58 @@ impl Q2K {
 
 impl QuantFormat for Q2K {
     const TYPE: GgmlType = GgmlType::Q2_K;
+    type Block = [u8; 84];
     type Act = BlockQ8K;
 
-    #[inline(always)]
-    fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8K], nb: usize, n: usize, out: &mut [f32]) {
-        crate::kquants::k_quant_matrix_rows::<Self>(w, row_bytes, x, nb, n, out);
+    fn load(_: GgmlType, bytes: &[u8]) -> Vec<[u8; 84]> {
+        byte_blocks(bytes)
+    }
+
+    fn dequantize(w: &[[u8; 84]], out: &mut [f32]) {
+        Self::TYPE.dequantize(w.as_flattened(), out);
     }
 
     #[inline(always)]
-    fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+    fn wide_rows(w: &[[u8; 84]], nb: usize, x: &[BlockQ8K], n: usize, out: &mut [f32]) -> usize {
         #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2() {
+        if super::kquants::wide_tiles(n) {
+            let w = w.as_flattened();
+            // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ, VL,
+            // VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
+            // bounds-checks its slices.
+            return unsafe { x86_512_low_kquants::low_k_quant_rows(w, nb, x, n, true, out) };
+        }
+        let _ = (w, nb, x, n, out);
+        0
+    }
+
+    #[inline(always)]
+    fn rows_token_major(
+        w: &[[u8; 84]],
+        nb: usize,
+        x: &[BlockQ8K],
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if cpu::wide_available() {
+            let w = w.as_flattened();
+            // SAFETY: the CPU has the features `wide_available` checks, the function's
+            // only requirement; it bounds-checks its slices.
+            return unsafe {
+                x86_512_low_kquants::low_k_quant_token_major(w, nb, x, n, true, out, ld)
+            };
+        }
+        let _ = (w, nb, x, n, out, ld);
+        false
+    }
+
+    #[inline(always)]
+    fn dot(w: &[Self::Block], a: &[BlockQ8K]) -> f32 {
+        let w = w.as_flattened();
+        #[cfg(target_arch = "x86_64")]
+        if cpu::avx2_detected() {
             // SAFETY: AVX2 is present (checked above), the only requirement of the
             // target-feature function; it checks the slice lengths it reads.
             return Self::dot_with(w, a, |wb, ab, sc| unsafe {
@@ -112,7 +150,7 @@ impl QuantFormat for Q2K {
 /// Q3_K: `x = d·sc_g·(q − 4)` with `q` in 0..8 (two low bits and a high bit) and signed
 /// 6-bit `sc_g`, so `Σ x·a = d·da·Σ_g sc_g Σ (q − 4)·a`, in llama.cpp's AVX2 float order
 /// (`ggml_vec_dot_q3_K_q8_K`): eight lanes of scaled signed sums per super-block, each
-/// added to its lane accumulator by a fused multiply-add, then [`hsum8`].
+/// added to its lane accumulator by a fused multiply-add, then [`hsum8`](crate::blocks::hsum8).
 pub struct Q3K;
 
 impl Q3K {
@@ -147,17 +185,58 @@ impl Q3K {
 
 impl QuantFormat for Q3K {
     const TYPE: GgmlType = GgmlType::Q3_K;
+    type Block = [u8; 110];
     type Act = BlockQ8K;
 
-    #[inline(always)]
-    fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8K], nb: usize, n: usize, out: &mut [f32]) {
-        crate::kquants::k_quant_matrix_rows::<Self>(w, row_bytes, x, nb, n, out);
+    fn load(_: GgmlType, bytes: &[u8]) -> Vec<[u8; 110]> {
+        byte_blocks(bytes)
+    }
+
+    fn dequantize(w: &[[u8; 110]], out: &mut [f32]) {
+        Self::TYPE.dequantize(w.as_flattened(), out);
     }
 
     #[inline(always)]
-    fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+    fn wide_rows(w: &[[u8; 110]], nb: usize, x: &[BlockQ8K], n: usize, out: &mut [f32]) -> usize {
         #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2() {
+        if super::kquants::wide_tiles(n) {
+            let w = w.as_flattened();
+            // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ, VL,
+            // VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
+            // bounds-checks its slices.
+            return unsafe { x86_512_low_kquants::low_k_quant_rows(w, nb, x, n, false, out) };
+        }
+        let _ = (w, nb, x, n, out);
+        0
+    }
+
+    #[inline(always)]
+    fn rows_token_major(
+        w: &[[u8; 110]],
+        nb: usize,
+        x: &[BlockQ8K],
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if cpu::wide_available() {
+            let w = w.as_flattened();
+            // SAFETY: the CPU has the features `wide_available` checks, the function's
+            // only requirement; it bounds-checks its slices.
+            return unsafe {
+                x86_512_low_kquants::low_k_quant_token_major(w, nb, x, n, false, out, ld)
+            };
+        }
+        let _ = (w, nb, x, n, out, ld);
+        false
+    }
+
+    #[inline(always)]
+    fn dot(w: &[Self::Block], a: &[BlockQ8K]) -> f32 {
+        let w = w.as_flattened();
+        #[cfg(target_arch = "x86_64")]
+        if cpu::avx2_detected() {
             // SAFETY: AVX2 is present (checked above), the only requirement of the
             // target-feature function; it checks the slice lengths it reads.
             return Self::dot_with(w, a, |wb, ab| unsafe { simd::q3_k_lanes(wb, &ab.qs) });
@@ -166,161 +245,10 @@ impl QuantFormat for Q3K {
     }
 }
 
-/// AVX2 lane sums of Q2_K and Q3_K, as llama.cpp's kernels form them (see [`lanes`]). Each
-/// lane is an exact `i32`: quants are at most 7 in magnitude, activations at most 127,
-/// scales at most 32, so no lane comes near overflow.
-#[cfg(target_arch = "x86_64")]
-pub(crate) mod simd {
-    use std::arch::x86_64::*;
-
-    pub fn has_avx2() -> bool {
-        std::arch::is_x86_feature_detected!("avx2")
-    }
-
-    /// 32 bytes from `b[at..at + 32]`.
-    #[target_feature(enable = "avx2")]
-    fn load<T: Copy>(b: &[T], at: usize) -> __m256i {
-        let s = &b[at..at + 32 / std::mem::size_of::<T>()];
-        // SAFETY: `s` is exactly 32 bytes of plain integers (the slice index above panics
-        // otherwise); the load is unaligned.
-        unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
-    }
-
-    #[target_feature(enable = "avx2")]
-    fn store(v: __m256i) -> [i32; 8] {
-        let mut out = [0i32; 8];
-        // SAFETY: `out` is 32 writable bytes; the store is unaligned.
-        unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), v) };
-        out
-    }
-
-    /// Pairwise i16 sums of 32 products (from `maddubs`), each group's 16 multiplied by its
-    /// scale: the low 128 bits hold group g, the high ones group g + 1; i32 lane `i` ends up
-    /// with elements `4i..4i+4`.
-    #[target_feature(enable = "avx2")]
-    fn scaled(p: __m256i, lo: i16, hi: i16) -> __m256i {
-        let scales = _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo));
-        _mm256_madd_epi16(p, scales)
-    }
-
-    /// The four 2-bit fields of each byte of `q`, lowest first. A 16-bit shift moves the
-    /// upper byte's bits into the lower byte's top, which the mask drops.
-    #[target_feature(enable = "avx2")]
-    fn two_bit_fields(q: __m256i) -> [__m256i; 4] {
-        let m3 = _mm256_set1_epi8(3);
-        [
-            _mm256_and_si256(q, m3),
-            _mm256_and_si256(_mm256_srli_epi16::<2>(q), m3),
-            _mm256_and_si256(_mm256_srli_epi16::<4>(q), m3),
-            _mm256_and_si256(_mm256_srli_epi16::<6>(q), m3),
-        ]
-    }
-
-    /// Q2_K's lanes: `qs` its 64 bytes of 2-bit quants (element `128h + 32j + l` at bits
-    /// `2j..` of `qs[32h + l]`), `a` the Q8_K quants, `sc` the sixteen 4-bit group scales.
-    /// Products of `maddubs` are at most 2 · 3 · 127, so it never saturates.
-    #[target_feature(enable = "avx2")]
-    pub fn q2_k_lanes(qs: &[u8], a: &[i8; 256], sc: &[u8; 16]) -> [i32; 8] {
-        assert!(qs.len() >= 64);
-        let mut acc = _mm256_setzero_si256();
-        for h in 0..2 {
-            for (j, &v) in two_bit_fields(load(qs, 32 * h)).iter().enumerate() {
-                let e = 128 * h + 32 * j;
-                let p = _mm256_maddubs_epi16(v, load(a, e));
-                let g = e / 16;
-                let s = scaled(p, i16::from(sc[g]), i16::from(sc[g + 1]));
-                acc = _mm256_add_epi32(acc, s);
-            }
-        }
-        store(acc)
-    }
-
-    /// `gguf::q3_k_scales` as `i16`s (group `g` in lane `g`).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    pub fn q3_k_scales_i16(s: &[u8]) -> __m256i {
-        _mm256_cvtepi8_epi16(q3_k_scale_bytes(s))
-    }
-
-    /// `gguf::q3_k_scales` (group `g` in byte `g`), in a few vector instructions.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    pub fn q3_k_scale_bytes(s: &[u8]) -> __m128i {
-        let s = &s[..12];
-        let m4 = _mm_set1_epi8(0x0f);
-        // SAFETY: `s` is 12 readable bytes (sliced above); the load reads the first 8,
-        // unaligned.
-        let low8 = unsafe { _mm_loadl_epi64(s.as_ptr().cast()) };
-        // Group g < 8: the low nibble of byte g; g >= 8: the high nibble of byte g - 8.
-        let low = _mm_unpacklo_epi64(
-            _mm_and_si128(low8, m4),
-            _mm_and_si128(_mm_srli_epi16::<4>(low8), m4),
-        );
-        // Group g's top two bits: bits 2 (g / 4).. of byte 8 + g % 4, so the 32-bit lane
-        // g / 4 of the broadcast bytes 8..12, shifted by 2 (g / 4).
-        let aux = _mm_set1_epi32(i32::from_le_bytes([s[8], s[9], s[10], s[11]]));
-        let high = _mm_and_si128(
-            _mm_srlv_epi32(aux, _mm_setr_epi32(0, 2, 4, 6)),
-            _mm_set1_epi8(3),
-        );
-        // Each byte is at most 63 before the subtraction: no carry crosses bytes.
-        _mm_sub_epi8(
-            _mm_or_si128(low, _mm_slli_epi16::<4>(high)),
-            _mm_set1_epi8(32),
-        )
-    }
-
-    /// Q3_K's lanes of signed values (`q − 4`) for the super-block `wb` (ggml's 110 bytes:
-    /// 32 bytes of high bits, element `e`'s at bit `e / 32` of `hmask[e % 32]`, then 64
-    /// bytes of low bits laid out as Q2_K's, then the packed group scales). As llama.cpp,
-    /// the low bits and the 4 a missing high bit subtracts go through `maddubs` separately
-    /// (at most 2 · 4 · 127 each, never saturating) and are subtracted in i16.
-    #[target_feature(enable = "avx2")]
-    pub fn q3_k_lanes(wb: &[u8], a: &[i8; 256]) -> [i32; 8] {
-        assert!(wb.len() >= 108);
-        let (hmask, qs) = (&wb[..32], &wb[32..96]);
-        let scales = q3_k_scales_i16(&wb[96..108]);
-        let four = _mm256_set1_epi8(4);
-        let hm = load(hmask, 0);
-        // 4 where bit `b` of `hmask[l]` is clear.
-        let missing = |b: usize| {
-            let bit = _mm256_set1_epi8((1u8 << b) as i8);
-            _mm256_andnot_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit), four)
-        };
-        let mut acc = _mm256_setzero_si256();
-        for h in 0..2 {
-            // Groups 8h.. (this half's eight) in both 128-bit lanes.
-            let half_scales = if h == 0 {
-                _mm256_permute2x128_si256::<0x00>(scales, scales)
-            } else {
-                _mm256_permute2x128_si256::<0x11>(scales, scales)
-            };
-            for (j, &low) in two_bit_fields(load(qs, 32 * h)).iter().enumerate() {
-                let e = 128 * h + 32 * j;
-                let x = load(a, e);
-                let p = _mm256_sub_epi16(
-                    _mm256_maddubs_epi16(low, x),
-                    _mm256_maddubs_epi16(missing(4 * h + j), x),
-                );
-                // Group 2j of the half (its i16 at bytes 4j, 4j + 1) in the low lane,
-                // 2j + 1 in the high one.
-                let (lo, hi) = (4 * j as i8, 4 * j as i8 + 2);
-                let pick: [i8; 32] =
-                    std::array::from_fn(|b| (if b < 16 { lo } else { hi }) + (b % 2) as i8);
-                // SAFETY: `pick` is 32 readable bytes; the load is unaligned.
-                let pick = unsafe { _mm256_loadu_si256(pick.as_ptr().cast()) };
-                let s = _mm256_madd_epi16(p, _mm256_shuffle_epi8(half_scales, pick));
-                acc = _mm256_add_epi32(acc, s);
-            }
-        }
-        store(acc)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::quantize_row_q8_k;
+    use crate::kernels::quantize_row_q8_k;
     use half::f16;
 
     fn lcg(seed: &mut u64) -> f32 {
@@ -371,8 +299,8 @@ mod tests {
 
     fn dots(ty: GgmlType, w: &[u8], a: &[BlockQ8K]) -> (f32, f32) {
         match ty {
-            GgmlType::Q2_K => (Q2K::dot(w, a), Q2K::dot_scalar(w, a)),
-            _ => (Q3K::dot(w, a), Q3K::dot_scalar(w, a)),
+            GgmlType::Q2_K => (Q2K::dot(w.as_chunks().0, a), Q2K::dot_scalar(w, a)),
+            _ => (Q3K::dot(w.as_chunks().0, a), Q3K::dot_scalar(w, a)),
         }
     }
 
@@ -381,7 +309,7 @@ mod tests {
     #[test]
     fn simd_equals_the_scalar_definition_bit_for_bit() {
         #[cfg(target_arch = "x86_64")]
-        eprintln!("AVX2 present: {}", simd::has_avx2());
+        eprintln!("AVX2 present: {}", cpu::avx2_detected());
         let mut s = 5u64;
         for ty in [GgmlType::Q2_K, GgmlType::Q3_K] {
             for trial in 0..40 {
@@ -400,7 +328,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_lanes_follow_the_layout() {
-        if !simd::has_avx2() {
+        if !cpu::avx2_detected() {
             eprintln!("avx2_lanes_follow_the_layout: NOT RUN (no AVX2 on this CPU)");
             return;
         }
@@ -440,7 +368,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn q3_k_scales_match_gguf() {
-        if !simd::has_avx2() {
+        if !cpu::avx2_detected() {
             eprintln!("q3_k_scales_match_gguf: NOT RUN (no AVX2 on this CPU)");
             return;
         }

@@ -1,48 +1,11 @@
-//! AVX2 integer lanes of the k-quants (`kquants.rs`), laid out as llama.cpp's kernels form them
-//! (see each format's `dot_scalar`). Every lane is an exact `i32` (bounded far below
-//! overflow), so the result is the portable code's.
+//! AVX2 integer lanes of Q4_K, Q5_K and Q6_K (`quant/kquants.rs`) and the AVX2 tile of
+//! Q5_0 and Q5_1 (`quant/q5.rs`), laid out as llama.cpp's kernels form them (see each
+//! format's `dot_scalar`). Every lane is an exact `i32` (bounded far below overflow), so the
+//! result is the portable code's.
 
 use std::arch::x86_64::*;
 
-pub fn has_avx2() -> bool {
-    std::arch::is_x86_feature_detected!("avx2")
-}
-
-pub fn has_avx2_fma_f16c() -> bool {
-    has_avx2()
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
-}
-
-/// [`super::QuantFormat::rows`] compiled for AVX2, FMA and F16C. The formats' float parts
-/// are written with `mul_add` and `round_ties_even` in portable Rust; compiled for the
-/// baseline x86-64 they call the library's `fmaf` and `rintf` (a fifth of a Q4_K_M prefill).
-/// Here they become single instructions with the same results, both operations being
-/// exactly specified. Everything `rows` reaches is `#[inline(always)]` (and closure-free
-/// where it matters) so that it is compiled here rather than called.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn rows_for_avx2<F: super::QuantFormat>(
-    w: &[u8],
-    row_bytes: usize,
-    x: &[F::Act],
-    nb: usize,
-    n: usize,
-    out: &mut [f32],
-) {
-    F::rows(w, row_bytes, x, nb, n, out);
-}
-
-/// [`super::quantize_row_q8_k`] compiled for AVX2, FMA and F16C, as [`rows_for_avx2`].
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn quantize_row_q8_k_for_avx2(x: &[f32], out: &mut [super::BlockQ8K]) {
-    super::quantize_row_q8_k_portable(x, out);
-}
+use crate::blocks::{BlockQ8_1, TILE};
 
 /// 32 bytes from `b[at..at + 32]`.
 #[target_feature(enable = "avx2")]
@@ -189,13 +152,13 @@ pub fn q6_k_lanes_n<const N: usize>(
     })
 }
 
-/// One Q5_0 or Q5_1 (`with_min`) weight row against up to [`super::TILE`] activation
+/// One Q5_0 or Q5_1 (`with_min`) weight row against up to [`TILE`] activation
 /// rows, `out[t]`: per block the values are unpacked once ([`five_bit_madd`]), then each
 /// token's eight exact lane sums go into its own eight f32 lanes as the portable
 /// definitions (`Q5_0::dot_scalar`, `Q5_1::dot_scalar`: llama.cpp's order) do, so their
 /// bits.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn five_bit_rows(w: &[u8], acts: &[&[super::BlockQ8_1]], with_min: bool, out: &mut [f32]) {
+pub fn five_bit_rows(w: &[u8], acts: &[&[BlockQ8_1]], with_min: bool, out: &mut [f32]) {
     // One instance per token count: a decode step has one token, and computing a whole
     // tile's lane sums for it was three quarters wasted work.
     match acts.len() {
@@ -203,7 +166,7 @@ pub fn five_bit_rows(w: &[u8], acts: &[&[super::BlockQ8_1]], with_min: bool, out
         1 => five_bit_rows_n::<1>(w, acts, with_min, out),
         2 => five_bit_rows_n::<2>(w, acts, with_min, out),
         3 => five_bit_rows_n::<3>(w, acts, with_min, out),
-        _ => five_bit_rows_n::<{ super::TILE }>(w, acts, with_min, out),
+        _ => five_bit_rows_n::<{ TILE }>(w, acts, with_min, out),
     }
 }
 
@@ -212,7 +175,7 @@ pub fn five_bit_rows(w: &[u8], acts: &[&[super::BlockQ8_1]], with_min: bool, out
 #[target_feature(enable = "avx2,fma,f16c")]
 fn five_bit_rows_n<const N: usize>(
     w: &[u8],
-    acts: &[&[super::BlockQ8_1]],
+    acts: &[&[BlockQ8_1]],
     with_min: bool,
     out: &mut [f32],
 ) {

@@ -1,13 +1,16 @@
-//! Q4_K, Q5_K and Q6_K against Q8_K activations: one [`QuantFormat`] each, a portable
-//! definition in llama.cpp's AVX2 float order and AVX2 integer lanes (`quant_simd.rs`),
-//! dispatched at run time as the other formats in `quant.rs` are, and for prefill on
-//! AVX-512 CPUs the register tiles of `kernels/x86_512_kquants.rs`.
+//! Q4_K, Q5_K and Q6_K against Q8_K activations, kept as ggml's bytes: one [`QuantFormat`]
+//! each, a portable definition in llama.cpp's AVX2 float order and AVX2 integer lanes
+//! (`kernels/avx2_kquants.rs`), dispatched at run time as the other formats are, and for
+//! prefill on AVX-512 CPUs the register tiles of `kernels/x86_512_kquants.rs`.
 
 use gguf::GgmlType;
 
+use super::{byte_blocks, QuantFormat};
 #[cfg(target_arch = "x86_64")]
-use crate::quant::simd;
-use crate::quant::{f16_at, tokens_by_tiles, BlockQ8K, QuantFormat, TILE};
+use crate::blocks::TILE;
+use crate::blocks::{f16_at, hsum8, BlockQ8K};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::{avx2_kquants as simd, cpu, x86_512_kquants};
 
 /// Rows of at most this many super-blocks (16,384 columns) keep a tile's integer lanes on
 /// the stack; longer ones go one token at a time.
@@ -32,35 +35,11 @@ macro_rules! with_tile_lanes {
     };
 }
 
-/// A super-block format's rows (Q2_K, Q3_K, Q4_K, Q6_K): whole tiles of tokens through
-/// the 512-bit register tiles where the CPU has them, the rest through
-/// [`QuantFormat::dot_tile`].
+/// Whether a product of `n` tokens runs the 512-bit register tiles here.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(crate) fn k_quant_matrix_rows<F: QuantFormat<Act = BlockQ8K>>(
-    w: &[u8],
-    row_bytes: usize,
-    x: &[BlockQ8K],
-    nb: usize,
-    n: usize,
-    out: &mut [f32],
-) {
-    let mut done = 0;
-    #[cfg(target_arch = "x86_64")]
-    if n >= TILE && crate::kernels::wide_available() && simd::has_avx2_fma_f16c() {
-        // SAFETY (each call): the CPU has the features `wide_available` checks (AVX-512 F,
-        // BW, DQ, VL, VNNI, with AVX2 and FMA) and F16C, the functions' only requirement;
-        // they bounds-check their slices.
-        done = match F::TYPE {
-            GgmlType::Q4_K | GgmlType::Q6_K => unsafe {
-                crate::kernels::k_quant_tiles(w, nb, x, n, F::TYPE == GgmlType::Q6_K, out)
-            },
-            GgmlType::Q2_K | GgmlType::Q3_K => unsafe {
-                crate::kernels::low_k_quant_tiles(w, nb, x, n, F::TYPE == GgmlType::Q2_K, out)
-            },
-            _ => 0,
-        };
-    }
-    tokens_by_tiles::<F>(w, row_bytes, x, nb, n, done, out);
+pub(crate) fn wide_tiles(n: usize) -> bool {
+    n >= TILE && cpu::wide_available() && cpu::avx2_fma_f16c_detected()
 }
 
 pub struct Q4K;
@@ -116,20 +95,30 @@ impl Q4K {
                 *acc = d.mul_add(lane as f32, *acc);
             }
         }
-        crate::low_kquants::hsum8(acc) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]))
+        hsum8(acc) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]))
     }
 }
 
 impl QuantFormat for Q4K {
     const TYPE: GgmlType = GgmlType::Q4_K;
+    type Block = [u8; 144];
     type Act = BlockQ8K;
+
+    fn load(_: GgmlType, bytes: &[u8]) -> Vec<[u8; 144]> {
+        byte_blocks(bytes)
+    }
+
+    fn dequantize(w: &[[u8; 144]], out: &mut [f32]) {
+        Self::TYPE.dequantize(w.as_flattened(), out);
+    }
 
     /// The tile's integer lanes first (each super-block unpacked once for every token),
     /// then each token through [`Q4K::dot_with`], the same float part as `dot`.
     #[inline(always)]
-    fn dot_tile(w: &[u8], acts: &[&[BlockQ8K]], out: &mut [f32]) {
+    fn dot_tile(w: &[Self::Block], acts: &[&[BlockQ8K]], out: &mut [f32]) {
+        let (blocks, w) = (w, w.as_flattened());
         #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2() && acts.len() > 1 && w.len() / 144 <= MAX_TILED_SUPER_BLOCKS {
+        if cpu::avx2_detected() && acts.len() > 1 && w.len() / 144 <= MAX_TILED_SUPER_BLOCKS {
             with_tile_lanes!(w.len() / 144, |lanes| {
                 for (i, wb) in w.chunks_exact(144).enumerate() {
                     let sc: [u8; 8] = std::array::from_fn(|j| gguf::k4_scale_min(j, &wb[4..16]).0);
@@ -145,19 +134,50 @@ impl QuantFormat for Q4K {
             return;
         }
         for (a, o) in acts.iter().zip(out.iter_mut()) {
-            *o = Self::dot(w, a);
+            *o = Self::dot(blocks, a);
         }
     }
 
     #[inline(always)]
-    fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8K], nb: usize, n: usize, out: &mut [f32]) {
-        k_quant_matrix_rows::<Self>(w, row_bytes, x, nb, n, out);
+    fn wide_rows(w: &[[u8; 144]], nb: usize, x: &[BlockQ8K], n: usize, out: &mut [f32]) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if wide_tiles(n) {
+            // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ, VL,
+            // VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
+            // bounds-checks its slices.
+            return unsafe {
+                x86_512_kquants::k_quant_rows(w.as_flattened(), nb, x, n, false, out)
+            };
+        }
+        let _ = (w, nb, x, n, out);
+        0
     }
 
     #[inline(always)]
-    fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+    fn rows_token_major(
+        w: &[[u8; 144]],
+        nb: usize,
+        x: &[BlockQ8K],
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2() {
+        if cpu::wide_available() {
+            let w = w.as_flattened();
+            // SAFETY: the CPU has the features `wide_available` checks, the function's
+            // only requirement; it bounds-checks its slices.
+            return unsafe { x86_512_kquants::k_quant_token_major(w, nb, x, n, false, out, ld) };
+        }
+        let _ = (w, nb, x, n, out, ld);
+        false
+    }
+
+    #[inline(always)]
+    fn dot(w: &[Self::Block], a: &[BlockQ8K]) -> f32 {
+        let w = w.as_flattened();
+        #[cfg(target_arch = "x86_64")]
+        if cpu::avx2_detected() {
             // SAFETY: AVX2 is present (checked above), the only requirement of the
             // target-feature function; it checks the slice lengths it reads.
             return Self::dot_with(w, a, |_, wb, ab, sc| unsafe {
@@ -185,12 +205,22 @@ pub struct Q5K;
 
 impl QuantFormat for Q5K {
     const TYPE: GgmlType = GgmlType::Q5_K;
+    type Block = [u8; 176];
     type Act = BlockQ8K;
 
+    fn load(_: GgmlType, bytes: &[u8]) -> Vec<[u8; 176]> {
+        byte_blocks(bytes)
+    }
+
+    fn dequantize(w: &[[u8; 176]], out: &mut [f32]) {
+        Self::TYPE.dequantize(w.as_flattened(), out);
+    }
+
     #[inline(always)]
-    fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+    fn dot(w: &[Self::Block], a: &[BlockQ8K]) -> f32 {
+        let w = w.as_flattened();
         #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2() {
+        if cpu::avx2_detected() {
             // SAFETY: AVX2 is present (checked above), the only requirement of the
             // target-feature function; it checks the slice lengths it reads.
             return Self::dot_with(w, a, |wb, ab, sc| unsafe {
@@ -245,7 +275,7 @@ impl Q5K {
                 *acc = d.mul_add(lane as f32, *acc);
             }
         }
-        crate::low_kquants::hsum8(acc) + summs
+        hsum8(acc) + summs
     }
 }
 
@@ -253,13 +283,23 @@ pub struct Q6K;
 
 impl QuantFormat for Q6K {
     const TYPE: GgmlType = GgmlType::Q6_K;
+    type Block = [u8; 210];
     type Act = BlockQ8K;
+
+    fn load(_: GgmlType, bytes: &[u8]) -> Vec<[u8; 210]> {
+        byte_blocks(bytes)
+    }
+
+    fn dequantize(w: &[[u8; 210]], out: &mut [f32]) {
+        Self::TYPE.dequantize(w.as_flattened(), out);
+    }
 
     /// As [`Q4K`]'s: the tile's lanes first, then each token through [`Q6K::dot_with`].
     #[inline(always)]
-    fn dot_tile(w: &[u8], acts: &[&[BlockQ8K]], out: &mut [f32]) {
+    fn dot_tile(w: &[Self::Block], acts: &[&[BlockQ8K]], out: &mut [f32]) {
+        let (blocks, w) = (w, w.as_flattened());
         #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2() && acts.len() > 1 && w.len() / 210 <= MAX_TILED_SUPER_BLOCKS {
+        if cpu::avx2_detected() && acts.len() > 1 && w.len() / 210 <= MAX_TILED_SUPER_BLOCKS {
             with_tile_lanes!(w.len() / 210, |lanes| {
                 for (i, wb) in w.chunks_exact(210).enumerate() {
                     let sc: [i8; 16] = std::array::from_fn(|g| wb[192 + g] as i8);
@@ -275,19 +315,48 @@ impl QuantFormat for Q6K {
             return;
         }
         for (a, o) in acts.iter().zip(out.iter_mut()) {
-            *o = Self::dot(w, a);
+            *o = Self::dot(blocks, a);
         }
     }
 
     #[inline(always)]
-    fn rows(w: &[u8], row_bytes: usize, x: &[BlockQ8K], nb: usize, n: usize, out: &mut [f32]) {
-        k_quant_matrix_rows::<Self>(w, row_bytes, x, nb, n, out);
+    fn wide_rows(w: &[[u8; 210]], nb: usize, x: &[BlockQ8K], n: usize, out: &mut [f32]) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if wide_tiles(n) {
+            // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ, VL,
+            // VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
+            // bounds-checks its slices.
+            return unsafe { x86_512_kquants::k_quant_rows(w.as_flattened(), nb, x, n, true, out) };
+        }
+        let _ = (w, nb, x, n, out);
+        0
     }
 
     #[inline(always)]
-    fn dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+    fn rows_token_major(
+        w: &[[u8; 210]],
+        nb: usize,
+        x: &[BlockQ8K],
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if simd::has_avx2() {
+        if cpu::wide_available() {
+            let w = w.as_flattened();
+            // SAFETY: the CPU has the features `wide_available` checks, the function's
+            // only requirement; it bounds-checks its slices.
+            return unsafe { x86_512_kquants::k_quant_token_major(w, nb, x, n, true, out, ld) };
+        }
+        let _ = (w, nb, x, n, out, ld);
+        false
+    }
+
+    #[inline(always)]
+    fn dot(w: &[Self::Block], a: &[BlockQ8K]) -> f32 {
+        let w = w.as_flattened();
+        #[cfg(target_arch = "x86_64")]
+        if cpu::avx2_detected() {
             // SAFETY: AVX2 is present (checked above), the only requirement of the
             // target-feature function; it checks the slice lengths it reads.
             return Self::dot_with(w, a, |_, wb, ab, sc| unsafe {

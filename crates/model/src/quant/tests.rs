@@ -1,10 +1,22 @@
-//! Tests of `quant.rs` and `kquants.rs`: each format against the reference dequantization, SIMD against
-//! the portable definitions.
+//! Tests of the formats: each against the reference dequantization, SIMD against the
+//! portable definitions.
 
+use gguf::QK_K;
+
+use super::kquants::{Q4K, Q5K, Q6K};
+use super::low_kquants::{Q2K, Q3K};
+use super::q5::{Q5_0, Q5_1};
 use super::*;
-use crate::kernels::matmul;
-use crate::kquants::{Q4K, Q5K, Q6K};
+use crate::blocks::QK;
+use crate::kernels::{matmul, quantize_row_q8_k, quantize_row_q8_k_portable};
 use crate::weights::{quantize_row_q8_1, Matrix};
+
+/// ggml's bytes as a format's blocks.
+fn as_blocks<const N: usize>(bytes: &[u8]) -> &[[u8; N]] {
+    let (blocks, rest) = bytes.as_chunks::<N>();
+    assert!(rest.is_empty());
+    blocks
+}
 
 fn lcg(seed: &mut u64) -> f32 {
     *seed = seed
@@ -60,6 +72,7 @@ fn kernels_match_the_reference_dequantization() {
         GgmlType::Q4_K,
         GgmlType::Q5_K,
         GgmlType::Q6_K,
+        GgmlType::IQ4_NL,
     ] {
         let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s)).collect();
         let mut w = gguf::GgufWriter::new();
@@ -68,7 +81,7 @@ fn kernels_match_the_reference_dequantization() {
         let info = f.tensor("w").expect("tensor");
         let deq = f.tensor_f32(info);
         let m = Matrix::load(&f, info, rows, cols).expect("loads");
-        assert!(matches!(&m, Matrix::Blocks(b) if b.ty() == ty));
+        assert_eq!(m.ty(), ty);
         let mut out = vec![0f32; n * rows];
         matmul(&m, &x, &xq, n, &mut out);
         let xin = if m.wants_q8_k() { &deq_q8_k } else { &deq_q8_1 };
@@ -123,9 +136,9 @@ fn simd_k_quants_equal_the_scalar_definition_bit_for_bit() {
             let mut xk = vec![BlockQ8K::default(); blocks];
             quantize_row_q8_k(&x, &mut xk);
             let (fast, slow) = match ty {
-                GgmlType::Q4_K => (Q4K::dot(&w, &xk), Q4K::dot_scalar(&w, &xk)),
-                GgmlType::Q5_K => (Q5K::dot(&w, &xk), Q5K::dot_scalar(&w, &xk)),
-                _ => (Q6K::dot(&w, &xk), Q6K::dot_scalar(&w, &xk)),
+                GgmlType::Q4_K => (Q4K::dot(as_blocks(&w), &xk), Q4K::dot_scalar(&w, &xk)),
+                GgmlType::Q5_K => (Q5K::dot(as_blocks(&w), &xk), Q5K::dot_scalar(&w, &xk)),
+                _ => (Q6K::dot(as_blocks(&w), &xk), Q6K::dot_scalar(&w, &xk)),
             };
             assert_eq!(fast.to_bits(), slow.to_bits(), "{ty:?} trial {trial}");
         }
@@ -145,9 +158,9 @@ fn unsupported_types_are_refused_by_name() {
     );
     let e = gguf::GgufError::UnknownTensorType {
         name: "w".into(),
-        ty: 20,
+        ty: 23,
     };
-    assert!(e.to_string().contains("IQ4_NL"), "{e}");
+    assert!(e.to_string().contains("IQ4_XS"), "{e}");
 }
 
 /// Q5_0 and Q5_1 through the SIMD tile (one token and tiles of 2 to 4) against the
@@ -165,7 +178,7 @@ fn five_bit_simd_equals_the_scalar_definition_bit_for_bit() {
                 .map(|_| {
                     let x: Vec<f32> = (0..cols).map(|_| lcg(&mut s) * amp).collect();
                     let mut xq = vec![BlockQ8_1::default(); 4];
-                    crate::weights::quantize_row_q8_1(&x, &mut xq);
+                    quantize_row_q8_1(&x, &mut xq);
                     xq
                 })
                 .collect();
@@ -173,10 +186,10 @@ fn five_bit_simd_equals_the_scalar_definition_bit_for_bit() {
                 let acts: Vec<&[BlockQ8_1]> = xs[..k].iter().map(|x| x.as_slice()).collect();
                 let mut tile = [0f32; 4];
                 let slow: Vec<f32> = if ty == GgmlType::Q5_0 {
-                    Q5_0::dot_tile(&w, &acts, &mut tile);
+                    Q5_0::dot_tile(as_blocks(&w), &acts, &mut tile);
                     acts.iter().map(|a| Q5_0::dot_scalar(&w, a)).collect()
                 } else {
-                    Q5_1::dot_tile(&w, &acts, &mut tile);
+                    Q5_1::dot_tile(as_blocks(&w), &acts, &mut tile);
                     acts.iter().map(|a| Q5_1::dot_scalar(&w, a)).collect()
                 };
                 for (t, v) in slow.iter().enumerate() {
@@ -213,16 +226,16 @@ fn k_quant_tiles_equal_one_token_at_a_time() {
             let mut tile = [0f32; 4];
             let single: Vec<f32> = match ty {
                 GgmlType::Q4_K => {
-                    Q4K::dot_tile(&w, &acts, &mut tile);
-                    acts.iter().map(|a| Q4K::dot(&w, a)).collect()
+                    Q4K::dot_tile(as_blocks(&w), &acts, &mut tile);
+                    acts.iter().map(|a| Q4K::dot(as_blocks(&w), a)).collect()
                 }
                 GgmlType::Q5_K => {
-                    Q5K::dot_tile(&w, &acts, &mut tile);
-                    acts.iter().map(|a| Q5K::dot(&w, a)).collect()
+                    Q5K::dot_tile(as_blocks(&w), &acts, &mut tile);
+                    acts.iter().map(|a| Q5K::dot(as_blocks(&w), a)).collect()
                 }
                 _ => {
-                    Q6K::dot_tile(&w, &acts, &mut tile);
-                    acts.iter().map(|a| Q6K::dot(&w, a)).collect()
+                    Q6K::dot_tile(as_blocks(&w), &acts, &mut tile);
+                    acts.iter().map(|a| Q6K::dot(as_blocks(&w), a)).collect()
                 }
             };
             for (t, v) in single.iter().enumerate() {
@@ -274,23 +287,39 @@ fn wide_five_bit_tiles_match_the_256_bit_kernel_bit_for_bit() {
             // AVX-512 CPU, and checked again here).
             let done = unsafe {
                 assert!(is_x86_feature_detected!("f16c"));
-                crate::kernels::five_bit_tiles(&w, nb, &xq, n, ty == GgmlType::Q5_1, &mut wide)
+                if ty == GgmlType::Q5_1 {
+                    crate::kernels::x86_512::row_major_tiles::<[u8; 24]>(
+                        as_blocks(&w),
+                        nb,
+                        &xq,
+                        n,
+                        &mut wide,
+                    )
+                } else {
+                    crate::kernels::x86_512::row_major_tiles::<[u8; 22]>(
+                        as_blocks(&w),
+                        nb,
+                        &xq,
+                        n,
+                        &mut wide,
+                    )
+                }
             };
             assert_eq!(done, n / TILE * TILE);
             let mut all = vec![f32::NAN; rows * n];
             if ty == GgmlType::Q5_0 {
-                Q5_0::rows(&w, rb, &xq, nb, n, &mut all);
+                Q5_0::rows(as_blocks(&w), &xq, nb, n, &mut all);
             } else {
-                Q5_1::rows(&w, rb, &xq, nb, n, &mut all);
+                Q5_1::rows(as_blocks(&w), &xq, nb, n, &mut all);
             }
             for r in 0..rows {
                 for t in 0..n {
                     let mut one = [0f32; 1];
                     let a: &[&[BlockQ8_1]] = &[&xq[t * nb..(t + 1) * nb]];
                     if ty == GgmlType::Q5_0 {
-                        Q5_0::dot_tile(&w[r * rb..(r + 1) * rb], a, &mut one);
+                        Q5_0::dot_tile(as_blocks(&w[r * rb..(r + 1) * rb]), a, &mut one);
                     } else {
-                        Q5_1::dot_tile(&w[r * rb..(r + 1) * rb], a, &mut one);
+                        Q5_1::dot_tile(as_blocks(&w[r * rb..(r + 1) * rb]), a, &mut one);
                     }
                     let at = format!("{ty:?} {rows}x{n} row {r} token {t}");
                     if t < done {
@@ -340,14 +369,14 @@ fn wide_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
             let done = unsafe {
                 assert!(is_x86_feature_detected!("f16c"));
                 let six = ty == GgmlType::Q6_K;
-                crate::kernels::k_quant_tiles(&w, nb, &xk, n, six, &mut wide)
+                crate::kernels::x86_512_kquants::k_quant_rows(&w, nb, &xk, n, six, &mut wide)
             };
             assert_eq!(done, n / TILE * TILE);
             let mut all = vec![f32::NAN; rows * n];
             if ty == GgmlType::Q4_K {
-                Q4K::rows(&w, rb, &xk, nb, n, &mut all);
+                Q4K::rows(as_blocks(&w), &xk, nb, n, &mut all);
             } else {
-                Q6K::rows(&w, rb, &xk, nb, n, &mut all);
+                Q6K::rows(as_blocks(&w), &xk, nb, n, &mut all);
             }
             for r in 0..rows {
                 let row = &w[r * rb..(r + 1) * rb];
@@ -356,15 +385,15 @@ fn wide_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
                     let (mut one, single) = (
                         [0f32; 1],
                         if ty == GgmlType::Q4_K {
-                            Q4K::dot(row, a)
+                            Q4K::dot(as_blocks(row), a)
                         } else {
-                            Q6K::dot(row, a)
+                            Q6K::dot(as_blocks(row), a)
                         },
                     );
                     if ty == GgmlType::Q4_K {
-                        Q4K::dot_tile(row, &[a], &mut one);
+                        Q4K::dot_tile(as_blocks(row), &[a], &mut one);
                     } else {
-                        Q6K::dot_tile(row, &[a], &mut one);
+                        Q6K::dot_tile(as_blocks(row), &[a], &mut one);
                     }
                     let at = format!("{ty:?} {rows}x{n}x{nb} row {r} token {t}");
                     assert_eq!(one[0].to_bits(), single.to_bits(), "{at}");
@@ -383,7 +412,7 @@ fn wide_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
 fn f16_conversion_matches_half_on_every_value() {
     for h in 0..=u16::MAX {
         let want = half::f16::from_bits(h).to_f32();
-        let got = super::f16_bits_to_f32(h);
+        let got = crate::blocks::f16_bits_to_f32(h);
         if want.is_nan() {
             assert!(got.is_nan(), "{h:#06x}");
         } else {
@@ -401,7 +430,6 @@ fn f16_conversion_matches_half_on_every_value() {
 #[test]
 #[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
 fn wide_low_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
-    use crate::low_kquants::{Q2K, Q3K};
     assert!(
         crate::kernels::wide_available(),
         "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
@@ -500,14 +528,16 @@ fn wide_low_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
             // AVX-512 CPU, and checked again here).
             let done = unsafe {
                 assert!(is_x86_feature_detected!("f16c"));
-                crate::kernels::low_k_quant_tiles(&w, nb, &xk, n, two, &mut wide)
+                crate::kernels::x86_512_low_kquants::low_k_quant_rows(
+                    &w, nb, &xk, n, two, &mut wide,
+                )
             };
             assert_eq!(done, n / TILE * TILE);
             let mut all = vec![f32::NAN; rows * n];
             if two {
-                Q2K::rows(&w, rb, &xk, nb, n, &mut all);
+                Q2K::rows(as_blocks(&w), &xk, nb, n, &mut all);
             } else {
-                Q3K::rows(&w, rb, &xk, nb, n, &mut all);
+                Q3K::rows(as_blocks(&w), &xk, nb, n, &mut all);
             }
             for r in 0..rows {
                 let row = &w[r * rb..(r + 1) * rb];
@@ -515,11 +545,11 @@ fn wide_low_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
                     let a = &xk[t * nb..(t + 1) * nb];
                     let mut one = [0f32; 1];
                     let (single, scalar) = if two {
-                        Q2K::dot_tile(row, &[a], &mut one);
-                        (Q2K::dot(row, a), Q2K::dot_scalar(row, a))
+                        Q2K::dot_tile(as_blocks(row), &[a], &mut one);
+                        (Q2K::dot(as_blocks(row), a), Q2K::dot_scalar(row, a))
                     } else {
-                        Q3K::dot_tile(row, &[a], &mut one);
-                        (Q3K::dot(row, a), Q3K::dot_scalar(row, a))
+                        Q3K::dot_tile(as_blocks(row), &[a], &mut one);
+                        (Q3K::dot(as_blocks(row), a), Q3K::dot_scalar(row, a))
                     };
                     let at = format!("{ty:?} {rows}x{n}x{nb} row {r} token {t}");
                     assert_eq!(one[0].to_bits(), single.to_bits(), "{at}");
@@ -535,7 +565,7 @@ fn wide_low_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
 }
 
 /// The super-block formats' 512-bit tiles writing token-major (a prefill's layer output)
-/// against their row-major result, bit for bit, through `BlockMatrix` as the product driver
+/// against their row-major result, bit for bit, through `WeightRows` as the product driver
 /// calls them: one- and two-tile passes, several rows; a token count that is not whole tiles
 /// is refused with nothing written.
 #[cfg(target_arch = "x86_64")]
@@ -556,7 +586,7 @@ fn wide_k_quant_token_major_matches_row_major_bit_for_bit() {
         let (rows, nb) = (5, 2);
         let cols = nb * QK_K;
         let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s) * 3.0).collect();
-        let m = block_matrix(ty, rows, cols, ty.quantize(&vals)).expect("a supported type");
+        let m = table::matrix(ty, rows, cols, &ty.quantize(&vals)).expect("a supported type");
         for n in [12, 4, 6] {
             let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 5.0).collect();
             let mut xk = vec![BlockQ8K::default(); n * nb];
@@ -564,8 +594,10 @@ fn wide_k_quant_token_major_matches_row_major_bit_for_bit() {
                 quantize_row_q8_k(row, o);
             }
             let acts = Acts {
+                f32: &[],
                 q8_1: &[],
                 q8_k: &xk,
+                tile_scales: &[],
             };
             let mut by_row = vec![0f32; rows * n];
             m.rows_kernel(0, rows, &acts, n, &mut by_row);
@@ -653,5 +685,70 @@ fn q8_k_quantization_equals_the_definition() {
             blocks.len()
         );
         assert!(!is_x86_feature_detected!("avx2") || vector_blocks >= 300);
+    }
+}
+
+/// IQ4_NL on rows of one to five blocks (so with and without the odd last block llama.cpp
+/// adds apart): the product as the driver runs it (compiled for AVX2 and FMA where the CPU
+/// has them, alone and batched) equals the portable definition bit for bit, and both the
+/// f64 product of the dequantized weights and activations up to float rounding.
+#[test]
+fn iq4_nl_products_match_the_definition_and_the_reference() {
+    use super::iq4_nl::IQ4NL;
+    let ty = GgmlType::IQ4_NL;
+    let mut s = 71u64;
+    for nb in 1..=5 {
+        let (rows, cols, n) = (3, nb * QK, 6);
+        let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s) * 2.0).collect();
+        let w = ty.quantize(&vals);
+        let mut deq = vec![0f32; rows * cols];
+        ty.dequantize(&w, &mut deq);
+        let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 3.0).collect();
+        let mut xq = vec![BlockQ8_1::default(); n * nb];
+        for (row, o) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(nb)) {
+            quantize_row_q8_1(row, o);
+        }
+        let m = table::matrix(ty, rows, cols, &w).expect("IQ4_NL loads");
+        let acts = Acts {
+            f32: &x,
+            q8_1: &xq,
+            q8_k: &[],
+            tile_scales: &[],
+        };
+        let mut out = vec![0f32; rows * n];
+        m.rows_kernel(0, rows, &acts, n, &mut out);
+        let rb = nb * ty.block_bytes();
+        for r in 0..rows {
+            let row = &w[r * rb..(r + 1) * rb];
+            for t in 0..n {
+                let a = &xq[t * nb..(t + 1) * nb];
+                let want = IQ4NL::dot_scalar(row, a);
+                let at = format!("{nb} blocks, row {r} token {t}");
+                assert_eq!(out[r * n + t].to_bits(), want.to_bits(), "{at}");
+                let one = {
+                    let one_acts = Acts { q8_1: a, ..acts };
+                    let mut one = [0f32];
+                    m.rows_kernel(r, 1, &one_acts, 1, &mut one);
+                    one[0]
+                };
+                assert_eq!(one.to_bits(), want.to_bits(), "{at} alone");
+                let exact: f64 = (0..cols)
+                    .map(|c| {
+                        let b = &a[c / QK];
+                        f64::from(deq[r * cols + c]) * f64::from(b.qs[c % QK]) * f64::from(b.d)
+                    })
+                    .sum();
+                let scale: f64 = (0..cols)
+                    .map(|c| (f64::from(deq[r * cols + c]) * f64::from(x[t * cols + c])).abs())
+                    .sum();
+                assert!(
+                    (f64::from(want) - exact).abs() <= 1e-5 * (1.0 + scale),
+                    "{at}: {want} vs {exact}"
+                );
+            }
+        }
+        let mut row = vec![0f32; cols];
+        m.row_f32(2, &mut row);
+        assert_eq!(row, deq[2 * cols..3 * cols]);
     }
 }

@@ -1,9 +1,9 @@
 //! The attention arithmetic over the KV cache's element types, in the order of llama.cpp's
 //! CPU flash-attention kernel.
 
-use super::dot_f32;
 #[cfg(target_arch = "x86_64")]
-use super::has_f16c;
+use super::cpu::has_f16c;
+use super::dot_f32;
 
 /// Element types of the KV cache, with the operations attention needs. The accumulator of
 /// the weighted V sum has the cache's own precision, as in llama.cpp's kernel.
@@ -295,7 +295,7 @@ impl KvElem for half::f16 {
                 && k.iter().chain(v).fold(0, |d, r| d | (r.len() ^ hd)) == 0
             {
                 for (qs, outs) in qs.chunks(MAX_HEADS).zip(outs.chunks_mut(MAX_HEADS)) {
-                    if super::features().wide {
+                    if super::cpu::features().wide {
                         // SAFETY: AVX-512 F, BW, DQ, VL with F16C and FMA are present
                         // (checked); 1..=MAX_HEADS heads; the lengths are as required
                         // (checked).
@@ -368,5 +368,4 @@ pub(super) fn tail_f64(head: f32, q: &[f32], k: &[half::f16]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[path = "attention_x86.rs"]
 pub(super) mod x86;

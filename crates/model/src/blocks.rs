@@ -1,0 +1,120 @@
+//! The block types every layer above shares (a leaf: it names nothing in this crate): the
+//! activation blocks (Q8_1, Q8_K), the widened-scale weight blocks of Q4_0, Q4_1 and Q8_0,
+//! the activations of a product in every form, and the small helpers the formats' float
+//! parts have in common.
+
+use gguf::QK_K;
+
+/// Elements of a Q8_1 activation block (and of the 32-element weight blocks).
+pub const QK: usize = 32;
+
+/// Activation rows a weight row is unpacked once for.
+pub const TILE: usize = 4;
+
+/// Q4_0 with its f16 scale widened to f32 at load (exact): the kernels do no per-block
+/// conversion.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct BlockQ4_0 {
+    pub d: f32,
+    pub qs: [u8; 16],
+}
+
+/// Q4_1 with its f16 scale and minimum widened to f32 at load.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct BlockQ4_1 {
+    pub d: f32,
+    pub m: f32,
+    pub qs: [u8; 16],
+}
+
+/// Q8_0 with its f16 scale widened to f32 at load.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct BlockQ8_0 {
+    pub d: f32,
+    pub qs: [i8; 32],
+}
+
+/// An activation block quantized as ggml's Q8_1: `x ≈ d * q`, and `s = d * Σq` so that
+/// the offset term of Q4_1 weights costs one multiply per block.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct BlockQ8_1 {
+    pub d: f32,
+    pub s: f32,
+    pub qs: [i8; 32],
+}
+
+impl Default for BlockQ8_1 {
+    fn default() -> Self {
+        Self {
+            d: 0.0,
+            s: 0.0,
+            qs: [0; 32],
+        }
+    }
+}
+
+/// An activation super-block quantized as ggml's Q8_K: `x ≈ d * q`, with the sum of each
+/// 16 quants kept for the k-quants' offset terms.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockQ8K {
+    pub d: f32,
+    pub qs: [i8; QK_K],
+    pub bsums: [i16; QK_K / 16],
+}
+
+impl Default for BlockQ8K {
+    fn default() -> Self {
+        Self {
+            d: 0.0,
+            qs: [0; QK_K],
+            bsums: [0; QK_K / 16],
+        }
+    }
+}
+
+/// The activation scales of a whole tile of Q8_1 rows, per block: `[d of its 4 tokens, s
+/// of its 4 tokens]` (what the 256-bit Q4_1 kernel reads).
+pub type TileScales = [f32; 2 * TILE];
+
+/// The input rows of one product in every form a format may take; a format picks the one
+/// its dot product is defined on. Forms the product's matrices do not use are empty.
+#[derive(Clone, Copy)]
+pub struct Acts<'a> {
+    pub f32: &'a [f32],
+    pub q8_1: &'a [BlockQ8_1],
+    pub q8_k: &'a [BlockQ8K],
+    /// Every whole tile's Q8_1 scales, `[tile * nb + block]`, where a matrix of the
+    /// product asks for them (else empty).
+    pub tile_scales: &'a [TileScales],
+}
+
+/// llama.cpp's `hsum_float_8`: the order in which its AVX2 kernels add their eight lanes.
+pub fn hsum8(acc: [f32; 8]) -> f32 {
+    let r: [f32; 4] = std::array::from_fn(|j| acc[4 + j] + acc[j]);
+    (r[0] + r[2]) + (r[1] + r[3])
+}
+
+/// The f16 at `b[i..i + 2]`, as f32. Converted with integer operations (exact, as every
+/// f16 is an f32) so that it inlines into the callers' SIMD-compiled code; the `half` crate
+/// tests the CPU and calls out for each value.
+#[inline(always)]
+pub fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16_bits_to_f32(u16::from_le_bytes([b[i], b[i + 1]]))
+}
+
+#[inline(always)]
+pub fn f16_bits_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h & 0x8000) << 16;
+    let exponent = u32::from((h >> 10) & 0x1f);
+    let mantissa = u32::from(h & 0x3ff);
+    match exponent {
+        // Zero and subnormals: mantissa × 2^-24, exact in f32.
+        0 => f32::from_bits((mantissa as f32 * f32::from_bits(0x3380_0000)).to_bits() | sign),
+        0x1f => f32::from_bits(sign | 0x7f80_0000 | (mantissa << 13)),
+        _ => f32::from_bits(sign | ((exponent + 112) << 23) | (mantissa << 13)),
+    }
+}

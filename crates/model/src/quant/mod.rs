@@ -1,0 +1,260 @@
+//! Weight formats: one [`QuantFormat`] implementation per format, each in its own file of
+//! this folder (a family of formats sharing kernels shares one), defining its stored block, its reference dequantization, its dot product against the
+//! activation quantization ggml pairs it with (f32, Q8_1 blocks of 32, or Q8_K super-blocks
+//! of 256) and the kernels it runs per instruction set; [`table`] maps GGUF types to them.
+//!
+//! The quantized kernels compute exact integer sums, then apply the blocks' float scales in
+//! llama.cpp's AVX2 float order (its `ggml_vec_dot_*` kernels): eight integer lanes (lane `i`
+//! holding elements `4i..4i+4` of each 32-element chunk), one fused multiply-add per lane and
+//! block, the min/offset terms as llama.cpp accumulates them, and its final lane sum. So the
+//! logits on these types equal llama.cpp's bit for bit (`tests/llama_references.rs`); with
+//! the same products in another order this small model moved by tenths of a nat. The
+//! k-quants have AVX2 builds of the integer lanes (run-time dispatch, as in `kernels/`);
+//! integer lanes do not depend on how they are summed, so both paths give the same bits.
+
+pub mod float;
+pub mod iq4_nl;
+pub mod kquants;
+pub mod low_kquants;
+pub mod q4_0;
+pub mod q4_1;
+pub mod q5;
+pub mod q8_0;
+#[cfg(target_arch = "x86_64")]
+mod simd;
+pub mod table;
+
+use gguf::GgmlType;
+
+use crate::blocks::{Acts, BlockQ8K, BlockQ8_1, TILE};
+use crate::kernels::{ActKind, WeightRows};
+
+/// An activation block type: how many elements a block covers, and where to find it.
+pub trait ActBlock: Copy + Send + Sync + 'static {
+    const ELEMS: usize;
+    const KIND: ActKind;
+    fn pick<'a>(acts: &Acts<'a>) -> &'a [Self];
+}
+
+impl ActBlock for f32 {
+    const ELEMS: usize = 1;
+    const KIND: ActKind = ActKind::F32;
+    fn pick<'a>(acts: &Acts<'a>) -> &'a [Self] {
+        acts.f32
+    }
+}
+
+impl ActBlock for BlockQ8_1 {
+    const ELEMS: usize = crate::blocks::QK;
+    const KIND: ActKind = ActKind::Q8_1;
+    fn pick<'a>(acts: &Acts<'a>) -> &'a [Self] {
+        acts.q8_1
+    }
+}
+
+impl ActBlock for BlockQ8K {
+    const ELEMS: usize = gguf::QK_K;
+    const KIND: ActKind = ActKind::Q8K;
+    fn pick<'a>(acts: &Acts<'a>) -> &'a [Self] {
+        acts.q8_k
+    }
+}
+
+/// One weight format the kernels can multiply. A stored block covers as many elements as
+/// one block of its activations ([`ActBlock::ELEMS`]), so a row of `nb` weight blocks meets
+/// `nb` activation blocks.
+pub trait QuantFormat: Send + Sync + Sized + 'static {
+    /// The ggml type whose layout [`Self::Block`] holds.
+    const TYPE: GgmlType;
+    /// One stored block: ggml's bytes (`[u8; N]`, read back with `as_flattened`), or a form
+    /// widened once at load.
+    type Block: Copy + Send + Sync + 'static;
+    /// The activation blocks the dot product takes.
+    type Act: ActBlock;
+    /// Whether [`Self::product`] reads [`Acts::tile_scales`].
+    const TILE_SCALES: bool = false;
+    /// A tensor of ggml type `ty` (its bytes, whole blocks) as stored blocks.
+    fn load(ty: GgmlType, bytes: &[u8]) -> Vec<Self::Block>;
+    /// The reference dequantization of whole blocks into `out`.
+    fn dequantize(w: &[Self::Block], out: &mut [f32]);
+    /// One weight row against one activation row.
+    fn dot(w: &[Self::Block], a: &[Self::Act]) -> f32;
+    /// One weight row against up to [`TILE`] activation rows, `out[t]` exactly
+    /// `dot(w, acts[t])`; formats whose unpacking dominates share it across the tile.
+    #[inline(always)]
+    fn dot_tile(w: &[Self::Block], acts: &[&[Self::Act]], out: &mut [f32]) {
+        for (a, o) in acts.iter().zip(out.iter_mut()) {
+            *o = Self::dot(w, a);
+        }
+    }
+    /// The tokens (whole tiles, from the first) the format's 512-bit register tiles put
+    /// into row-major `out[r * n + t]`, where it has them and the CPU runs them; 0 where not.
+    #[inline(always)]
+    fn wide_rows(
+        w: &[Self::Block],
+        nb: usize,
+        x: &[Self::Act],
+        n: usize,
+        out: &mut [f32],
+    ) -> usize {
+        let _ = (w, nb, x, n, out);
+        0
+    }
+    /// `out[r * n + t] = dot(w[r], x[t])` for the rows of `w` (`nb` blocks each) and the
+    /// `n` tokens of `x`: the wide tiles' tokens, then the rest one row and up to [`TILE`]
+    /// tokens at a time through [`Self::dot_tile`].
+    #[inline(always)]
+    fn rows(w: &[Self::Block], x: &[Self::Act], nb: usize, n: usize, out: &mut [f32]) {
+        let done = Self::wide_rows(w, nb, x, n, out);
+        tokens_by_tiles::<Self>(w, x, nb, n, done, out);
+    }
+    /// One task's product (rows of `w` against the `n` tokens of `acts`, row-major): where
+    /// the instruction set is chosen, once per task. By default [`Self::rows`] compiled for
+    /// AVX2, FMA and F16C where the CPU has them (see `simd.rs`), else as built.
+    #[inline(always)]
+    fn product(w: &[Self::Block], nb: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
+        let x = Self::Act::pick(acts);
+        #[cfg(target_arch = "x86_64")]
+        if crate::kernels::cpu::avx2_fma_f16c_detected() {
+            // SAFETY: AVX2, FMA and F16C are present (checked), the function's requirement.
+            unsafe { simd::rows_for_avx2::<Self>(w, x, nb, n, out) };
+            return;
+        }
+        Self::rows(w, x, nb, n, out);
+    }
+    /// As [`Self::rows`] but token-major, `out[t * ld + r]`, for formats with a kernel that
+    /// writes that layout (a prefill then needs no transposition); false, nothing done, for
+    /// the others or where the CPU lacks the kernel.
+    #[inline(always)]
+    fn rows_token_major(
+        w: &[Self::Block],
+        nb: usize,
+        x: &[Self::Act],
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        let _ = (w, nb, x, n, out, ld);
+        false
+    }
+}
+
+/// [`QuantFormat::rows`] for tokens `t0..n`, one row and up to [`TILE`] tokens at a time
+/// through [`QuantFormat::dot_tile`].
+#[inline(always)]
+pub(crate) fn tokens_by_tiles<F: QuantFormat>(
+    w: &[F::Block],
+    x: &[F::Act],
+    nb: usize,
+    n: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let mut acts: [&[F::Act]; TILE] = [&[]; TILE];
+    for (r, row) in w.chunks_exact(nb).enumerate() {
+        let mut t = t0;
+        while t < n {
+            let k = (n - t).min(TILE);
+            for (j, a) in acts.iter_mut().enumerate().take(k) {
+                *a = &x[(t + j) * nb..(t + j + 1) * nb];
+            }
+            F::dot_tile(row, &acts[..k], &mut out[r * n + t..r * n + t + k]);
+            t += k;
+        }
+    }
+}
+
+/// ggml's bytes as `N`-byte blocks (the stored form of the formats kept as in the file).
+pub(crate) fn byte_blocks<const N: usize>(bytes: &[u8]) -> Vec<[u8; N]> {
+    bytes.as_chunks::<N>().0.to_vec()
+}
+
+/// What [`crate::weights::Matrix`] holds: a matrix of some format, behind one virtual call
+/// per product task.
+pub trait WeightMatrix: WeightRows {
+    /// The GGUF type the matrix was loaded from.
+    fn ty(&self) -> GgmlType;
+    /// Row `r` dequantized (embedding lookups).
+    fn row_f32(&self, r: usize, out: &mut [f32]);
+}
+
+/// A matrix of format `F`, its blocks row after row.
+pub struct QuantMatrix<F: QuantFormat> {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    data: Vec<F::Block>,
+}
+
+impl<F: QuantFormat> QuantMatrix<F> {
+    /// `bytes` must hold `rows` rows of `cols` elements of type `ty` (the GGUF reader
+    /// checked the size; `cols` is a whole number of blocks).
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Self {
+        debug_assert_eq!(F::TYPE.block_elems(), F::Act::ELEMS);
+        debug_assert_eq!(cols % F::Act::ELEMS, 0);
+        let data = F::load(ty, bytes);
+        debug_assert_eq!(data.len(), rows * cols / F::Act::ELEMS);
+        QuantMatrix {
+            ty,
+            rows,
+            cols,
+            data,
+        }
+    }
+
+    /// Blocks per row.
+    fn nb(&self) -> usize {
+        self.cols / F::Act::ELEMS
+    }
+}
+
+impl<F: QuantFormat> WeightRows for QuantMatrix<F> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn act_kind(&self) -> ActKind {
+        F::Act::KIND
+    }
+
+    fn wants_tile_scales(&self) -> bool {
+        F::TILE_SCALES
+    }
+
+    fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
+        let nb = self.nb();
+        F::product(&self.data[r0 * nb..(r0 + nr) * nb], nb, acts, n, out);
+    }
+
+    fn rows_token_major(
+        &self,
+        r0: usize,
+        nr: usize,
+        acts: &Acts<'_>,
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        let nb = self.nb();
+        let w = &self.data[r0 * nb..(r0 + nr) * nb];
+        F::rows_token_major(w, nb, F::Act::pick(acts), n, out, ld)
+    }
+}
+
+impl<F: QuantFormat> WeightMatrix for QuantMatrix<F> {
+    fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    fn row_f32(&self, r: usize, out: &mut [f32]) {
+        let nb = self.nb();
+        F::dequantize(&self.data[r * nb..(r + 1) * nb], out);
+    }
+}
+
+#[cfg(test)]
+mod tests;

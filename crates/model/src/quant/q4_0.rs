@@ -1,0 +1,66 @@
+//! Q4_0 (`x = (q - 8) * d`, 32 four-bit values and an f16 scale a block) against Q8_1
+//! activations; the kernels are `kernels/quant_dot.rs`'s.
+
+use gguf::GgmlType;
+use half::f16;
+
+use super::QuantFormat;
+use crate::blocks::{Acts, BlockQ4_0, BlockQ8_1, QK};
+use crate::kernels::{dot_q4_0, q4_0_product, q4_0_token_major};
+
+pub struct Q4_0;
+
+impl QuantFormat for Q4_0 {
+    const TYPE: GgmlType = GgmlType::Q4_0;
+    type Block = BlockQ4_0;
+    type Act = BlockQ8_1;
+
+    /// The f16 scale widened to f32 (exact), so the kernels do no per-block conversion.
+    fn load(ty: GgmlType, bytes: &[u8]) -> Vec<BlockQ4_0> {
+        bytes
+            .chunks_exact(ty.block_bytes())
+            .map(|b| {
+                let mut qs = [0u8; 16];
+                qs.copy_from_slice(&b[2..18]);
+                BlockQ4_0 {
+                    d: f16::from_le_bytes([b[0], b[1]]).to_f32(),
+                    qs,
+                }
+            })
+            .collect()
+    }
+
+    fn dequantize(w: &[BlockQ4_0], out: &mut [f32]) {
+        for (b, o) in w.iter().zip(out.chunks_exact_mut(QK)) {
+            for j in 0..16 {
+                o[j] = ((b.qs[j] & 15) as i32 - 8) as f32 * b.d;
+                o[j + 16] = ((b.qs[j] >> 4) as i32 - 8) as f32 * b.d;
+            }
+        }
+    }
+
+    fn dot(w: &[BlockQ4_0], a: &[BlockQ8_1]) -> f32 {
+        let mut out = [0f32];
+        dot_q4_0(w, &[a], &mut out);
+        out[0]
+    }
+
+    fn dot_tile(w: &[BlockQ4_0], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
+        dot_q4_0(w, acts, out);
+    }
+
+    fn product(w: &[BlockQ4_0], nb: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
+        q4_0_product(w, nb, acts.q8_1, n, out);
+    }
+
+    fn rows_token_major(
+        w: &[BlockQ4_0],
+        nb: usize,
+        x: &[BlockQ8_1],
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        q4_0_token_major(w, nb, x, n, out, ld)
+    }
+}

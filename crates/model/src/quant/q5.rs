@@ -1,0 +1,232 @@
+//! Q5_0 and Q5_1 (32 five-bit values a block: an f16 scale, Q5_1 also an f16 minimum, 4
+//! bytes of fifth bits, 16 of nibbles) against Q8_1 activations, kept as ggml's bytes: the
+//! portable definitions in llama.cpp's AVX2 float order, the AVX2 tile
+//! (`kernels/avx2_kquants.rs`) and the 512-bit register tiles (`kernels/x86_512.rs`).
+
+use gguf::GgmlType;
+
+use super::{byte_blocks, QuantFormat};
+#[cfg(target_arch = "x86_64")]
+use crate::blocks::TILE;
+use crate::blocks::{f16_at, hsum8, BlockQ8_1};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::{avx2_kquants as simd, cpu, x86_512};
+
+/// Q5_0's or Q5_1's rows (`N`: 22 or 24 bytes a block) through the 512-bit register tiles:
+/// the whole tiles of tokens where the CPU has them; returns the tokens done.
+#[inline(always)]
+fn five_bit_wide_rows<const N: usize>(
+    w: &[[u8; N]],
+    nb: usize,
+    x: &[BlockQ8_1],
+    n: usize,
+    out: &mut [f32],
+) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if n >= TILE && cpu::wide_available() && cpu::avx2_fma_f16c_detected() {
+        // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ, VL,
+        // VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
+        // bounds-checks its slices.
+        return unsafe { x86_512::row_major_tiles(w, nb, x, n, out) };
+    }
+    let _ = (w, nb, x, n, out);
+    0
+}
+
+/// Q5_0's or Q5_1's rows straight into token-major `out` (`out[t * ld + r]`), where the CPU
+/// has the 512-bit tiles and `n` is whole tiles; false (nothing done) where not.
+#[inline(always)]
+fn five_bit_token_major<const N: usize>(
+    w: &[[u8; N]],
+    nb: usize,
+    x: &[BlockQ8_1],
+    n: usize,
+    out: &mut [f32],
+    ld: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if cpu::wide_available() {
+        // SAFETY: the CPU has the features `wide_available` checks, the function's only
+        // requirement; it bounds-checks its slices.
+        return unsafe { x86_512::token_major(w, nb, x, n, out, ld) };
+    }
+    let _ = (w, nb, x, n, out, ld);
+    false
+}
+
+/// The 32 five-bit values of a Q5_0/Q5_1 block from its `qh` (4 bytes) and `qs` (16).
+fn five_bit(qh: &[u8], qs: &[u8]) -> [i32; 32] {
+    let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    let mut q = [0i32; 32];
+    for j in 0..16 {
+        q[j] = i32::from(qs[j] & 0x0f) | (((qh >> j) & 1) << 4) as i32;
+        q[j + 16] = i32::from(qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4) as i32;
+    }
+    q
+}
+
+fn isum(q: &[i32], a: &[i8]) -> i32 {
+    q.iter().zip(a).map(|(&x, &y)| x * i32::from(y)).sum()
+}
+
+#[allow(non_camel_case_types)]
+pub struct Q5_0;
+
+impl Q5_0 {
+    /// In llama.cpp's AVX2 float order (`ggml_vec_dot_q5_0_q8_0`): per block, eight lanes of
+    /// four consecutive products, each added to its lane accumulator by a fused multiply-add
+    /// with the block's `d·da`, then its final lane sum; so the logits are llama.cpp's.
+    /// The portable definition (the SIMD path is tested against it).
+    pub fn dot_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
+        let mut acc = [0f32; 8];
+        for (wb, ab) in w.chunks_exact(22).zip(a) {
+            let q = five_bit(&wb[2..6], &wb[6..22]);
+            let d = f16_at(wb, 0) * ab.d;
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let lane = isum(&q[4 * i..4 * i + 4], &ab.qs[4 * i..4 * i + 4])
+                    - 16 * ab.qs[4 * i..4 * i + 4]
+                        .iter()
+                        .map(|&v| i32::from(v))
+                        .sum::<i32>();
+                *acc = d.mul_add(lane as f32, *acc);
+            }
+        }
+        hsum8(acc)
+    }
+}
+
+impl QuantFormat for Q5_0 {
+    const TYPE: GgmlType = GgmlType::Q5_0;
+    type Block = [u8; 22];
+    type Act = BlockQ8_1;
+
+    fn load(_: GgmlType, bytes: &[u8]) -> Vec<[u8; 22]> {
+        byte_blocks(bytes)
+    }
+
+    fn dequantize(w: &[[u8; 22]], out: &mut [f32]) {
+        Self::TYPE.dequantize(w.as_flattened(), out);
+    }
+
+    #[inline(always)]
+    fn dot(w: &[[u8; 22]], a: &[BlockQ8_1]) -> f32 {
+        let mut out = [0f32];
+        Self::dot_tile(w, &[a], &mut out);
+        out[0]
+    }
+
+    /// Per block the five-bit values are unpacked once for the tile; each token's lanes
+    /// then follow [`Q5_0::dot_scalar`] exactly.
+    #[inline(always)]
+    fn dot_tile(w: &[[u8; 22]], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
+        five_bit_tile(w.as_flattened(), acts, out, false, Self::dot_scalar);
+    }
+
+    #[inline(always)]
+    fn wide_rows(w: &[[u8; 22]], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) -> usize {
+        five_bit_wide_rows(w, nb, x, n, out)
+    }
+
+    #[inline(always)]
+    fn rows_token_major(
+        w: &[[u8; 22]],
+        nb: usize,
+        x: &[BlockQ8_1],
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        five_bit_token_major(w, nb, x, n, out, ld)
+    }
+}
+
+/// Q5_0's or Q5_1's (`with_min`) tile: the SIMD rows where the CPU has them, else the
+/// portable definition token by token.
+#[inline(always)]
+fn five_bit_tile(
+    w: &[u8],
+    acts: &[&[BlockQ8_1]],
+    out: &mut [f32],
+    with_min: bool,
+    scalar: fn(&[u8], &[BlockQ8_1]) -> f32,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if cpu::avx2_fma_f16c_detected() && !acts.is_empty() {
+        // SAFETY: AVX2, FMA and F16C are present (checked above); the function checks the
+        // slice lengths it reads.
+        unsafe { simd::five_bit_rows(w, acts, with_min, out) };
+        return;
+    }
+    let _ = with_min;
+    for (a, o) in acts.iter().zip(out.iter_mut()) {
+        *o = scalar(w, a);
+    }
+}
+
+#[allow(non_camel_case_types)]
+pub struct Q5_1;
+
+impl Q5_1 {
+    /// In llama.cpp's AVX2 float order (`ggml_vec_dot_q5_1_q8_1`, built with contracted
+    /// multiply-adds): eight lanes of four products per block, each added by a fused
+    /// multiply-add with `d·da`; the offsets `m·s` summed apart and added last.
+    /// The portable definition (the SIMD path is tested against it).
+    pub fn dot_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
+        let mut acc = [0f32; 8];
+        let mut summs = 0f32;
+        for (wb, ab) in w.chunks_exact(24).zip(a) {
+            summs = f16_at(wb, 2).mul_add(ab.s, summs);
+            let q = five_bit(&wb[4..8], &wb[8..24]);
+            let d = f16_at(wb, 0) * ab.d;
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let lane = isum(&q[4 * i..4 * i + 4], &ab.qs[4 * i..4 * i + 4]);
+                *acc = (lane as f32).mul_add(d, *acc);
+            }
+        }
+        hsum8(acc) + summs
+    }
+}
+
+impl QuantFormat for Q5_1 {
+    const TYPE: GgmlType = GgmlType::Q5_1;
+    type Block = [u8; 24];
+    type Act = BlockQ8_1;
+
+    fn load(_: GgmlType, bytes: &[u8]) -> Vec<[u8; 24]> {
+        byte_blocks(bytes)
+    }
+
+    fn dequantize(w: &[[u8; 24]], out: &mut [f32]) {
+        Self::TYPE.dequantize(w.as_flattened(), out);
+    }
+
+    #[inline(always)]
+    fn dot(w: &[[u8; 24]], a: &[BlockQ8_1]) -> f32 {
+        let mut out = [0f32];
+        Self::dot_tile(w, &[a], &mut out);
+        out[0]
+    }
+
+    /// As [`Q5_0`]'s, following [`Q5_1::dot_scalar`].
+    #[inline(always)]
+    fn dot_tile(w: &[[u8; 24]], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
+        five_bit_tile(w.as_flattened(), acts, out, true, Self::dot_scalar);
+    }
+
+    #[inline(always)]
+    fn wide_rows(w: &[[u8; 24]], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) -> usize {
+        five_bit_wide_rows(w, nb, x, n, out)
+    }
+
+    #[inline(always)]
+    fn rows_token_major(
+        w: &[[u8; 24]],
+        nb: usize,
+        x: &[BlockQ8_1],
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        five_bit_token_major(w, nb, x, n, out, ld)
+    }
+}
