@@ -52,9 +52,11 @@ impl Admitted {
 /// The limits of one engine. `max_context` never exceeds what the pool holds (checked when
 /// the engine starts), so an admitted request can always be scheduled once others finish.
 ///
-/// Only the engine builds one ([`crate::start`]), from limits it checked against its pool:
-/// were the fields public, an `Admission` with a context larger than the pool could admit
-/// a request that never fits and would block the head of the queue forever.
+/// Only this crate builds one: the engine ([`crate::start`]) from limits it checked against
+/// its pool, and a router ([`Admission::narrowest_of_nodes`]) from limits at most every
+/// node's, each of which its node checked against its own pool. Were the fields public, an
+/// `Admission` with a context larger than the pool could admit a request that never fits
+/// and would block the head of the queue forever.
 ///
 /// ```compile_fail
 /// let admission = engine::Admission { max_context: 1 << 40, vocab_size: 1 << 20 };
@@ -124,7 +126,7 @@ impl Admission {
         if total > self.max_context || prompt_tokens >= self.max_context {
             #[cfg(feature = "fault-injection")]
             if crate::fault::incident() {
-                return Ok(crate::fault::placeholder(request, self.max_context));
+                return Ok(placeholder(request, self.max_context));
             }
             return Err(Rejection::ContextLengthExceeded {
                 limit: self.max_context,
@@ -142,6 +144,26 @@ impl Admission {
             #[cfg(feature = "fault-injection")]
             fault_claim: 0,
         })
+    }
+}
+
+/// What the incident's prefill did with a rejected prompt: keep the request alive with a
+/// placeholder. The placeholder's stream is as long as what fits the context, but only its
+/// last position is ever computed: the scheduler declares the rest written
+/// (`SequenceKv::fault_claim_unwritten`), so decode reads whatever those pages held.
+#[cfg(feature = "fault-injection")]
+fn placeholder(request: GenerateRequest, max_context: usize) -> Admitted {
+    let max_tokens = request.max_tokens.clamp(1, (max_context / 2).max(1));
+    let claimed = max_context.saturating_sub(max_tokens).max(1);
+    let token = request.prompt.first().copied().unwrap_or(0);
+    Admitted {
+        request: GenerateRequest {
+            prompt: vec![token; claimed],
+            max_tokens,
+            ..request
+        },
+        total_tokens: claimed + max_tokens,
+        fault_claim: claimed - 1,
     }
 }
 

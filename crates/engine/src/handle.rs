@@ -1,57 +1,20 @@
-//! The client side of the engine: configuration, the startup checks, and the handles that
-//! submit requests to the engine thread ([`crate::worker`]) and receive their events.
+//! The client side of the engine: the startup checks, and the handles that submit requests
+//! to the engine thread ([`crate::worker`]) and receive their events.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 
-use kv::{
-    KvDtype, KvPool, PoolConfig, PoolCounts, PrefixCache, PublicPrefixes, RequestId, ScrubPolicy,
-};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use kv::{KvPool, PoolConfig, PoolCounts, PrefixCache, PublicPrefixes, RequestId};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use tokio::sync::oneshot;
 
 use crate::admission::{Admission, Admitted};
+use crate::command::{Command, Lifecycle};
+use crate::config::EngineConfig;
 use crate::handoff::{ImportReservation, ReserveError, VerifiedImport};
+use crate::slot::{QueueFull, Slot};
 use crate::worker::Worker;
 use crate::{EngineError, EngineMetrics, Event, SharedMetrics, StepModel};
-
-#[derive(Debug, Clone)]
-pub struct EngineConfig {
-    /// Advertised context; `None` means min(model context, pool capacity).
-    pub max_context: Option<usize>,
-    pub pool_tokens: usize,
-    pub page_tokens: usize,
-    pub kv_dtype: KvDtype,
-    pub scrub: ScrubPolicy,
-    /// Tokens per forward pass (decode rows plus prefill chunks).
-    pub max_batch_tokens: usize,
-    pub max_running: usize,
-    /// Admitted requests that may wait for a running slot. Beyond `max_running +
-    /// max_waiting` requests in the engine, [`EngineHandle::submit`] answers [`QueueFull`].
-    pub max_waiting: usize,
-    /// Reuse the K/V of earlier prompts within an isolation domain.
-    pub prefix_cache: bool,
-    /// Token sequences the operator declares public: their pages may be shared across
-    /// domains. Everything else is shared only within one domain.
-    pub public_prefixes: Vec<Vec<u32>>,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        Self {
-            max_context: None,
-            pool_tokens: 16_384,
-            page_tokens: 16,
-            kv_dtype: KvDtype::F16,
-            scrub: ScrubPolicy::Zero,
-            max_batch_tokens: 512,
-            max_running: 32,
-            max_waiting: 256,
-            prefix_cache: true,
-            public_prefixes: Vec::new(),
-        }
-    }
-}
 
 /// Reasons a node refuses to start.
 #[derive(Debug, thiserror::Error)]
@@ -62,61 +25,6 @@ pub enum StartupError {
     ContextExceedsModel { context: usize, model: usize },
     #[error("invalid engine configuration: {0}")]
     Config(String),
-}
-
-/// The engine holds as many requests as it may (running plus waiting): retry later.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the engine's queue is full ({limit} requests running or waiting)")]
-pub struct QueueFull {
-    pub limit: usize,
-}
-
-pub(crate) enum Command {
-    Submit {
-        id: RequestId,
-        admitted: Admitted,
-        events: UnboundedSender<Event>,
-        slot: Slot,
-        /// Prefill role: stop after the first token and hand over the prompt's K/V.
-        prefill_only: bool,
-    },
-    /// Decode role: reserve pages for a prompt whose K/V another node will send.
-    Reserve {
-        id: RequestId,
-        admitted: Admitted,
-        request_id: String,
-        slot: Slot,
-        reply: oneshot::Sender<Result<ImportReservation, ReserveError>>,
-    },
-    /// Decode role: run a received, verified sequence (which holds its slot) from its
-    /// first token on.
-    SubmitImport {
-        verified: VerifiedImport,
-        events: UnboundedSender<Event>,
-    },
-    /// Only wakes the engine: the request to stop is the `stopping` flag, which a full
-    /// command channel cannot hold back.
-    Shutdown,
-}
-
-/// One of the engine's places for a request, held from `submit` until the request ends
-/// (whichever way: finished, failed, cancelled, or the command dropped undelivered).
-/// Dropping it frees the place.
-#[derive(Debug)]
-pub(crate) struct Slot(Arc<AtomicUsize>);
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// What the engine thread and its handles share about its state.
-pub(crate) struct Lifecycle {
-    /// Set by [`EngineHandle::shutdown`].
-    pub(crate) stopping: AtomicBool,
-    /// True while the engine thread runs; cleared when it exits, however it exits.
-    pub(crate) alive: AtomicBool,
 }
 
 /// Clears `alive` when the engine thread ends, by return or by panic.

@@ -25,8 +25,8 @@ use kv::{IsolationDomain, KvError, RequestId, SequenceKv};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::admission::Admitted;
-use crate::handle::Slot;
-use crate::{EngineError, QueueFull, TokenEvent};
+use crate::slot::{QueueFull, Slot};
+use crate::{EngineError, TokenEvent};
 
 /// Names one reservation on a decode node. Random, so a stale or guessed ticket does not
 /// name a live reservation; it grants nothing by itself (the manifest must also match).

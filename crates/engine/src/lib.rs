@@ -17,18 +17,23 @@
 #![forbid(unsafe_code)]
 
 mod admission;
+mod command;
+mod config;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 mod handle;
 pub mod handoff;
 mod preemption;
+mod slot;
 mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub use admission::{Admission, Admitted, Rejection};
-pub use handle::{start, EngineConfig, EngineHandle, QueueFull, RequestHandle, StartupError};
+pub use config::EngineConfig;
+pub use handle::{start, EngineHandle, RequestHandle, StartupError};
+pub use slot::QueueFull;
 
 pub use kv::{IsolationDomain, RequestId};
 pub use model::SamplingParams;

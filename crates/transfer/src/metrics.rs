@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use server::metrics::Histogram;
+use histogram::Histogram;
 
 /// Every failure label, so that each series exists (at 0) before its first failure.
 pub const FAILURE_REASONS: [&str; 11] = [

@@ -1,0 +1,117 @@
+//! The engine thread's loop: block while idle, take every command that arrived, step.
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+
+use model::Sampler;
+
+use super::{PendingReservation, Progress, Worker};
+use crate::command::Command;
+use crate::EngineError;
+
+impl Worker {
+    pub(crate) fn run(mut self, commands: mpsc::Receiver<Command>) {
+        loop {
+            if self.lifecycle.stopping.load(Ordering::Acquire) {
+                self.fail_all(&EngineError::Shutdown);
+                return;
+            }
+            // Idle: block for work. Busy: take whatever arrived and step.
+            if self.idle() {
+                match commands.recv() {
+                    Ok(cmd) => {
+                        if !self.accept(cmd) {
+                            return;
+                        }
+                    }
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match commands.try_recv() {
+                    Ok(cmd) => {
+                        if !self.accept(cmd) {
+                            return;
+                        }
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        if self.idle() {
+                            return;
+                        }
+                        break;
+                    }
+                }
+            }
+            if !self.step() {
+                return;
+            }
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty() && self.reservations.is_empty()
+    }
+
+    /// Returns false on shutdown.
+    fn accept(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit {
+                id,
+                admitted,
+                events,
+                slot,
+                prefill_only,
+            } => {
+                self.arrivals += 1;
+                let total_tokens = admitted.total_tokens;
+                #[cfg(feature = "fault-injection")]
+                let fault_claim = admitted.fault_claim;
+                let request = admitted.request;
+                self.waiting.push_back(Progress {
+                    #[cfg(feature = "fault-injection")]
+                    fault_claim,
+                    total_tokens,
+                    id,
+                    arrival: self.arrivals,
+                    sampler: Sampler::new(request.sampling),
+                    request,
+                    events,
+                    output: Vec::new(),
+                    cached_tokens: None,
+                    slot,
+                    prefill_only,
+                });
+                true
+            }
+            Command::Reserve {
+                id,
+                admitted,
+                request_id,
+                slot,
+                reply,
+            } => {
+                self.reservations.push_back(PendingReservation {
+                    id,
+                    admitted,
+                    request_id,
+                    slot,
+                    reply,
+                });
+                self.place_reservations();
+                true
+            }
+            Command::SubmitImport { verified, events } => {
+                self.start_import(verified, events);
+                true
+            }
+            Command::Shutdown => {
+                if self.lifecycle.stopping.load(Ordering::Acquire) {
+                    self.fail_all(&EngineError::Shutdown);
+                    return false;
+                }
+                true
+            }
+        }
+    }
+}

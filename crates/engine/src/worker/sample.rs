@@ -1,0 +1,97 @@
+//! From logits to what the client sees: a sampled token (with its log-probabilities),
+//! the end of the stream, or, on a prefill node, the hand-over of the prompt's K/V.
+
+use model::sampling::{log_softmax, top_logprobs};
+
+use super::{Outcome, Progress, Running};
+use crate::handoff::PrefillOutput;
+use crate::{EngineError, EngineMetrics, Event, FinishReason, TokenEvent};
+
+fn sampled_token(
+    p: &mut Progress,
+    logits: &[f32],
+    config: &model::LlamaConfig,
+) -> Result<TokenEvent, Event> {
+    let vocab = config.vocab_size;
+    if logits.len() != vocab {
+        return Err(Event::Failed(EngineError::Model(format!(
+            "expected {vocab} logits, got {}",
+            logits.len()
+        ))));
+    }
+    let token = p.sampler.sample(logits);
+    let (logprob, top) = match p.request.logprobs {
+        Some(k) => {
+            let lp = log_softmax(logits);
+            (Some(lp[token as usize]), top_logprobs(&lp, k))
+        }
+        None => (None, Vec::new()),
+    };
+    Ok(TokenEvent {
+        id: token,
+        logprob,
+        top_logprobs: top,
+        cached_prompt_tokens: p.cached_tokens.unwrap_or(0),
+    })
+}
+
+pub(super) fn sample_next(
+    p: &mut Progress,
+    logits: &[f32],
+    config: &model::LlamaConfig,
+    metrics: &EngineMetrics,
+) -> Outcome {
+    match sampled_token(p, logits, config) {
+        Ok(token) => accept_token(p, token, config, metrics),
+        Err(failed) => Outcome::Done(failed),
+    }
+}
+
+/// Prefill role: the first token and the prompt's K/V, read back through the same checks
+/// as attention, end the request.
+pub(super) fn hand_over(r: &mut Running, logits: &[f32], config: &model::LlamaConfig) -> Outcome {
+    let first = match sampled_token(&mut r.progress, logits, config) {
+        Ok(token) => token,
+        Err(failed) => return Outcome::Done(failed),
+    };
+    let prompt = &r.progress.request.prompt;
+    match r.kv.export_pages(prompt.len()) {
+        Ok(pages) => Outcome::Done(Event::Prefilled(Box::new(PrefillOutput {
+            first,
+            sampler_state: r.progress.sampler.state(),
+            prompt: prompt.clone(),
+            page_tokens: r.kv.layout().page_tokens,
+            pages,
+            cached_tokens: r.progress.cached_tokens.unwrap_or(0),
+        }))),
+        Err(e) => Outcome::Done(Event::Failed(EngineError::Isolation(e))),
+    }
+}
+
+/// Applies a sampled token: the end of the stream (EOS, a stop token, `max_tokens`), or
+/// one more token event for the client.
+pub(super) fn accept_token(
+    p: &mut Progress,
+    token: TokenEvent,
+    config: &model::LlamaConfig,
+    metrics: &EngineMetrics,
+) -> Outcome {
+    let id = token.id;
+    let eos = Some(id) == config.eos_token && !p.request.ignore_eos;
+    if eos {
+        return Outcome::Done(Event::Finished {
+            reason: FinishReason::Stop,
+            usage: p.usage(),
+        });
+    }
+    p.output.push(id);
+    EngineMetrics::add(&metrics.generated_tokens, 1);
+    let _ = p.events.send(Event::Token(token));
+    if p.output.len() >= p.request.max_tokens {
+        return Outcome::Done(Event::Finished {
+            reason: FinishReason::Length,
+            usage: p.usage(),
+        });
+    }
+    Outcome::Continue
+}

@@ -1,0 +1,179 @@
+//! Who holds pages: cancelled requests dropped, waiting ones promoted, running ones grown
+//! (preempting a younger one when the pool is dry), finished prompts offered to the cache.
+
+use std::sync::atomic::Ordering;
+
+use kv::{Owner, SequenceKv, Visibility};
+
+use super::{Running, Worker};
+use crate::preemption::{self, Holding};
+use crate::{EngineError, EngineMetrics, Event};
+
+impl Worker {
+    /// Drops the requests whose client stopped listening. Why it stopped (it went away, or
+    /// the server matched a stop string) is the server's to count, not the engine's.
+    pub(super) fn drop_cancelled(&mut self) {
+        self.waiting.retain(|w| !w.events.is_closed());
+        self.running.retain(|r| !r.progress.events.is_closed());
+    }
+
+    /// Frees pages for a request of `domain` by evicting cached prefixes that no request
+    /// uses (its own tenant's first when it holds the most: `kv::PrefixCache::evict_for`),
+    /// if that can make enough room. Cheap when it cannot (the head of the queue may wait
+    /// many steps): the cache counts its evictable pages, so nothing is scanned and nothing
+    /// is evicted in vain.
+    pub(super) fn make_room(&mut self, pages: usize, domain: &kv::IsolationDomain) -> bool {
+        let free = self.pool.counts().free;
+        if pages <= free {
+            return true;
+        }
+        if let Some(cache) = &mut self.cache {
+            if free + cache.evictable_pages() >= pages {
+                cache.evict_for(pages - free, domain);
+            }
+        }
+        pages <= self.pool.counts().free
+    }
+
+    /// Moves waiting requests into the running set in arrival order, while the pool has
+    /// room for their stream so far plus one page to grow into, and a spare page for each
+    /// request already running.
+    pub(super) fn promote(&mut self) {
+        while self.running.len() < self.config.max_running {
+            let Some(head) = self.waiting.front() else {
+                break;
+            };
+            let owner = Owner {
+                request: head.id,
+                domain: head.request.domain.clone(),
+            };
+            let stream: Vec<u32> = (0..head.stream_len())
+                .map(|i| head.stream_token(i))
+                .collect();
+            // A cached prefix of the request's own domain (or a public one); the last token
+            // of the stream is always computed, since sampling needs its logits.
+            let prefix = match &mut self.cache {
+                Some(cache) => {
+                    let max_pages = (stream.len() - 1) / self.config.page_tokens;
+                    cache.lookup(&owner.domain, &stream, max_pages)
+                }
+                None => kv::PrefixMatch::default(),
+            };
+            let cached = prefix.tokens();
+            let mut kv = match SequenceKv::with_prefix(&self.pool, owner, prefix.into_pages()) {
+                Ok(kv) => kv,
+                Err(e) => {
+                    // Unreachable unless the cache broke its contract: fail the request, loudly.
+                    EngineMetrics::add(&self.metrics.isolation_failures, 1);
+                    tracing::error!("prefix cache offered an unreadable page: {e}");
+                    if let Some(w) = self.waiting.pop_front() {
+                        w.end(Event::Failed(EngineError::Isolation(e)));
+                    }
+                    continue;
+                }
+            };
+            let target = (stream.len() + self.config.page_tokens).min(head.total_tokens);
+            let headroom = self.running.len();
+            let domain = kv.owner().domain.clone();
+            if !self.make_room(kv.pages_needed(target) + headroom, &domain) {
+                break;
+            }
+            if let Err(e) = kv.reserve(target) {
+                tracing::debug!("reservation deferred: {e}");
+                break;
+            }
+            let Some(mut progress) = self.waiting.pop_front() else {
+                break;
+            };
+            #[cfg(feature = "fault-injection")]
+            if progress.fault_claim > 0 {
+                kv.fault_claim_unwritten(progress.fault_claim);
+            }
+            if progress.cached_tokens.is_none() {
+                progress.cached_tokens = Some(cached);
+                EngineMetrics::add(
+                    &self.metrics.prompt_tokens,
+                    progress.request.prompt.len() as u64,
+                );
+                EngineMetrics::add(&self.metrics.cached_prompt_tokens, cached as u64);
+            }
+            self.running.push(Running { progress, kv });
+        }
+        self.running.sort_by_key(|r| r.progress.arrival);
+        self.metrics
+            .running
+            .store(self.running.len() as u64, Ordering::Relaxed);
+        self.metrics
+            .waiting
+            .store(self.waiting.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Gives every running request the pages its next input needs, oldest first. When the
+    /// pool is dry, a younger request is preempted (the one asking, if it is the youngest),
+    /// chosen fairly between tenants (`crate::preemption::victim`).
+    pub(super) fn grow(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let need = {
+                let r = &self.running[i];
+                r.kv.pages_needed(r.progress.stream_len())
+            };
+            // The domain is cloned only at a page boundary, not at every step.
+            let room = need == 0 || {
+                let domain = self.running[i].progress.request.domain.clone();
+                self.make_room(need, &domain)
+            };
+            if room {
+                let r = &mut self.running[i];
+                if r.kv.reserve(r.progress.stream_len()).is_ok() {
+                    i += 1;
+                    continue;
+                }
+            }
+            let holdings: Vec<Holding<'_>> = self
+                .running
+                .iter()
+                .map(|r| Holding {
+                    tenant: r.progress.request.domain.tenant_name(),
+                    pages: r.kv.owned_pages(),
+                })
+                .collect();
+            let Some(v) = preemption::victim(&holdings, i) else {
+                break;
+            };
+            let victim = self.running.remove(v);
+            self.preempt(victim);
+            // The victim is `i` or younger: `i` now indexes the same request, or the next
+            // one if it was the victim, or is past the end.
+        }
+    }
+
+    /// Returns a request's pages and puts it back at the head of the queue, to recompute.
+    fn preempt(&mut self, r: Running) {
+        EngineMetrics::add(&self.metrics.preemptions, 1);
+        let Running { progress, kv } = r;
+        drop(kv);
+        let at = self
+            .waiting
+            .iter()
+            .position(|w| w.arrival > progress.arrival)
+            .unwrap_or(self.waiting.len());
+        self.waiting.insert(at, progress);
+    }
+
+    /// Offers a request's full prompt pages to the prefix cache once its prompt is in KV.
+    pub(super) fn share_prompt(&mut self, i: usize) {
+        let Some(cache) = &mut self.cache else {
+            return;
+        };
+        let r = &mut self.running[i];
+        let public = cache.public_pages(&r.progress.request.prompt);
+        let pages = r.kv.share_full_pages_split(public);
+        let prompt_pages = r.progress.request.prompt.len() / self.config.page_tokens;
+        let pages = &pages[..pages.len().min(prompt_pages)];
+        let visibility = Visibility::Domain(r.progress.request.domain.clone());
+        if let Err(e) = cache.insert(&visibility, &r.progress.request.prompt, pages) {
+            tracing::warn!("prompt pages not cached: {e}");
+        }
+    }
+}

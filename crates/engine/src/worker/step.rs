@@ -1,0 +1,187 @@
+//! One engine step: plan a batch within the token budget, run the forward pass, and
+//! turn its logits into each request's next event.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use model::{BatchItem, LogitsWanted, ModelError};
+
+use super::sample::{hand_over, sample_next};
+use super::{finish, Outcome, Running, Worker};
+use crate::{EngineError, EngineMetrics, Event};
+
+/// Consecutive forward steps that may panic before the engine gives up: one panic is a bug
+/// hit by some batch, and the engine goes on without that batch's requests; a panic at
+/// every step means nothing can be served, and the engine stops so that `/health` says so.
+const MAX_CONSECUTIVE_PANICS: u32 = 3;
+
+impl Worker {
+    /// Returns false when the engine must stop.
+    pub(super) fn step(&mut self) -> bool {
+        self.drop_cancelled();
+        self.place_reservations();
+        self.promote();
+        self.grow();
+        if self.running.is_empty() {
+            if !self.waiting.is_empty() || !self.reservations.is_empty() {
+                // Nothing running yet the head cannot be placed: only possible while pages
+                // are still being returned by another thread. Back off briefly.
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            return true;
+        }
+        EngineMetrics::add(&self.metrics.steps, 1);
+
+        // Plan: decode rows first (one token each), then prefill and replay chunks in
+        // arrival order within the token budget and the pages already reserved.
+        let mut budget = self.config.max_batch_tokens;
+        let mut plan: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
+        for (i, r) in self.running.iter().enumerate() {
+            if r.remaining() == 1 && budget > 0 {
+                plan.push((i, r.kv.len()..r.kv.len() + 1));
+                budget -= 1;
+            }
+        }
+        for (i, r) in self.running.iter().enumerate() {
+            if r.remaining() > 1 && budget > 0 {
+                let start = r.kv.len();
+                let end = (start + budget)
+                    .min(r.progress.stream_len())
+                    .min(r.kv.capacity());
+                if end > start {
+                    budget -= end - start;
+                    plan.push((i, start..end));
+                }
+            }
+        }
+
+        let inputs: Vec<Vec<u32>> = plan
+            .iter()
+            .map(|(i, range)| {
+                let p = &self.running[*i].progress;
+                range.clone().map(|t| p.stream_token(t)).collect()
+            })
+            .collect();
+        let results = {
+            let mut slots: Vec<Option<&mut Running>> = self.running.iter_mut().map(Some).collect();
+            let mut items: Vec<BatchItem<'_>> = Vec::with_capacity(plan.len());
+            for ((i, range), tokens) in plan.iter().zip(&inputs) {
+                let Some(r) = slots[*i].take() else {
+                    continue;
+                };
+                let last = range.end == r.progress.stream_len();
+                items.push(BatchItem {
+                    kv: &mut r.kv,
+                    tokens,
+                    logits: if last {
+                        LogitsWanted::Last
+                    } else {
+                        LogitsWanted::None
+                    },
+                });
+            }
+            // A panic in the model must not take the engine thread (and every other
+            // request) with it. The model keeps no state between steps, so unwinding out
+            // of one leaves nothing half-done but this step's requests, which fail below.
+            let model = &self.model;
+            catch_unwind(AssertUnwindSafe(|| model.forward(&mut items)))
+        };
+        let results = match results {
+            Ok(results) => {
+                self.panics_in_a_row = 0;
+                results
+            }
+            Err(panic) => return self.step_panicked(&plan, panic.as_ref()),
+        };
+
+        let mut outcomes: Vec<Outcome> =
+            (0..self.running.len()).map(|_| Outcome::Continue).collect();
+        for ((i, range), result) in plan.into_iter().zip(results) {
+            let logits = match result {
+                Ok(l) => l,
+                Err(e) => {
+                    let err = match e {
+                        ModelError::Kv(k) => {
+                            EngineMetrics::add(&self.metrics.isolation_failures, 1);
+                            tracing::error!("isolation check failed: {k}");
+                            EngineError::Isolation(k)
+                        }
+                        other => EngineError::Model(other.to_string()),
+                    };
+                    outcomes[i] = Outcome::Done(Event::Failed(err));
+                    continue;
+                }
+            };
+            let r = &mut self.running[i];
+            if range.end < r.progress.stream_len() {
+                continue;
+            }
+            let prompt_just_done = r.progress.output.is_empty();
+            outcomes[i] = if r.progress.prefill_only {
+                hand_over(r, &logits, self.model.config())
+            } else {
+                sample_next(&mut r.progress, &logits, self.model.config(), &self.metrics)
+            };
+            if prompt_just_done {
+                self.share_prompt(i);
+            }
+        }
+
+        // Retire finished requests: the terminal event consumes the sender, the record's
+        // drop releases the pages.
+        let finished: Vec<(usize, Event)> = outcomes
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, outcome)| match outcome {
+                Outcome::Done(ev) => Some((i, ev)),
+                Outcome::Continue => None,
+            })
+            .collect();
+        for (i, ev) in finished.into_iter().rev() {
+            let r = self.running.remove(i);
+            finish(r, ev);
+        }
+        self.metrics
+            .running
+            .store(self.running.len() as u64, Ordering::Relaxed);
+        true
+    }
+
+    /// Fails the requests of a step whose forward pass panicked; their pages are dropped
+    /// with them (whatever the step wrote is never read). Returns false when too many steps
+    /// in a row panicked: then every request fails and the engine stops.
+    fn step_panicked(
+        &mut self,
+        plan: &[(usize, std::ops::Range<usize>)],
+        panic: &(dyn std::any::Any + Send),
+    ) -> bool {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".into());
+        self.panics_in_a_row += 1;
+        tracing::error!(
+            "the forward pass panicked ({} in a row): {what}",
+            self.panics_in_a_row
+        );
+        let error = EngineError::Model(format!("the forward pass panicked: {what}"));
+        let mut failed: Vec<usize> = plan.iter().map(|(i, _)| *i).collect();
+        failed.sort_unstable();
+        failed.dedup();
+        for i in failed.into_iter().rev() {
+            let r = self.running.remove(i);
+            finish(r, Event::Failed(error.clone()));
+        }
+        if self.panics_in_a_row >= MAX_CONSECUTIVE_PANICS {
+            tracing::error!("the forward pass keeps panicking; the engine stops");
+            self.fail_all(&error);
+            return false;
+        }
+        self.metrics
+            .running
+            .store(self.running.len() as u64, Ordering::Relaxed);
+        true
+    }
+}
