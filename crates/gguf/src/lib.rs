@@ -9,7 +9,9 @@
 // the SIMD kernels of the `model` crate, each with its own safety argument and test.
 #![forbid(unsafe_code)]
 
+mod float;
 mod iq4_nl;
+mod legacy;
 mod low_kquants;
 mod quants;
 mod reader;

@@ -1,6 +1,5 @@
-use half::{bf16, f16};
-
-use crate::{iq4_nl, low_kquants, quants};
+use crate::quants::QK_K;
+use crate::{float, iq4_nl, legacy, low_kquants, quants};
 
 /// Tensor element types that kvwarden can load. Values are ggml's type ids; the k-quants
 /// keep ggml's names (`Q4_K`), which rustc's naming lint would turn into `Q4K`.
@@ -73,72 +72,174 @@ pub fn ggml_type_name(id: u32) -> &'static str {
     NAMES.get(id as usize).copied().unwrap_or("unknown")
 }
 
+/// One GGUF tensor type: its ggml id, block shape and reference (de)quantization. The table
+/// below is the only place that says what a type is; adding one is a variant and a line.
+struct Layout {
+    ty: GgmlType,
+    id: u32,
+    block_elems: usize,
+    block_bytes: usize,
+    /// One block's bytes to its `block_elems` values.
+    dequantize: fn(&[u8], &mut [f32]),
+    /// One block's values appended as bytes, the way ggml's reference quantizer does.
+    quantize: fn(&[f32], &mut Vec<u8>),
+}
+
+/// In the enum's order, so that a type's entry is `LAYOUTS[ty as usize]` (a test checks it).
+const LAYOUTS: [Layout; 14] = [
+    layout(
+        GgmlType::F32,
+        0,
+        1,
+        4,
+        float::dequantize_f32,
+        float::quantize_f32,
+    ),
+    layout(
+        GgmlType::F16,
+        1,
+        1,
+        2,
+        float::dequantize_f16,
+        float::quantize_f16,
+    ),
+    layout(
+        GgmlType::Q4_0,
+        2,
+        32,
+        2 + 16,
+        legacy::dequantize_q4_0,
+        legacy::quantize_q4_0,
+    ),
+    layout(
+        GgmlType::Q4_1,
+        3,
+        32,
+        2 + 2 + 16,
+        legacy::dequantize_q4_1,
+        legacy::quantize_q4_1,
+    ),
+    layout(
+        GgmlType::Q5_0,
+        6,
+        32,
+        2 + 4 + 16,
+        quants::dequantize_q5_0,
+        quants::quantize_q5_0,
+    ),
+    layout(
+        GgmlType::Q5_1,
+        7,
+        32,
+        2 + 2 + 4 + 16,
+        quants::dequantize_q5_1,
+        quants::quantize_q5_1,
+    ),
+    layout(
+        GgmlType::Q8_0,
+        8,
+        32,
+        2 + 32,
+        legacy::dequantize_q8_0,
+        legacy::quantize_q8_0,
+    ),
+    layout(
+        GgmlType::Q2_K,
+        10,
+        QK_K,
+        16 + 64 + 2 + 2,
+        low_kquants::dequantize_q2_k,
+        low_kquants::quantize_q2_k,
+    ),
+    layout(
+        GgmlType::Q3_K,
+        11,
+        QK_K,
+        32 + 64 + 12 + 2,
+        low_kquants::dequantize_q3_k,
+        low_kquants::quantize_q3_k,
+    ),
+    layout(
+        GgmlType::Q4_K,
+        12,
+        QK_K,
+        2 + 2 + 12 + 128,
+        quants::dequantize_q4_k,
+        quants::quantize_q4_k,
+    ),
+    layout(
+        GgmlType::Q5_K,
+        13,
+        QK_K,
+        2 + 2 + 12 + 32 + 128,
+        quants::dequantize_q5_k,
+        quants::quantize_q5_k,
+    ),
+    layout(
+        GgmlType::Q6_K,
+        14,
+        QK_K,
+        128 + 64 + 16 + 2,
+        quants::dequantize_q6_k,
+        quants::quantize_q6_k,
+    ),
+    layout(
+        GgmlType::IQ4_NL,
+        20,
+        32,
+        2 + 16,
+        iq4_nl::dequantize_iq4_nl,
+        iq4_nl::quantize_iq4_nl,
+    ),
+    layout(
+        GgmlType::BF16,
+        30,
+        1,
+        2,
+        float::dequantize_bf16,
+        float::quantize_bf16,
+    ),
+];
+
+const fn layout(
+    ty: GgmlType,
+    id: u32,
+    block_elems: usize,
+    block_bytes: usize,
+    dequantize: fn(&[u8], &mut [f32]),
+    quantize: fn(&[f32], &mut Vec<u8>),
+) -> Layout {
+    Layout {
+        ty,
+        id,
+        block_elems,
+        block_bytes,
+        dequantize,
+        quantize,
+    }
+}
+
 impl GgmlType {
+    fn layout(self) -> &'static Layout {
+        &LAYOUTS[self as usize]
+    }
+
     pub fn from_id(id: u32) -> Option<Self> {
-        Some(match id {
-            0 => Self::F32,
-            1 => Self::F16,
-            2 => Self::Q4_0,
-            3 => Self::Q4_1,
-            6 => Self::Q5_0,
-            7 => Self::Q5_1,
-            8 => Self::Q8_0,
-            10 => Self::Q2_K,
-            11 => Self::Q3_K,
-            12 => Self::Q4_K,
-            13 => Self::Q5_K,
-            14 => Self::Q6_K,
-            20 => Self::IQ4_NL,
-            30 => Self::BF16,
-            _ => return None,
-        })
+        LAYOUTS.iter().find(|l| l.id == id).map(|l| l.ty)
     }
 
     pub fn id(self) -> u32 {
-        match self {
-            Self::F32 => 0,
-            Self::F16 => 1,
-            Self::Q4_0 => 2,
-            Self::Q4_1 => 3,
-            Self::Q5_0 => 6,
-            Self::Q5_1 => 7,
-            Self::Q8_0 => 8,
-            Self::Q2_K => 10,
-            Self::Q3_K => 11,
-            Self::Q4_K => 12,
-            Self::Q5_K => 13,
-            Self::Q6_K => 14,
-            Self::IQ4_NL => 20,
-            Self::BF16 => 30,
-        }
+        self.layout().id
     }
 
     /// Elements per block; a row's length must be a multiple of it.
     pub fn block_elems(self) -> usize {
-        match self {
-            Self::F32 | Self::F16 | Self::BF16 => 1,
-            Self::Q4_0 | Self::Q4_1 | Self::Q5_0 | Self::Q5_1 | Self::Q8_0 | Self::IQ4_NL => 32,
-            Self::Q2_K | Self::Q3_K | Self::Q4_K | Self::Q5_K | Self::Q6_K => quants::QK_K,
-        }
+        self.layout().block_elems
     }
 
     /// Bytes per block, as ggml lays them out.
     pub fn block_bytes(self) -> usize {
-        match self {
-            Self::F32 => 4,
-            Self::F16 | Self::BF16 => 2,
-            Self::Q4_0 => 2 + 16,
-            Self::Q4_1 => 2 + 2 + 16,
-            Self::Q5_0 => 2 + 4 + 16,
-            Self::Q5_1 => 2 + 2 + 4 + 16,
-            Self::Q8_0 => 2 + 32,
-            Self::Q2_K => 16 + 64 + 2 + 2,
-            Self::Q3_K => 32 + 64 + 12 + 2,
-            Self::Q4_K => 2 + 2 + 12 + 128,
-            Self::Q5_K => 2 + 2 + 12 + 32 + 128,
-            Self::Q6_K => 128 + 64 + 16 + 2,
-            Self::IQ4_NL => 2 + 16,
-        }
+        self.layout().block_bytes
     }
 
     /// Bytes of `n` elements, or `None` when `n` is not whole blocks or overflows.
@@ -150,116 +251,31 @@ impl GgmlType {
         (n / be).checked_mul(self.block_bytes() as u64)
     }
 
-    /// Dequantizes whole blocks from `src` into `dst` (`dst.len()` elements).
-    ///
-    /// Follows ggml's definitions: Q4_0 `x = (q - 8) * d`; Q4_1 `x = q * d + m`; Q8_0
-    /// `x = q * d`; in 4-bit blocks byte `j` holds element `j` in its low nibble and element
-    /// `j + 16` in its high nibble. The 5-bit and k-quant layouts are described in
-    /// `quants.rs` and `low_kquants.rs`.
+    /// Dequantizes whole blocks from `src` into `dst` (`dst.len()` elements), by ggml's
+    /// definitions (each type's file describes its layout).
     pub fn dequantize(self, src: &[u8], dst: &mut [f32]) {
-        let be = self.block_elems();
-        let bb = self.block_bytes();
-        assert_eq!(dst.len() % be, 0, "dequantize: partial block");
-        assert!(src.len() >= dst.len() / be * bb, "dequantize: short source");
-        for (block, out) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(be)) {
-            match self {
-                Self::F32 => out[0] = f32::from_le_bytes([block[0], block[1], block[2], block[3]]),
-                Self::F16 => out[0] = f16::from_le_bytes([block[0], block[1]]).to_f32(),
-                Self::BF16 => out[0] = bf16::from_le_bytes([block[0], block[1]]).to_f32(),
-                Self::Q4_0 => {
-                    let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
-                    for j in 0..16 {
-                        let q = block[2 + j];
-                        out[j] = ((q & 0x0f) as i32 - 8) as f32 * d;
-                        out[j + 16] = ((q >> 4) as i32 - 8) as f32 * d;
-                    }
-                }
-                Self::Q4_1 => {
-                    let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
-                    let m = f16::from_le_bytes([block[2], block[3]]).to_f32();
-                    for j in 0..16 {
-                        let q = block[4 + j];
-                        out[j] = (q & 0x0f) as f32 * d + m;
-                        out[j + 16] = (q >> 4) as f32 * d + m;
-                    }
-                }
-                Self::Q8_0 => {
-                    let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
-                    for j in 0..32 {
-                        out[j] = block[2 + j] as i8 as f32 * d;
-                    }
-                }
-                Self::Q5_0 => quants::dequantize_q5_0(block, out),
-                Self::Q5_1 => quants::dequantize_q5_1(block, out),
-                Self::Q2_K => low_kquants::dequantize_q2_k(block, out),
-                Self::Q3_K => low_kquants::dequantize_q3_k(block, out),
-                Self::Q4_K => quants::dequantize_q4_k(block, out),
-                Self::Q5_K => quants::dequantize_q5_k(block, out),
-                Self::Q6_K => quants::dequantize_q6_k(block, out),
-                Self::IQ4_NL => iq4_nl::dequantize_iq4_nl(block, out),
-            }
+        let l = self.layout();
+        assert_eq!(dst.len() % l.block_elems, 0, "dequantize: partial block");
+        assert!(
+            src.len() >= dst.len() / l.block_elems * l.block_bytes,
+            "dequantize: short source"
+        );
+        for (block, out) in src
+            .chunks_exact(l.block_bytes)
+            .zip(dst.chunks_exact_mut(l.block_elems))
+        {
+            (l.dequantize)(block, out);
         }
     }
 
     /// Quantizes `src` (whole blocks) the way ggml's reference quantizers do; used by the
     /// synthetic-model writer and by tests.
     pub fn quantize(self, src: &[f32]) -> Vec<u8> {
-        let be = self.block_elems();
-        assert_eq!(src.len() % be, 0, "quantize: partial block");
-        let mut out = Vec::with_capacity(src.len() / be * self.block_bytes());
-        for x in src.chunks_exact(be) {
-            match self {
-                Self::F32 => out.extend_from_slice(&x[0].to_le_bytes()),
-                Self::F16 => out.extend_from_slice(&f16::from_f32(x[0]).to_le_bytes()),
-                Self::BF16 => out.extend_from_slice(&bf16::from_f32(x[0]).to_le_bytes()),
-                Self::Q4_0 => {
-                    // ggml: d = max / -8 where max is the signed value of largest magnitude.
-                    let mut max = 0f32;
-                    for &v in x {
-                        if v.abs() > max.abs() {
-                            max = v;
-                        }
-                    }
-                    let d = max / -8.0;
-                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                    out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-                    for j in 0..16 {
-                        let lo = ((x[j] * id + 8.5) as i32).clamp(0, 15) as u8;
-                        let hi = ((x[j + 16] * id + 8.5) as i32).clamp(0, 15) as u8;
-                        out.push(lo | (hi << 4));
-                    }
-                }
-                Self::Q4_1 => {
-                    let min = x.iter().copied().fold(f32::INFINITY, f32::min);
-                    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let d = (max - min) / 15.0;
-                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                    out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-                    out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
-                    for j in 0..16 {
-                        let lo = (((x[j] - min) * id + 0.5) as i32).clamp(0, 15) as u8;
-                        let hi = (((x[j + 16] - min) * id + 0.5) as i32).clamp(0, 15) as u8;
-                        out.push(lo | (hi << 4));
-                    }
-                }
-                Self::Q8_0 => {
-                    let amax = x.iter().fold(0f32, |a, &v| a.max(v.abs()));
-                    let d = amax / 127.0;
-                    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                    out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
-                    for &v in x {
-                        out.push((v * id).round() as i8 as u8);
-                    }
-                }
-                Self::Q5_0 => quants::quantize_q5_0(x, &mut out),
-                Self::Q5_1 => quants::quantize_q5_1(x, &mut out),
-                Self::Q2_K => low_kquants::quantize_q2_k(x, &mut out),
-                Self::Q3_K => low_kquants::quantize_q3_k(x, &mut out),
-                Self::Q4_K => quants::quantize_q4_k(x, &mut out),
-                Self::Q5_K => quants::quantize_q5_k(x, &mut out),
-                Self::Q6_K => quants::quantize_q6_k(x, &mut out),
-                Self::IQ4_NL => iq4_nl::quantize_iq4_nl(x, &mut out),
-            }
+        let l = self.layout();
+        assert_eq!(src.len() % l.block_elems, 0, "quantize: partial block");
+        let mut out = Vec::with_capacity(src.len() / l.block_elems * l.block_bytes);
+        for x in src.chunks_exact(l.block_elems) {
+            (l.quantize)(x, &mut out);
         }
         out
     }
@@ -364,7 +380,25 @@ impl MetaValue {
 
 #[cfg(test)]
 mod tests {
+    use half::{bf16, f16};
+
     use super::*;
+
+    #[test]
+    fn every_type_is_its_own_table_line() {
+        for (i, l) in LAYOUTS.iter().enumerate() {
+            assert_eq!(l.ty as usize, i, "{:?} is not at its enum index", l.ty);
+            assert_eq!(GgmlType::from_id(l.id), Some(l.ty));
+            assert_eq!(
+                ggml_type_name(l.id),
+                format!("{:?}", l.ty),
+                "ggml's name for {}",
+                l.id
+            );
+        }
+        let ids: std::collections::BTreeSet<u32> = LAYOUTS.iter().map(|l| l.id).collect();
+        assert_eq!(ids.len(), LAYOUTS.len(), "two lines with one id");
+    }
 
     #[test]
     fn q4_1_dequantizes_per_definition() {
