@@ -6,6 +6,7 @@
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
 use server::chat_prompt;
+use server::validation;
 use server::prep::Cancel;
 use tokenizer::ChatMessage;
 
@@ -23,10 +24,10 @@ fuzz_target!(|input: Input| {
     for (role, content) in &input.messages {
         // Unknown roles are refused by the route before they get here; a role the fuzzer
         // cannot spell becomes "user".
-        let role = chat_prompt::normalize_role(role).unwrap_or("user");
+        let role = validation::normalize_role(role).unwrap_or("user");
         messages.push(ChatMessage::new(role, content.clone()));
     }
-    if chat_prompt::check_message_count(messages.len(), 8192).is_err() {
+    if validation::check_message_count(messages.len(), 8192).is_err() {
         return;
     }
     let Ok(tokens) = chat_prompt::prompt_tokens(tok, template, &messages, &Cancel::never()) else {

@@ -5,6 +5,7 @@
 use libfuzzer_sys::fuzz_target;
 use server::body;
 use server::request::{ChatRequest, CompletionRequest};
+use server::validation::{self, ServedModel};
 use server::ApiError;
 
 fn client_error(e: &ApiError) {
@@ -17,28 +18,31 @@ fn client_error(e: &ApiError) {
 
 fuzz_target!(|data: &[u8]| {
     match body::decode::<ChatRequest>(data) {
-        Ok(req) => match req.validate() {
-            Ok(_) => {
-                for (i, m) in req.messages.iter().enumerate() {
-                    if let Err(e) = m.text(i) {
-                        client_error(&e);
-                    }
-                    let _ = server::chat_prompt::normalize_role(&m.role);
-                }
+        // The served model is the one the body names, so the checks after it are reached;
+        // without a template, a request that passes them all is refused last (still a 400).
+        Ok(req) => {
+            let served = ServedModel {
+                name: &req.model,
+                max_context: 8192,
+                template: None,
+            };
+            if let Err(e) = validation::chat(&req, &served) {
+                client_error(&e);
             }
-            Err(e) => client_error(&e),
-        },
+        }
         Err(e) => client_error(&e),
     }
     match body::decode::<CompletionRequest>(data) {
-        Ok(req) => match req.validate() {
-            Ok(_) => {
-                if let Err(e) = req.single_prompt() {
-                    client_error(&e);
-                }
+        Ok(req) => {
+            let served = ServedModel {
+                name: &req.model,
+                max_context: 8192,
+                template: None,
+            };
+            if let Err(e) = validation::completion(&req, &served) {
+                client_error(&e);
             }
-            Err(e) => client_error(&e),
-        },
+        }
         Err(e) => client_error(&e),
     }
 });

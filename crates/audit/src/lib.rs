@@ -12,20 +12,27 @@
 
 #![forbid(unsafe_code)]
 
-pub mod audit;
+mod auditor;
 mod canary;
+mod checks;
+mod config;
 pub mod deploy;
+mod discover;
 mod error;
 pub mod html;
+mod inspect;
 mod progress;
 mod prompts;
+mod record;
 pub mod report;
+mod run;
 pub mod scenario;
+mod text;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use audit::Config;
+pub use config::Config;
 pub use error::AuditError;
 pub use report::{CheckName, Report};
 
@@ -187,7 +194,7 @@ pub fn run_cli(args: AuditArgs) -> Result<(), AuditError> {
         .endpoint
         .clone()
         .ok_or_else(|| AuditError::Usage("--endpoint is required".into()))?;
-    let report = runtime.block_on(audit::run(args.config(endpoint)))?;
+    let report = runtime.block_on(run::run(args.config(endpoint)))?;
     print!("{}", report.summary_text());
     if let Some(p) = &args.json {
         let json = serde_json::to_string_pretty(&report)

@@ -8,10 +8,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::audit::{self, Auditor, Config};
+use crate::auditor::Auditor;
+use crate::config::Config;
 use crate::deploy::{Deployment, LaunchError, Topology};
 use crate::error::AuditError;
 use crate::report::{CheckName, Verdict};
+use crate::text::clip;
 use oai_client::Rng;
 use oai_client::{Api, Call, Client, Prompt};
 
@@ -362,7 +364,7 @@ async fn over_length_at_full_scale<W: Write>(
         "   HTTP {} in {:.0} ms: {}",
         ex.status.map_or("-".to_owned(), |s| s.to_string()),
         ex.total.as_secs_f64() * 1e3,
-        audit::clip(
+        clip(
             ex.error_message
                 .as_deref()
                 .or(ex.transport_error.as_deref())

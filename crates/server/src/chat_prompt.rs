@@ -21,34 +21,6 @@ fn marker(i: usize) -> String {
     format!("{OPEN}{i}{CLOSE}")
 }
 
-/// The roles a message may have. Roles are rendered into the prompt verbatim, so anything
-/// else (e.g. a role containing control-token text) is refused.
-pub fn normalize_role(role: &str) -> Option<&'static str> {
-    match role {
-        "system" | "developer" => Some("system"),
-        "user" => Some("user"),
-        "assistant" => Some("assistant"),
-        _ => None,
-    }
-}
-
-/// Refuses a conversation longer than the context could hold before any work is spent on
-/// it: every message a chat template renders costs at least one token (its turn marker),
-/// so more messages than the context has tokens can never fit. Without this, a body of
-/// 100,000 empty messages was rendered and tokenized in full before admission refused it.
-pub fn check_message_count(messages: usize, max_context: usize) -> Result<(), ApiError> {
-    if messages > max_context {
-        return Err(ApiError::invalid(
-            "context_length_exceeded",
-            Some("messages".to_owned()),
-            format!(
-                "This model's maximum context length is {max_context} tokens, and every message takes at least one; a conversation of {messages} messages cannot fit."
-            ),
-        ));
-    }
-    Ok(())
-}
-
 /// The prompt tokens of a conversation. Linear in its size: two renderings and one pass
 /// over each. Stops (with [`ApiError::Abandoned`]) once `cancel` is raised.
 pub fn prompt_tokens(

@@ -3,8 +3,8 @@
 //! Connections pass the connection layer first ([`conn`]: a cap on open connections, header,
 //! body and send timeouts). Requests then go through one pipeline: authenticate (the tenant
 //! decides the isolation domain), read the JSON body under a size limit and a deadline,
-//! decode and validate, build prompt tokens on a bounded pool ([`prep`]), then the engine's
-//! admission and its bounded queue. Anything refused on the way is a 4xx in OpenAI's error
+//! decode, validate ([`validation`]: every check that needs no model work), build prompt
+//! tokens on a bounded pool ([`prep`]), then the engine's admission and its bounded queue. Anything refused on the way is a 4xx in OpenAI's error
 //! shape and never reaches the engine; failures after admission are 5xx responses or one
 //! SSE error event, never a 200.
 
@@ -26,6 +26,7 @@ pub mod request;
 mod routes;
 pub mod stop;
 pub mod tenants;
+pub mod validation;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -13,13 +13,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use engine::{GenerateRequest, IsolationDomain};
+use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
-use tokenizer::ChatMessage;
 
 use crate::error::ApiError;
 use crate::format::{Api, ResponseMeta};
 use crate::generation::{Chunk, Generation, Step};
-use crate::request::{ChatRequest, CompletionRequest, PromptInput, Settings};
+use crate::validation::{self, PromptInput, ServedModel, Settings, ValidChat};
 use crate::{body, chat_prompt, AppState, MetricsAccess};
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -90,14 +90,6 @@ fn refuse(app: &AppState, e: ApiError) -> Response {
     e.into_response()
 }
 
-fn check_model(app: &AppState, model: &str) -> Result<(), ApiError> {
-    if model == app.model_name {
-        Ok(())
-    } else {
-        Err(ApiError::ModelNotFound(model.to_owned()))
-    }
-}
-
 /// `settings.cache_salt` is already the fixed-size key of the client's salt.
 fn domain_for(tenant: IsolationDomain, settings: &Settings) -> IsolationDomain {
     match &settings.cache_salt {
@@ -106,22 +98,32 @@ fn domain_for(tenant: IsolationDomain, settings: &Settings) -> IsolationDomain {
     }
 }
 
+/// The prologue both endpoints share, in this order: authenticate, read the body, decode
+/// it, then [`validation`]: every check that needs no model work, before any is spent.
+async fn accept<R: DeserializeOwned, V>(
+    app: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+    validate: impl FnOnce(&R, &ServedModel<'_>) -> Result<V, ApiError>,
+) -> Result<(IsolationDomain, V), ApiError> {
+    let tenant = app.auth.authenticate(headers)?;
+    body::require_json(headers)?;
+    let bytes = body::read(body, app.max_body_bytes, app.body_timeout).await?;
+    let req: R = body::decode(&bytes)?;
+    let valid = validate(&req, &ServedModel::of(app))?;
+    Ok((tenant, valid))
+}
+
 async fn start_completion(
     app: &Arc<AppState>,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Started, ApiError> {
-    let tenant = app.auth.authenticate(headers)?;
-    body::require_json(headers)?;
-    let bytes = body::read(body, app.max_body_bytes, app.body_timeout).await?;
-    let req: CompletionRequest = body::decode(&bytes)?;
-    check_model(app, &req.model)?;
-    let (settings, logprobs) = req.validate()?;
-    let prompt = match req.single_prompt()? {
-        PromptInput::Tokens(t) => t.to_vec(),
-        PromptInput::Text(s) => {
+    let (tenant, req) = accept(app, headers, body, validation::completion).await?;
+    let prompt = match req.prompt {
+        PromptInput::Tokens(t) => t,
+        PromptInput::Text(text) => {
             let tok = app.tokenizer.clone();
-            let text = s.to_owned();
             // The whole prompt is the client's own: control-token text is parsed, so
             // clients can format their own turns. The BOS the model expects goes in front
             // (token-id prompts are taken as they are, as llama.cpp does).
@@ -134,8 +136,8 @@ async fn start_completion(
         app,
         tenant,
         prompt,
-        settings,
-        logprobs,
+        req.settings,
+        req.logprobs,
         Api::Completion,
         "prompt",
     )
@@ -147,41 +149,15 @@ async fn start_chat(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Started, ApiError> {
-    let tenant = app.auth.authenticate(headers)?;
-    body::require_json(headers)?;
-    let bytes = body::read(body, app.max_body_bytes, app.body_timeout).await?;
-    let req: ChatRequest = body::decode(&bytes)?;
-    check_model(app, &req.model)?;
-    let (settings, logprobs) = req.validate()?;
-    if req.messages.is_empty() {
-        return Err(ApiError::invalid(
-            "invalid_value",
-            Some("messages".to_owned()),
-            "'messages' must contain at least one message.",
-        ));
-    }
-    chat_prompt::check_message_count(req.messages.len(), app.backend.admission().max_context())?;
-    let mut messages = Vec::with_capacity(req.messages.len());
-    for (i, m) in req.messages.iter().enumerate() {
-        let role = chat_prompt::normalize_role(&m.role).ok_or_else(|| {
-            ApiError::invalid(
-                "invalid_value",
-                Some(format!("messages[{i}].role")),
-                format!(
-                    "Unsupported role '{}' in messages[{i}]; use system, developer, user or assistant.",
-                    m.role
-                ),
-            )
-        })?;
-        messages.push(ChatMessage::new(role, m.text(i)?));
-    }
-    let Some(template) = app.template.clone() else {
-        return Err(ApiError::invalid(
-            "unsupported_endpoint",
-            None,
-            "This model has no chat template; use /v1/completions.",
-        ));
-    };
+    let (
+        tenant,
+        ValidChat {
+            settings,
+            logprobs,
+            messages,
+            template,
+        },
+    ) = accept(app, headers, body, validation::chat).await?;
     let tok = app.tokenizer.clone();
     let prompt = app
         .prompt_workers

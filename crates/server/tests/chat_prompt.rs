@@ -4,6 +4,7 @@ use std::path::Path;
 
 use server::chat_prompt;
 use server::prep::Cancel;
+use server::validation;
 use tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
 const IM_START: u32 = 1;
@@ -126,8 +127,8 @@ fn long_conversations_split_like_the_whole_rendering() {
 
 #[test]
 fn more_messages_than_the_context_holds_are_refused_up_front() {
-    assert!(chat_prompt::check_message_count(4096, 4096).is_ok());
-    let e = chat_prompt::check_message_count(100_000, 4096).unwrap_err();
+    assert!(validation::check_message_count(4096, 4096).is_ok());
+    let e = validation::check_message_count(100_000, 4096).unwrap_err();
     assert_eq!(
         (e.status().as_u16(), e.code(), e.param()),
         (400, "context_length_exceeded", Some("messages"))

@@ -1,0 +1,738 @@
+//! Every request check that needs no model work, for both endpoints, in the order they
+//! run: the model name, the parameters (unsupported ones, ranges, limits), then what each
+//! endpoint takes as input (one prompt; messages: present, few enough for the context,
+//! known roles, text content, a chat template to render them). A request that passes is a
+//! [`ValidCompletion`] or [`ValidChat`], ready for prompt preparation and the engine's
+//! admission (the typed capacity check, which needs the prompt's tokens).
+
+use std::sync::Arc;
+
+use serde_json::Value;
+use tokenizer::{ChatMessage, ChatTemplate};
+
+use engine::SamplingParams;
+
+use crate::error::ApiError;
+use crate::request::{ChatRequest, Common, CompletionRequest, Content, Message, Prompt, Stop};
+use crate::AppState;
+
+/// Most stop strings a request may give (OpenAI's limit).
+pub const MAX_STOP_STRINGS: usize = 4;
+/// Most alternatives per token a request may ask for.
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// What a request is checked against: the model this server serves.
+#[derive(Debug, Clone, Copy)]
+pub struct ServedModel<'a> {
+    pub name: &'a str,
+    pub max_context: usize,
+    /// `None` when the model has no chat template: chat requests are then refused.
+    pub template: Option<&'a Arc<ChatTemplate>>,
+}
+
+impl<'a> ServedModel<'a> {
+    pub fn of(app: &'a AppState) -> Self {
+        Self {
+            name: &app.model_name,
+            max_context: app.backend.admission().max_context(),
+            template: app.template.as_ref(),
+        }
+    }
+}
+
+/// A completion request that passed every check.
+#[derive(Debug)]
+pub struct ValidCompletion {
+    pub settings: Settings,
+    /// How many alternatives per token, when logprobs are wanted.
+    pub logprobs: Option<usize>,
+    pub prompt: PromptInput,
+}
+
+/// A chat request that passed every check.
+#[derive(Debug)]
+pub struct ValidChat {
+    pub settings: Settings,
+    /// How many alternatives per token, when logprobs are wanted.
+    pub logprobs: Option<usize>,
+    /// Roles normalized, contents as text.
+    pub messages: Vec<ChatMessage>,
+    pub template: Arc<ChatTemplate>,
+}
+
+/// `/v1/completions`: model, parameters, then the prompt.
+pub fn completion(
+    req: &CompletionRequest,
+    model: &ServedModel,
+) -> Result<ValidCompletion, ApiError> {
+    check_model(model, &req.model)?;
+    let (settings, logprobs) = req.parameters()?;
+    let prompt = req.single_prompt()?;
+    Ok(ValidCompletion {
+        settings,
+        logprobs,
+        prompt,
+    })
+}
+
+/// `/v1/chat/completions`: model, parameters, then the messages (each role, then its
+/// content, message by message), then the template.
+pub fn chat(req: &ChatRequest, model: &ServedModel) -> Result<ValidChat, ApiError> {
+    check_model(model, &req.model)?;
+    let (settings, logprobs) = req.parameters()?;
+    if req.messages.is_empty() {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            Some("messages".to_owned()),
+            "'messages' must contain at least one message.",
+        ));
+    }
+    check_message_count(req.messages.len(), model.max_context)?;
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.iter().enumerate() {
+        let role = normalize_role(&m.role).ok_or_else(|| {
+            ApiError::invalid(
+                "invalid_value",
+                Some(format!("messages[{i}].role")),
+                format!(
+                    "Unsupported role '{}' in messages[{i}]; use system, developer, user or assistant.",
+                    m.role
+                ),
+            )
+        })?;
+        messages.push(ChatMessage::new(role, m.text(i)?));
+    }
+    let Some(template) = model.template.cloned() else {
+        return Err(ApiError::invalid(
+            "unsupported_endpoint",
+            None,
+            "This model has no chat template; use /v1/completions.",
+        ));
+    };
+    Ok(ValidChat {
+        settings,
+        logprobs,
+        messages,
+        template,
+    })
+}
+
+fn check_model(served: &ServedModel, model: &str) -> Result<(), ApiError> {
+    if model == served.name {
+        Ok(())
+    } else {
+        Err(ApiError::ModelNotFound(model.to_owned()))
+    }
+}
+
+/// The roles a message may have. Roles are rendered into the prompt verbatim, so anything
+/// else (e.g. a role containing control-token text) is refused.
+pub fn normalize_role(role: &str) -> Option<&'static str> {
+    match role {
+        "system" | "developer" => Some("system"),
+        "user" => Some("user"),
+        "assistant" => Some("assistant"),
+        _ => None,
+    }
+}
+
+/// Refuses a conversation longer than the context could hold before any work is spent on
+/// it: every message a chat template renders costs at least one token (its turn marker),
+/// so more messages than the context has tokens can never fit. Without this, a body of
+/// 100,000 empty messages was rendered and tokenized in full before admission refused it.
+pub fn check_message_count(messages: usize, max_context: usize) -> Result<(), ApiError> {
+    if messages > max_context {
+        return Err(ApiError::invalid(
+            "context_length_exceeded",
+            Some("messages".to_owned()),
+            format!(
+                "This model's maximum context length is {max_context} tokens, and every message takes at least one; a conversation of {messages} messages cannot fit."
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A request's generation settings after validation.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stops: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// A fixed-size key derived from the client's `cache_salt` ([`salt_key`]), never the
+    /// salt itself.
+    pub cache_salt: Option<String>,
+    pub ignore_eos: bool,
+}
+
+/// The isolation-domain key of a client's `cache_salt`: 128 bits of keyed SipHash, as 32
+/// hex digits. The domain is cloned into every cached page's visibility, every tree key
+/// and lookup, so a client-chosen string of any length would multiply memory and
+/// eviction cost; the key has a fixed size whatever the client sends. The hash keys are
+/// random per process, so a key means nothing outside it and a client cannot aim at a
+/// collision it cannot observe; different salts collide with probability about 2^-128.
+pub fn salt_key(salt: &str) -> String {
+    use std::hash::BuildHasher;
+    static KEYS: std::sync::OnceLock<[std::collections::hash_map::RandomState; 2]> =
+        std::sync::OnceLock::new();
+    let keys = KEYS.get_or_init(Default::default);
+    format!(
+        "{:016x}{:016x}",
+        keys[0].hash_one(salt),
+        keys[1].hash_one(salt)
+    )
+}
+
+fn param(name: &str) -> Option<String> {
+    Some(name.to_owned())
+}
+
+fn check_range(
+    name: &str,
+    v: Option<f64>,
+    lo: f64,
+    hi: f64,
+    lo_open: bool,
+) -> Result<(), ApiError> {
+    let Some(v) = v else { return Ok(()) };
+    let ok = v.is_finite() && v <= hi && if lo_open { v > lo } else { v >= lo };
+    if ok {
+        Ok(())
+    } else {
+        let open = if lo_open { "(" } else { "[" };
+        Err(ApiError::invalid(
+            "invalid_value",
+            param(name),
+            format!("Invalid '{name}': {v} is outside {open}{lo}, {hi}]."),
+        ))
+    }
+}
+
+impl Common<'_> {
+    /// Validates everything but the prompt. `max_tokens` is the value the endpoint settled
+    /// on (chat prefers `max_completion_tokens`).
+    fn settings(&self, max_tokens: Option<u64>) -> Result<Settings, ApiError> {
+        match self.n {
+            None | Some(1) => {}
+            Some(n) => {
+                return Err(ApiError::unsupported(
+                    "n",
+                    format!("n = {n} is not supported; only n = 1."),
+                ))
+            }
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(ApiError::unsupported(
+                    name,
+                    format!("{name} is not supported."),
+                ));
+            }
+        }
+        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return Err(ApiError::unsupported(
+                "logit_bias",
+                "logit_bias is not supported.",
+            ));
+        }
+        check_range("temperature", self.temperature, 0.0, 2.0, false)?;
+        check_range("top_p", self.top_p, 0.0, 1.0, true)?;
+        let top_k = match self.top_k {
+            None | Some(-1) => 0,
+            Some(k) => usize::try_from(k).map_err(|_| {
+                ApiError::invalid(
+                    "invalid_value",
+                    param("top_k"),
+                    format!("Invalid 'top_k': {k}; use -1 or 0 to disable."),
+                )
+            })?,
+        };
+        let stops = match self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        if stops.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::invalid(
+                "invalid_value",
+                param("stop"),
+                format!(
+                    "At most {MAX_STOP_STRINGS} stop sequences are allowed; got {}.",
+                    stops.len()
+                ),
+            ));
+        }
+        if stops.iter().any(String::is_empty) {
+            return Err(ApiError::invalid(
+                "invalid_value",
+                param("stop"),
+                "Stop sequences must not be empty.",
+            ));
+        }
+        if let Some(salt) = self.cache_salt {
+            if salt.is_empty() {
+                return Err(ApiError::invalid(
+                    "invalid_value",
+                    param("cache_salt"),
+                    "cache_salt must not be empty.",
+                ));
+            }
+        }
+        let max_tokens = max_tokens.map(|m| usize::try_from(m).unwrap_or(usize::MAX));
+        let seed = match self.seed {
+            // Reinterpreting the bits keeps negative seeds distinct and reproducible.
+            Some(s) => s as u64,
+            None => random_seed(),
+        };
+        let stream = self.stream.unwrap_or(false);
+        Ok(Settings {
+            max_tokens,
+            sampling: SamplingParams {
+                // OpenAI's default temperature is 1.
+                temperature: self.temperature.unwrap_or(1.0) as f32,
+                top_p: self.top_p.unwrap_or(1.0) as f32,
+                top_k,
+                seed,
+            },
+            stops,
+            stream,
+            include_usage: stream
+                && self
+                    .stream_options
+                    .and_then(|o| o.include_usage)
+                    .unwrap_or(false),
+            cache_salt: self.cache_salt.map(salt_key),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+        })
+    }
+}
+
+/// A seed for requests that give none: different per request, like OpenAI's sampling.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+impl CompletionRequest {
+    /// The completion endpoint's own parameters, then the shared ones.
+    fn parameters(&self) -> Result<(Settings, Option<usize>), ApiError> {
+        if self.echo == Some(true) {
+            return Err(ApiError::unsupported("echo", "echo is not supported."));
+        }
+        if let Some(b) = self.best_of.filter(|&b| b != 1) {
+            return Err(ApiError::unsupported(
+                "best_of",
+                format!("best_of = {b} is not supported; only 1."),
+            ));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::unsupported("suffix", "suffix is not supported."));
+        }
+        if let Some(k) = self.logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+            return Err(ApiError::invalid(
+                "invalid_value",
+                param("logprobs"),
+                format!("logprobs = {k} exceeds the maximum of {MAX_TOP_LOGPROBS}."),
+            ));
+        }
+        let settings = self.common().settings(self.max_tokens)?;
+        Ok((settings, self.logprobs.map(|k| k as usize)))
+    }
+
+    /// The prompt as text or token ids; several prompts in one request are refused.
+    fn single_prompt(&self) -> Result<PromptInput, ApiError> {
+        let many = || {
+            ApiError::unsupported(
+                "prompt",
+                "Batched prompts are not supported; send one prompt per request.",
+            )
+        };
+        Ok(match &self.prompt {
+            Prompt::Text(s) => PromptInput::Text(s.clone()),
+            Prompt::Tokens(t) => PromptInput::Tokens(t.clone()),
+            Prompt::Texts(v) => match v.as_slice() {
+                [s] => PromptInput::Text(s.clone()),
+                _ => return Err(many()),
+            },
+            Prompt::TokenLists(v) => match v.as_slice() {
+                [t] => PromptInput::Tokens(t.clone()),
+                _ => return Err(many()),
+            },
+        })
+    }
+}
+
+/// A completion's one prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+impl ChatRequest {
+    /// Returns the settings and, when logprobs are wanted, how many alternatives.
+    fn parameters(&self) -> Result<(Settings, Option<usize>), ApiError> {
+        for (name, v) in [
+            ("tools", &self.tools),
+            ("tool_choice", &self.tool_choice),
+            ("functions", &self.functions),
+        ] {
+            if v.as_ref().is_some_and(|v| !v.is_null()) {
+                return Err(ApiError::unsupported(
+                    name,
+                    format!("{name} is not supported."),
+                ));
+            }
+        }
+        if let Some(fmt) = &self.response_format {
+            let kind = fmt.get("type").and_then(Value::as_str);
+            if !fmt.is_null() && kind != Some("text") {
+                return Err(ApiError::unsupported(
+                    "response_format",
+                    "Only response_format {\"type\": \"text\"} is supported.",
+                ));
+            }
+        }
+        let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (_, Some(k)) if k > MAX_TOP_LOGPROBS => {
+                return Err(ApiError::invalid(
+                    "invalid_value",
+                    param("top_logprobs"),
+                    format!("top_logprobs = {k} exceeds the maximum of {MAX_TOP_LOGPROBS}."),
+                ))
+            }
+            // Some clients send `top_logprobs: 0` alongside `logprobs: false`.
+            (false, Some(0)) => None,
+            (false, Some(_)) => {
+                return Err(ApiError::invalid(
+                    "invalid_value",
+                    param("top_logprobs"),
+                    "top_logprobs requires logprobs to be true.",
+                ))
+            }
+            (true, k) => Some(k.unwrap_or(0) as usize),
+            (false, None) => None,
+        };
+        let settings = self
+            .common()
+            .settings(self.max_completion_tokens.or(self.max_tokens))?;
+        Ok((settings, logprobs))
+    }
+}
+
+impl Message {
+    /// The message's text: a string, or the concatenation of its text parts.
+    fn text(&self, index: usize) -> Result<String, ApiError> {
+        match &self.content {
+            None => Ok(String::new()),
+            Some(Content::Text(s)) => Ok(s.clone()),
+            Some(Content::Parts(parts)) => {
+                let mut out = String::new();
+                for (j, p) in parts.iter().enumerate() {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => out.push_str(t),
+                        ("text", None) => {
+                            return Err(ApiError::invalid(
+                                "missing_required_parameter",
+                                Some(format!("messages[{index}].content[{j}].text")),
+                                format!("Missing required parameter: 'messages[{index}].content[{j}].text'."),
+                            ))
+                        }
+                        (other, _) => {
+                            return Err(ApiError::unsupported(
+                                &format!("messages[{index}].content[{j}].type"),
+                                format!("Content parts of type '{other}' are not supported; only text."),
+                            ))
+                        }
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::body::decode;
+
+    fn chat(body: &str) -> Result<(Settings, Option<usize>), ApiError> {
+        decode::<ChatRequest>(body.as_bytes())?.parameters()
+    }
+
+    fn completion(body: &str) -> Result<(Settings, Option<usize>), ApiError> {
+        decode::<CompletionRequest>(body.as_bytes())?.parameters()
+    }
+
+    fn code(r: Result<(Settings, Option<usize>), ApiError>) -> (&'static str, Option<String>) {
+        let e = r.unwrap_err();
+        assert_eq!(e.status().as_u16(), 400, "{e}");
+        (e.code(), e.param().map(str::to_owned))
+    }
+
+    const M: &str = r#""model":"m","messages":[{"role":"user","content":"hi"}]"#;
+
+    #[test]
+    fn chat_settings() {
+        let (s, lp) = chat(&format!(
+            r#"{{{M},"max_completion_tokens":7,"max_tokens":99,"temperature":0,"stop":"\n","stream":true,"stream_options":{{"include_usage":true}},"logprobs":true,"top_logprobs":3,"seed":-5}}"#
+        ))
+        .unwrap();
+        assert_eq!(s.max_tokens, Some(7));
+        assert_eq!(s.sampling.temperature, 0.0);
+        assert_eq!(s.sampling.seed, (-5i64) as u64);
+        assert_eq!(s.stops, vec!["\n".to_owned()]);
+        assert!(s.stream && s.include_usage);
+        assert_eq!(lp, Some(3));
+        let (s, lp) = chat(&format!("{{{M}}}")).unwrap();
+        assert_eq!(
+            (s.max_tokens, lp, s.stream, s.include_usage),
+            (None, None, false, false)
+        );
+        assert_eq!(s.sampling.temperature, 1.0);
+    }
+
+    #[test]
+    fn chat_refusals() {
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"n":2}}"#))),
+            ("unsupported_parameter", Some("n".into()))
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"top_logprobs":2}}"#))).0,
+            "invalid_value"
+        );
+        assert_eq!(
+            code(chat(&format!(
+                r#"{{{M},"logprobs":true,"top_logprobs":21}}"#
+            )))
+            .0,
+            "invalid_value"
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"temperature":2.5}}"#))),
+            ("invalid_value", Some("temperature".into()))
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"top_p":0}}"#))).0,
+            "invalid_value"
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"stop":["a","b","c","d","e"]}}"#))).1,
+            Some("stop".into())
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"stop":[""]}}"#))).1,
+            Some("stop".into())
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"tools":[{{}}]}}"#))).1,
+            Some("tools".into())
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"presence_penalty":1}}"#))).0,
+            "unsupported_parameter"
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"cache_salt":""}}"#))).1,
+            Some("cache_salt".into())
+        );
+        assert_eq!(
+            code(chat(&format!(r#"{{{M},"top_k":-2}}"#))).1,
+            Some("top_k".into())
+        );
+        assert_eq!(
+            code(chat(r#"{"model":"m"}"#)),
+            ("missing_required_parameter", Some("messages".into()))
+        );
+        assert_eq!(
+            code(chat(r#"{"model":"m","messages":"hi"}"#)),
+            ("invalid_type", Some("messages".into()))
+        );
+        assert_eq!(
+            code(chat(r#"{"messages":[]}"#)),
+            ("missing_required_parameter", Some("model".into()))
+        );
+        assert_eq!(
+            code(chat(r#"{"model":"m","messages":[],"max_tokens":"5"}"#)),
+            ("invalid_type", Some("max_tokens".into()))
+        );
+        assert_eq!(
+            code(chat(r#"{"model":"m","messages":[],"stream":1}"#)),
+            ("invalid_type", Some("stream".into()))
+        );
+    }
+
+    /// However long the salt, the domain key is 32 hex digits; salts stay distinct.
+    #[test]
+    fn cache_salt_becomes_a_fixed_size_key() {
+        let salted = |salt: &str| {
+            let body = serde_json::json!({"model": "m", "prompt": "x", "cache_salt": salt});
+            completion(&body.to_string()).unwrap().0.cache_salt.unwrap()
+        };
+        let huge = "s".repeat(2 << 20);
+        let key = salted(&huge);
+        assert_eq!(key.len(), 32);
+        assert!(key.bytes().all(|b| b.is_ascii_hexdigit()), "{key}");
+        assert_eq!(salted("project-x").len(), 32);
+        assert_eq!(salted("project-x"), salted("project-x"));
+        assert_ne!(salted("project-x"), salted("project-y"));
+        assert_ne!(salted(&huge), salted(&huge[1..]));
+    }
+
+    #[test]
+    fn completion_refusals_and_prompts() {
+        assert_eq!(
+            code(completion(r#"{"model":"m","prompt":"x","echo":true}"#)).1,
+            Some("echo".into())
+        );
+        assert_eq!(
+            code(completion(r#"{"model":"m","prompt":"x","best_of":3}"#)).1,
+            Some("best_of".into())
+        );
+        assert_eq!(
+            code(completion(r#"{"model":"m","prompt":"x","logprobs":21}"#)).1,
+            Some("logprobs".into())
+        );
+        assert_eq!(
+            code(completion(r#"{"model":"m","prompt":{"a":1}}"#)),
+            ("invalid_type", Some("prompt".into()))
+        );
+        let req: CompletionRequest = decode(br#"{"model":"m","prompt":["a","b"]}"#).unwrap();
+        assert_eq!(
+            req.single_prompt().err().map(|e| e.code()),
+            Some("unsupported_parameter")
+        );
+        let req: CompletionRequest = decode(br#"{"model":"m","prompt":[[1,2]]}"#).unwrap();
+        assert_eq!(
+            req.single_prompt().ok(),
+            Some(PromptInput::Tokens(vec![1, 2]))
+        );
+        let req: CompletionRequest =
+            decode(br#"{"model":"m","prompt":[3,4],"logprobs":2}"#).unwrap();
+        assert_eq!(
+            req.single_prompt().ok(),
+            Some(PromptInput::Tokens(vec![3, 4]))
+        );
+        assert_eq!(req.parameters().unwrap().1, Some(2));
+    }
+
+    #[test]
+    fn message_content_forms() {
+        let req: ChatRequest = decode(
+            br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},{"role":"assistant","content":null},{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(req.messages[0].text(0).unwrap(), "ab");
+        assert_eq!(req.messages[1].text(1).unwrap(), "");
+        assert_eq!(
+            req.messages[2].text(2).unwrap_err().code(),
+            "unsupported_parameter"
+        );
+    }
+
+    /// The whole validation of each endpoint, and which of two errors a request gets first.
+    #[test]
+    fn checks_run_in_order() {
+        let template = Arc::new(
+            ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}").unwrap(),
+        );
+        let served = ServedModel {
+            name: "m",
+            max_context: 3,
+            template: Some(&template),
+        };
+        let no_template = ServedModel {
+            template: None,
+            ..served
+        };
+        let chat_err = |served: &ServedModel, body: &str| {
+            let req: ChatRequest = decode(body.as_bytes()).unwrap();
+            let e = super::chat(&req, served).unwrap_err();
+            (e.status().as_u16(), e.code(), e.param().map(str::to_owned))
+        };
+        let completion_err = |body: &str| {
+            let req: CompletionRequest = decode(body.as_bytes()).unwrap();
+            let e = super::completion(&req, &served).unwrap_err();
+            (e.status().as_u16(), e.code(), e.param().map(str::to_owned))
+        };
+        // The model name before the parameters.
+        assert_eq!(
+            chat_err(&served, r#"{"model":"x","messages":[],"n":2}"#),
+            (404, "model_not_found", Some("model".into()))
+        );
+        assert_eq!(
+            completion_err(r#"{"model":"x","prompt":["a","b"],"echo":true}"#).1,
+            "model_not_found"
+        );
+        // The parameters before the prompt, and before the messages.
+        assert_eq!(
+            completion_err(r#"{"model":"m","prompt":["a","b"],"echo":true}"#).2,
+            Some("echo".into())
+        );
+        assert_eq!(
+            completion_err(r#"{"model":"m","prompt":["a","b"]}"#).2,
+            Some("prompt".into())
+        );
+        assert_eq!(
+            chat_err(&served, r#"{"model":"m","messages":[],"n":2}"#).2,
+            Some("n".into())
+        );
+        assert_eq!(
+            chat_err(&served, r#"{"model":"m","messages":[]}"#),
+            (400, "invalid_value", Some("messages".into()))
+        );
+        // More messages than the context has tokens, before any role is looked at.
+        let many =
+            r#"{"model":"m","messages":[{"role":"x"},{"role":"x"},{"role":"x"},{"role":"x"}]}"#;
+        assert_eq!(
+            chat_err(&served, many),
+            (400, "context_length_exceeded", Some("messages".into()))
+        );
+        // Message by message: the role, then the content.
+        let both = r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url"}]},{"role":"x"}]}"#;
+        assert_eq!(
+            chat_err(&served, both).2,
+            Some("messages[0].content[0].type".into())
+        );
+        let both = r#"{"model":"m","messages":[{"role":"x","content":[{"type":"image_url"}]}]}"#;
+        assert_eq!(chat_err(&served, both).2, Some("messages[0].role".into()));
+        // The template last.
+        let ok = r#"{"model":"m","messages":[{"role":"developer","content":"hi"}]}"#;
+        assert_eq!(
+            chat_err(&no_template, ok),
+            (400, "unsupported_endpoint", None)
+        );
+        assert_eq!(
+            chat_err(&no_template, both).2,
+            Some("messages[0].role".into())
+        );
+        let req: ChatRequest = decode(ok.as_bytes()).unwrap();
+        let valid = super::chat(&req, &served).unwrap();
+        assert_eq!(
+            (
+                valid.messages[0].role.as_str(),
+                valid.messages[0].content.as_str()
+            ),
+            ("system", "hi")
+        );
+        let req: CompletionRequest = decode(br#"{"model":"m","prompt":"hi"}"#).unwrap();
+        assert_eq!(
+            super::completion(&req, &served).unwrap().prompt,
+            PromptInput::Text("hi".into())
+        );
+    }
+}
