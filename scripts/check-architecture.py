@@ -10,7 +10,9 @@ to the wrong place; this keeps the map true as the code moves:
   `kv::PageLease`) resolves: its modules are files of that crate, and the item after them
   is defined in that module (or anywhere in the crate, for one re-exported at its root);
   a further segment (a method, a variant, an associated item) is defined in the crate;
-- every cited `Type::member` names a type and a member defined in some crate.
+- every cited `Type::member` names a type and a member defined in some crate;
+- every cited snake_case name (a test, a function, a flag's field: `unwritten_read`,
+  `test_over_the_limit_is_400`) appears as a word in some tracked Rust or Python file, or is a tracked file's stem.
 
 Prints one line per dangling name and exits 1 if there is any.
 """
@@ -112,6 +114,20 @@ def main():
                 if not defines(everything, part):
                     problems.append(f"cites {span}: no crate defines {part}")
                     break
+
+    words = None
+    for span in sorted(spans):
+        if not re.fullmatch(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?:\(\))?", span):
+            continue
+        if words is None:
+            # File stems count too: fuzz targets and scripts are named by their files.
+            words = {Path(f).stem for f in files}
+            for f in files:
+                if f.endswith((".rs", ".py")):
+                    words.update(re.findall(r"\b[a-z][a-z0-9_]*\b",
+                                            (ROOT / f).read_text(encoding="utf-8", errors="replace")))
+        if span.rstrip("()") not in words:
+            problems.append(f"cites {span}, which no Rust or Python file of the repository names")
 
     for p in problems:
         print(f"check-architecture: ARCHITECTURE.md {p}", file=sys.stderr)

@@ -30,6 +30,29 @@ for section in '## Threat model' '### Clients' '### Other tenants' '### Operator
   grep -q "^$section" ARCHITECTURE.md || complain "ARCHITECTURE.md lacks the threat model section '$section'"
 done
 
+# Within `model`, unsafe code lives only in the SIMD kernels (`kernels/`) and in the weight
+# formats' run-time dispatch into them (`quant/`: the CPU check, then the call), and every
+# unsafe block carries its `// SAFETY:` argument just above it.
+if hits=$(git grep -n -w 'unsafe' -- 'crates/model/src' ':(exclude)crates/model/src/kernels/' \
+  ':(exclude)crates/model/src/quant/' | grep -v '^[^:]*:[0-9]*: *//'); then
+  complain "unsafe code outside crates/model/src/kernels/ and crates/model/src/quant/:"
+  echo "$hits" >&2
+fi
+if hits=$(python3 - <<'PY'
+import re, subprocess
+files = subprocess.run(["git", "ls-files", "crates/model/src"], capture_output=True, text=True).stdout.split()
+for f in files:
+    lines = open(f, encoding="utf-8").read().split("\n")
+    for i, line in enumerate(lines):
+        if re.search(r"\bunsafe\s*\{", line) and not line.lstrip().startswith("//"):
+            if "SAFETY" not in "\n".join(lines[max(0, i - 10):i + 1]):
+                print(f"{f}:{i + 1}: {line.strip()}")
+PY
+); [ -n "$hits" ]; then
+  complain "unsafe blocks without a // SAFETY: comment in the ten lines above:"
+  echo "$hits" >&2
+fi
+
 # The kv feature that skips the read checks (a baseline for bench/kv-checks.sh, which builds
 # it into its own target dir) is enabled by no manifest: no build of a crate can pull it in.
 if hits=$(git grep -n 'bench-unchecked-baseline' -- '*.toml' ':(exclude)crates/kv/Cargo.toml'); then

@@ -66,6 +66,12 @@ pub enum ApiError {
     Internal(String),
 }
 
+impl From<crate::tenants::TenantLimit> for ApiError {
+    fn from(limit: crate::tenants::TenantLimit) -> Self {
+        ApiError::TenantLimit(limit)
+    }
+}
+
 fn tenant_limit_message(limit: &crate::tenants::TenantLimit) -> String {
     match limit {
         crate::tenants::TenantLimit::Requests(n) => format!(

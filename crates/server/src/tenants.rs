@@ -9,8 +9,6 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::error::ApiError;
-
 /// The configured bounds; `None` is unlimited.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TenantLimits {
@@ -54,18 +52,18 @@ impl TenantUsage {
     /// holds nothing is always let in, whatever `tokens` is: the token bound limits how
     /// much one tenant piles up, never which single request it may send (admission bounds
     /// that, by the context).
-    pub fn acquire(self: &Arc<Self>, tenant: &str, tokens: usize) -> Result<Permit, ApiError> {
+    pub fn acquire(self: &Arc<Self>, tenant: &str, tokens: usize) -> Result<Permit, TenantLimit> {
         // The map is updated only in whole steps, so a poisoned lock holds consistent data.
         let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
         let now = held.get(tenant).copied().unwrap_or_default();
         if let Some(max) = self.limits.max_requests {
             if now.requests >= max {
-                return Err(ApiError::TenantLimit(TenantLimit::Requests(max)));
+                return Err(TenantLimit::Requests(max));
             }
         }
         if let Some(max) = self.limits.max_tokens {
             if now.requests > 0 && now.tokens.saturating_add(tokens) > max {
-                return Err(ApiError::TenantLimit(TenantLimit::Tokens(max)));
+                return Err(TenantLimit::Tokens(max));
             }
         }
         let entry = held.entry(tenant.to_owned()).or_default();
@@ -130,12 +128,10 @@ mod tests {
         let a1 = u.acquire("a", 10).unwrap();
         let _a2 = u.acquire("a", 10).unwrap();
         let e = u.acquire("a", 10).unwrap_err();
-        assert!(
-            matches!(e, ApiError::TenantLimit(TenantLimit::Requests(2))),
-            "{e:?}"
-        );
-        assert_eq!(e.status(), axum::http::StatusCode::TOO_MANY_REQUESTS);
-        assert_eq!(e.retry_after(), Some(1));
+        assert!(e == TenantLimit::Requests(2), "{e:?}");
+        let answer = crate::error::ApiError::from(e);
+        assert_eq!(answer.status(), axum::http::StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(answer.retry_after(), Some(1));
         // Another tenant is not affected by a's flood.
         let _b = u.acquire("b", 10).unwrap();
         drop(a1);
@@ -148,10 +144,7 @@ mod tests {
         let u = usage(None, Some(100));
         let big = u.acquire("a", 500).unwrap();
         let e = u.acquire("a", 1).unwrap_err();
-        assert!(
-            matches!(e, ApiError::TenantLimit(TenantLimit::Tokens(100))),
-            "{e:?}"
-        );
+        assert!(e == TenantLimit::Tokens(100), "{e:?}");
         drop(big);
         assert_eq!(u.held("a"), (0, 0));
         let _x = u.acquire("a", 60).unwrap();
