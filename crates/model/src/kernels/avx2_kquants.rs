@@ -183,7 +183,12 @@ fn five_bit_rows_n<const N: usize>(
     let mut acc = [_mm256_setzero_ps(); N];
     let mut summs = [0f32; N];
     for (i, wb) in w.chunks_exact(bytes).enumerate() {
-        let a: [&[i8; 32]; N] = std::array::from_fn(|t| &acts[t][i].qs);
+        // A plain loop: `array::from_fn`'s closure stayed a call per block (closures do
+        // not inherit this function's target features).
+        let mut a: [&[i8; 32]; N] = [&acts[0][i].qs; N];
+        for (t, a) in a.iter_mut().enumerate() {
+            *a = &acts[t][i].qs;
+        }
         let lanes = five_bit_madd(&wb[qh_at..qh_at + 4], &wb[qh_at + 4..bytes], !with_min, a);
         let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
             wb[0], wb[1], wb[2], wb[3],
