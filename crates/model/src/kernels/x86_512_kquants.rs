@@ -5,7 +5,7 @@
 //! (sharing each activation register) and four tiles per pass both measured slower for
 //! Q4_K than this (6-8%), and no faster for Q6_K.
 //!
-//! The integer lanes are the 256-bit kernels' (`quant_simd::q4_k_lanes_n`,
+//! The integer lanes are the 256-bit kernels' (`avx2_kquants::q4_k_lanes_n`,
 //! `q6_k_lanes_n`) exact `i32` sums, formed with `vpdpwssd` (the scale multiply-add and
 //! the accumulation in one instruction, exact: no saturation, and far from overflow). The
 //! float part is `Q4K::dot_with`'s or `Q6K::dot_with`'s per token, lane for lane: the
