@@ -23,6 +23,8 @@ python=$(./scripts/python-env.sh)
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# Doc links name items that exist (module docs are where the kernels' notes live).
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
 cargo test --workspace
 # Tests that need CPU features not every machine has are ignored by default: run them
 # where they can run, and say so where they cannot, instead of passing silently.

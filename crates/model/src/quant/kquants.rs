@@ -113,7 +113,7 @@ impl QuantFormat for Q4K {
     }
 
     /// The tile's integer lanes first (each super-block unpacked once for every token),
-    /// then each token through [`Q4K::dot_with`], the same float part as `dot`.
+    /// then each token through `Q4K::dot_with`, the same float part as `dot`.
     #[inline(always)]
     fn dot_tile(w: &[Self::Block], acts: &[&[BlockQ8K]], out: &mut [f32]) {
         let (blocks, w) = (w, w.as_flattened());
@@ -294,7 +294,7 @@ impl QuantFormat for Q6K {
         Self::TYPE.dequantize(w.as_flattened(), out);
     }
 
-    /// As [`Q4K`]'s: the tile's lanes first, then each token through [`Q6K::dot_with`].
+    /// As [`Q4K`]'s: the tile's lanes first, then each token through `Q6K::dot_with`.
     #[inline(always)]
     fn dot_tile(w: &[Self::Block], acts: &[&[BlockQ8K]], out: &mut [f32]) {
         let (blocks, w) = (w, w.as_flattened());

@@ -41,7 +41,7 @@ fn lanes(value: impl Fn(usize) -> i32, scale: impl Fn(usize) -> i32, a: &[i8; QK
 /// `Σ x·a = d·da·Σ_g sc_g Σ q·a − dmin·da·Σ_g m_g Σ a`, in llama.cpp's AVX2 float order
 /// (`ggml_vec_dot_q2_K_q8_K`): per super-block, eight lanes of the min term (groups `2i`,
 /// `2i + 1` from `bsums`) and eight of the scaled sums, each added to its lane accumulator by
-/// a fused multiply-add, then [`hsum8`](crate::blocks::hsum8). So the logits are llama.cpp's bit for bit.
+/// a fused multiply-add, then [`hsum8`]. So the logits are llama.cpp's bit for bit.
 pub struct Q2K;
 
 impl Q2K {
@@ -150,7 +150,7 @@ impl QuantFormat for Q2K {
 /// Q3_K: `x = d·sc_g·(q − 4)` with `q` in 0..8 (two low bits and a high bit) and signed
 /// 6-bit `sc_g`, so `Σ x·a = d·da·Σ_g sc_g Σ (q − 4)·a`, in llama.cpp's AVX2 float order
 /// (`ggml_vec_dot_q3_K_q8_K`): eight lanes of scaled signed sums per super-block, each
-/// added to its lane accumulator by a fused multiply-add, then [`hsum8`](crate::blocks::hsum8).
+/// added to its lane accumulator by a fused multiply-add, then [`hsum8`].
 pub struct Q3K;
 
 impl Q3K {
