@@ -1,0 +1,269 @@
+//! Every check of `validation`, each refusal with its status, code and `param`, and the
+//! order in which they run.
+
+use super::*;
+use crate::body::decode;
+
+fn chat(body: &str) -> Result<(Settings, Option<usize>), ApiError> {
+    decode::<ChatRequest>(body.as_bytes())?.parameters()
+}
+
+fn completion(body: &str) -> Result<(Settings, Option<usize>), ApiError> {
+    decode::<CompletionRequest>(body.as_bytes())?.parameters()
+}
+
+fn code(r: Result<(Settings, Option<usize>), ApiError>) -> (&'static str, Option<String>) {
+    let e = r.unwrap_err();
+    assert_eq!(e.status().as_u16(), 400, "{e}");
+    (e.code(), e.param().map(str::to_owned))
+}
+
+const M: &str = r#""model":"m","messages":[{"role":"user","content":"hi"}]"#;
+
+#[test]
+fn chat_settings() {
+    let (s, lp) = chat(&format!(
+        r#"{{{M},"max_completion_tokens":7,"max_tokens":99,"temperature":0,"stop":"\n","stream":true,"stream_options":{{"include_usage":true}},"logprobs":true,"top_logprobs":3,"seed":-5}}"#
+    ))
+    .unwrap();
+    assert_eq!(s.max_tokens, Some(7));
+    assert_eq!(s.sampling.temperature, 0.0);
+    assert_eq!(s.sampling.seed, (-5i64) as u64);
+    assert_eq!(s.stops, vec!["\n".to_owned()]);
+    assert!(s.stream && s.include_usage);
+    assert_eq!(lp, Some(3));
+    let (s, lp) = chat(&format!("{{{M}}}")).unwrap();
+    assert_eq!(
+        (s.max_tokens, lp, s.stream, s.include_usage),
+        (None, None, false, false)
+    );
+    assert_eq!(s.sampling.temperature, 1.0);
+}
+
+#[test]
+fn chat_refusals() {
+    assert_eq!(
+        code(chat(&format!(r#"{{{M},"n":2}}"#))),
+        ("unsupported_parameter", Some("n".into()))
+    );
+    assert_eq!(
+        code(chat(&format!(r#"{{{M},"top_logprobs":2}}"#))).0,
+        "invalid_value"
+    );
+    assert_eq!(
+        code(chat(&format!(
+            r#"{{{M},"logprobs":true,"top_logprobs":21}}"#
+        )))
+        .0,
+        "invalid_value"
+    );
+    assert_eq!(
+        code(chat(&format!(r#"{{{M},"temperature":2.5}}"#))),
+        ("invalid_value", Some("temperature".into()))
+    );
+    assert_eq!(
+        code(chat(&format!(r#"{{{M},"top_p":0}}"#))).0,
+        "invalid_value"
+    );
+    assert_eq!(
+        code(chat(&format!(r#"{{{M},"stop":["a","b","c","d","e"]}}"#))).1,
+        Some("stop".into())
+    );
+    assert_eq!(
+        code(chat(&format!(r#"{{{M},"stop":[""]}}"#))).1,
+        Some("stop".into())
+    );
+    assert_eq!(
+        code(chat(&format!(r#"{{{M},"tools":[{{}}]}}"#))).1,
+        Some("tools".into())
+    );
+    assert_eq!(
+        code(chat(&format!(r#"{{{M},"presence_penalty":1}}"#))).0,
+        "unsupported_parameter"
+    );
+    assert_eq!(
+        code(chat(&format!(r#"{{{M},"cache_salt":""}}"#))).1,
+        Some("cache_salt".into())
+    );
+    assert_eq!(
+        code(chat(&format!(r#"{{{M},"top_k":-2}}"#))).1,
+        Some("top_k".into())
+    );
+    assert_eq!(
+        code(chat(r#"{"model":"m"}"#)),
+        ("missing_required_parameter", Some("messages".into()))
+    );
+    assert_eq!(
+        code(chat(r#"{"model":"m","messages":"hi"}"#)),
+        ("invalid_type", Some("messages".into()))
+    );
+    assert_eq!(
+        code(chat(r#"{"messages":[]}"#)),
+        ("missing_required_parameter", Some("model".into()))
+    );
+    assert_eq!(
+        code(chat(r#"{"model":"m","messages":[],"max_tokens":"5"}"#)),
+        ("invalid_type", Some("max_tokens".into()))
+    );
+    assert_eq!(
+        code(chat(r#"{"model":"m","messages":[],"stream":1}"#)),
+        ("invalid_type", Some("stream".into()))
+    );
+}
+
+/// However long the salt, the domain key is 32 hex digits; salts stay distinct.
+#[test]
+fn cache_salt_becomes_a_fixed_size_key() {
+    let salted = |salt: &str| {
+        let body = serde_json::json!({"model": "m", "prompt": "x", "cache_salt": salt});
+        completion(&body.to_string()).unwrap().0.cache_salt.unwrap()
+    };
+    let huge = "s".repeat(2 << 20);
+    let key = salted(&huge);
+    assert_eq!(key.len(), 32);
+    assert!(key.bytes().all(|b| b.is_ascii_hexdigit()), "{key}");
+    assert_eq!(salted("project-x").len(), 32);
+    assert_eq!(salted("project-x"), salted("project-x"));
+    assert_ne!(salted("project-x"), salted("project-y"));
+    assert_ne!(salted(&huge), salted(&huge[1..]));
+}
+
+#[test]
+fn completion_refusals_and_prompts() {
+    assert_eq!(
+        code(completion(r#"{"model":"m","prompt":"x","echo":true}"#)).1,
+        Some("echo".into())
+    );
+    assert_eq!(
+        code(completion(r#"{"model":"m","prompt":"x","best_of":3}"#)).1,
+        Some("best_of".into())
+    );
+    assert_eq!(
+        code(completion(r#"{"model":"m","prompt":"x","logprobs":21}"#)).1,
+        Some("logprobs".into())
+    );
+    assert_eq!(
+        code(completion(r#"{"model":"m","prompt":{"a":1}}"#)),
+        ("invalid_type", Some("prompt".into()))
+    );
+    let req: CompletionRequest = decode(br#"{"model":"m","prompt":["a","b"]}"#).unwrap();
+    assert_eq!(
+        req.single_prompt().err().map(|e| e.code()),
+        Some("unsupported_parameter")
+    );
+    let req: CompletionRequest = decode(br#"{"model":"m","prompt":[[1,2]]}"#).unwrap();
+    assert_eq!(
+        req.single_prompt().ok(),
+        Some(PromptInput::Tokens(vec![1, 2]))
+    );
+    let req: CompletionRequest = decode(br#"{"model":"m","prompt":[3,4],"logprobs":2}"#).unwrap();
+    assert_eq!(
+        req.single_prompt().ok(),
+        Some(PromptInput::Tokens(vec![3, 4]))
+    );
+    assert_eq!(req.parameters().unwrap().1, Some(2));
+}
+
+#[test]
+fn message_content_forms() {
+    let req: ChatRequest = decode(
+        br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},{"role":"assistant","content":null},{"role":"user","content":[{"type":"image_url","image_url":{}}]}]}"#,
+    )
+    .unwrap();
+    assert_eq!(req.messages[0].text(0).unwrap(), "ab");
+    assert_eq!(req.messages[1].text(1).unwrap(), "");
+    assert_eq!(
+        req.messages[2].text(2).unwrap_err().code(),
+        "unsupported_parameter"
+    );
+}
+
+/// The whole validation of each endpoint, and which of two errors a request gets first.
+#[test]
+fn checks_run_in_order() {
+    let template =
+        Arc::new(ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}").unwrap());
+    let served = ServedModel {
+        name: "m",
+        max_context: 3,
+        template: Some(&template),
+    };
+    let no_template = ServedModel {
+        template: None,
+        ..served
+    };
+    let chat_err = |served: &ServedModel, body: &str| {
+        let req: ChatRequest = decode(body.as_bytes()).unwrap();
+        let e = super::chat(&req, served).unwrap_err();
+        (e.status().as_u16(), e.code(), e.param().map(str::to_owned))
+    };
+    let completion_err = |body: &str| {
+        let req: CompletionRequest = decode(body.as_bytes()).unwrap();
+        let e = super::completion(&req, &served).unwrap_err();
+        (e.status().as_u16(), e.code(), e.param().map(str::to_owned))
+    };
+    // The model name before the parameters.
+    assert_eq!(
+        chat_err(&served, r#"{"model":"x","messages":[],"n":2}"#),
+        (404, "model_not_found", Some("model".into()))
+    );
+    assert_eq!(
+        completion_err(r#"{"model":"x","prompt":["a","b"],"echo":true}"#).1,
+        "model_not_found"
+    );
+    // The parameters before the prompt, and before the messages.
+    assert_eq!(
+        completion_err(r#"{"model":"m","prompt":["a","b"],"echo":true}"#).2,
+        Some("echo".into())
+    );
+    assert_eq!(
+        completion_err(r#"{"model":"m","prompt":["a","b"]}"#).2,
+        Some("prompt".into())
+    );
+    assert_eq!(
+        chat_err(&served, r#"{"model":"m","messages":[],"n":2}"#).2,
+        Some("n".into())
+    );
+    assert_eq!(
+        chat_err(&served, r#"{"model":"m","messages":[]}"#),
+        (400, "invalid_value", Some("messages".into()))
+    );
+    // More messages than the context has tokens, before any role is looked at.
+    let many = r#"{"model":"m","messages":[{"role":"x"},{"role":"x"},{"role":"x"},{"role":"x"}]}"#;
+    assert_eq!(
+        chat_err(&served, many),
+        (400, "context_length_exceeded", Some("messages".into()))
+    );
+    // Message by message: the role, then the content.
+    let both = r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url"}]},{"role":"x"}]}"#;
+    assert_eq!(
+        chat_err(&served, both).2,
+        Some("messages[0].content[0].type".into())
+    );
+    let both = r#"{"model":"m","messages":[{"role":"x","content":[{"type":"image_url"}]}]}"#;
+    assert_eq!(chat_err(&served, both).2, Some("messages[0].role".into()));
+    // The template last.
+    let ok = r#"{"model":"m","messages":[{"role":"developer","content":"hi"}]}"#;
+    assert_eq!(
+        chat_err(&no_template, ok),
+        (400, "unsupported_endpoint", None)
+    );
+    assert_eq!(
+        chat_err(&no_template, both).2,
+        Some("messages[0].role".into())
+    );
+    let req: ChatRequest = decode(ok.as_bytes()).unwrap();
+    let valid = super::chat(&req, &served).unwrap();
+    assert_eq!(
+        (
+            valid.messages[0].role.as_str(),
+            valid.messages[0].content.as_str()
+        ),
+        ("system", "hi")
+    );
+    let req: CompletionRequest = decode(br#"{"model":"m","prompt":"hi"}"#).unwrap();
+    assert_eq!(
+        super::completion(&req, &served).unwrap().prompt,
+        PromptInput::Text("hi".into())
+    );
+}
