@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server` (and, beside it, `llama-quantize` and `llama-bench`) from
+# Builds llama.cpp's `llama-server` (and, beside it, `llama-quantize`, `llama-bench` and
+# `llama-perplexity`) from
 # the PyPI sdist of llama-cpp-python (which vendors llama.cpp) into .peer/ (git-ignored): the
 # peer that `kvwarden audit`, `bench/` and the model-breadth references are measured against.
 # Cached: a second run prints the path at once. About 10 minutes on 2 cores, run at the
 # lowest CPU priority so it does not starve other work. Needs cmake, ninja and a C++
 # compiler (Debian: apt-get install cmake ninja-build g++). Prints the binary's path.
 #
-# With one argument (`llama-quantize` or `llama-bench`) it builds only that tool, which
-# is what a fresh clone needs to requantize the test models (scripts/fetch-quant-models.sh),
+# With one argument (`llama-quantize`, `llama-bench` or `llama-perplexity`) it builds only
+# that tool, which is what a fresh clone needs to requantize the test models
+# (scripts/fetch-quant-models.sh) or record the eval references (scripts/eval-references.py),
 # and prints its path.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -16,13 +18,13 @@ peer="$root/.peer"
 only=${1:-}
 case "$only" in
   "") ;;
-  llama-quantize | llama-bench)
+  llama-quantize | llama-bench | llama-perplexity)
     if [ -x "$peer/$only-$version" ]; then
       echo "$peer/$only-$version"
       exit 0
     fi
     ;;
-  *) echo "build-llama-server: unknown tool $only (llama-quantize or llama-bench)" >&2; exit 2 ;;
+  *) echo "build-llama-server: unknown tool $only (llama-quantize, llama-bench or llama-perplexity)" >&2; exit 2 ;;
 esac
 bin="$peer/llama-server-$version"
 if [ -z "$only" ] && [ -x "$bin" ]; then
@@ -65,8 +67,9 @@ if [ -n "$only" ]; then
   echo "$peer/$only-$version"
   exit 0
 fi
-nice -n 19 cmake --build "$peer/build-$version" --target llama-server llama-quantize llama-bench -j "$(nproc)" >&2
-for tool in llama-quantize llama-bench; do
+nice -n 19 cmake --build "$peer/build-$version" --target llama-server llama-quantize llama-bench \
+  llama-perplexity -j "$(nproc)" >&2
+for tool in llama-quantize llama-bench llama-perplexity; do
   cp "$peer/build-$version/bin/$tool" "$peer/$tool-$version.tmp"
   mv "$peer/$tool-$version.tmp" "$peer/$tool-$version"
 done

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: fetches the model (and makes its requantized
-# variants with llama.cpp's llama-quantize), checks formatting and lints,
-# runs the Rust tests, the loom model of the KV pool, every fuzz target briefly, the incident
-# replay (`kvwarden audit --scenario incident`), and the end-to-end tests that drive a real
+# variants with llama.cpp's llama-quantize), checks formatting and lints, runs the Rust
+# tests, the accuracy bar against llama.cpp's logits, the loom model of the KV pool, every
+# fuzz target briefly, the incident replay (`kvwarden audit --scenario incident`), and the end-to-end tests that drive a real
 # `kvwarden serve` with the official OpenAI client (with `kvwarden audit` and the fault
 # suite), then the same end-to-end suite against `kvwarden router` in front of a prefill and
 # a decode node.
@@ -36,6 +36,12 @@ if grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null; then
 else
   echo "test.sh: NOT RUN: the ignored model tests (AVX-512 VNNI kernels against the 256-bit ones; this CPU lacks AVX-512 VNNI)" >&2
 fi
+# The accuracy oracle (crates/eval): llama.cpp's reference log-probabilities on a fixed text
+# (llama-perplexity, built into .peer/; recorded into target/eval-refs/), the bar every
+# arithmetic change must clear, on the default model and two other files, and the same bytes
+# on every CPU path this machine has, with windows fed whole, in chunks and in batches.
+python3 scripts/eval-references.py --check --invariance SmolLM2-135M-Instruct.Q4_1 \
+  SmolLM2-135M-Instruct.Q4_K_M synth-qwen3-q6_k
 bash crates/kv/loom.sh
 # Every cargo-fuzz target (fuzz/) for a short fixed time: a crash fails the run, its input
 # saved in fuzz/artifacts/. `scripts/fuzz.sh 1800` is the long form.

@@ -56,6 +56,10 @@ enum Command {
     /// Audit any OpenAI-compatible server by the content of its answers, or replay the
     /// incident (--scenario incident).
     Audit(audit::AuditArgs),
+    /// Teacher-forced evaluation: perplexity, and KL divergence and top-1 agreement against
+    /// a reference file of llama.cpp's log-probabilities (llama-perplexity's
+    /// --kl-divergence-base format).
+    Eval(eval::EvalArgs),
     /// Benchmarks: `bench serve` loads any OpenAI-compatible server and reports latency and
     /// throughput.
     #[command(subcommand)]
@@ -150,6 +154,8 @@ fn main() {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    // A kernel path the CPU cannot run, or a misspelt one, is refused before any work.
+    model::kernels::check_cpu_request().map_err(anyhow::Error::msg)?;
     if let Some(n) = cli.threads {
         // The model builds its compute pool from this, like rayon's own default.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
@@ -167,6 +173,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Router(args) => router_cmd::run(args),
         Command::Audit(args) => Ok(audit::run_cli(args)?),
         Command::Bench(cmd) => Ok(bench::run_cli(cmd)?),
+        Command::Eval(args) => Ok(eval::run_cli(args)?),
         Command::Certs { out, names } => {
             for path in transfer::certs::write_cluster(&out, &names)? {
                 eprintln!("wrote {}", path.display());

@@ -11,6 +11,9 @@ pub enum LogitsWanted {
     Last,
     /// One distribution per input token (scoring, tests).
     All,
+    /// One distribution per input token from this index of the item's tokens on (none when
+    /// the index is past them): teacher-forced scoring of a window's second half.
+    From(usize),
 }
 
 /// `vocab_size` logits per wanted position, concatenated.

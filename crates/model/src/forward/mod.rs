@@ -275,6 +275,9 @@ impl Model {
                 LogitsWanted::None => {}
                 LogitsWanted::Last => wanted.push(starts[i] + it.tokens.len() - 1),
                 LogitsWanted::All => wanted.extend(starts[i]..starts[i] + it.tokens.len()),
+                LogitsWanted::From(k) => {
+                    wanted.extend(starts[i] + k.min(it.tokens.len())..starts[i] + it.tokens.len())
+                }
             }
         }
         let m = wanted.len();
@@ -303,6 +306,7 @@ impl Model {
                     _ if it.tokens.is_empty() => 0,
                     LogitsWanted::Last => 1,
                     LogitsWanted::All => it.tokens.len(),
+                    LogitsWanted::From(k) => it.tokens.len().saturating_sub(k),
                 };
                 let out = logits[cursor * c.vocab_size..(cursor + count) * c.vocab_size].to_vec();
                 cursor += count;

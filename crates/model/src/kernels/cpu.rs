@@ -1,9 +1,83 @@
-//! Which instruction sets this CPU offers the kernels, detected once.
+//! Which instruction sets this CPU offers the kernels, detected once, and which of the
+//! kernel paths `KVWARDEN_CPU` asks for.
+
+/// The kernels' instruction-set paths, narrowest first. Each gives the same bits as the
+/// others; `KVWARDEN_CPU` selects a narrower one than the CPU's best, to measure or test the
+/// paths other machines run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum CpuPath {
+    Portable,
+    /// AVX2 with FMA and F16C.
+    Avx2,
+    /// AVX-512 F, BW, DQ, VL and VNNI, with the AVX2 set.
+    Avx512,
+}
+
+impl CpuPath {
+    pub const NAMES: &'static str = "portable, avx2, avx512";
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuPath::Portable => "portable",
+            CpuPath::Avx2 => "avx2",
+            CpuPath::Avx512 => "avx512",
+        }
+    }
+
+    fn parse(name: &str) -> Option<Self> {
+        [CpuPath::Portable, CpuPath::Avx2, CpuPath::Avx512]
+            .into_iter()
+            .find(|p| p.name() == name)
+    }
+}
+
+/// The widest path this CPU runs.
+pub fn best_path() -> CpuPath {
+    use std::arch::is_x86_feature_detected as has;
+    let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+    let avx512 = avx2
+        && has!("avx512f")
+        && has!("avx512bw")
+        && has!("avx512dq")
+        && has!("avx512vl")
+        && has!("avx512vnni");
+    if avx512 {
+        CpuPath::Avx512
+    } else if avx2 {
+        CpuPath::Avx2
+    } else {
+        CpuPath::Portable
+    }
+}
+
+/// The path `KVWARDEN_CPU` asks for (the CPU's best when unset), or why it cannot be run:
+/// an unknown name, or a path this CPU lacks. The binary checks it at start.
+pub fn requested_path() -> Result<CpuPath, String> {
+    let best = best_path();
+    let Ok(value) = std::env::var("KVWARDEN_CPU") else {
+        return Ok(best);
+    };
+    let path = CpuPath::parse(value.trim()).ok_or_else(|| {
+        format!(
+            "KVWARDEN_CPU={value:?} is not a kernel path ({})",
+            CpuPath::NAMES
+        )
+    })?;
+    if path > best {
+        return Err(format!(
+            "KVWARDEN_CPU={} asks for kernels this CPU cannot run (its widest path is {})",
+            path.name(),
+            best.name()
+        ));
+    }
+    Ok(path)
+}
 
 /// The instruction sets the kernels use, detected once: the products ask per row, and
 /// even cached detection showed as a few percent of a decode step when asked per row.
 #[derive(Clone, Copy)]
 pub(crate) struct Features {
+    pub(crate) path: CpuPath,
     pub(crate) avx2: bool,
     pub(crate) f16c: bool,
     pub(crate) vnni: bool,
@@ -13,19 +87,25 @@ pub(crate) struct Features {
 pub(crate) fn features() -> Features {
     static FEATURES: std::sync::OnceLock<Features> = std::sync::OnceLock::new();
     *FEATURES.get_or_init(|| {
-        use std::arch::is_x86_feature_detected as has;
-        // `KVWARDEN_CPU=avx2` keeps the kernels off AVX-512 on a CPU that has it: to measure
-        // or test the 256-bit paths (which AVX2-only machines run) on the same machine.
-        let cap_avx2 = std::env::var("KVWARDEN_CPU").is_ok_and(|v| v == "avx2");
-        let avx2 = has!("avx2") && has!("fma");
-        let vnni = avx2 && !cap_avx2 && has!("avx512vnni") && has!("avx512vl");
+        // A value the binary refused at start never gets here; a library caller's falls
+        // back to the CPU's best.
+        let path = requested_path().unwrap_or_else(|_| best_path());
+        let avx2 = path >= CpuPath::Avx2;
+        let wide = path >= CpuPath::Avx512;
         Features {
+            path,
             avx2,
-            f16c: avx2 && has!("f16c"),
-            vnni,
-            wide: vnni && has!("avx512f") && has!("avx512bw") && has!("avx512dq"),
+            f16c: avx2,
+            vnni: wide,
+            wide,
         }
     })
+}
+
+/// The instruction-set path the kernels take (under `KVWARDEN_CPU`), for tools that
+/// compare paths to say which one they ran.
+pub fn path_name() -> &'static str {
+    features().path.name()
 }
 
 pub(crate) fn has_f16c() -> bool {
@@ -41,21 +121,19 @@ pub(crate) fn has_vnni() -> bool {
     features().vnni
 }
 
-/// Whether this CPU runs the 512-bit register tiles (AVX-512 F, BW, DQ, VL, VNNI, with
+/// Whether the kernels run the 512-bit register tiles (AVX-512 F, BW, DQ, VL, VNNI, with
 /// AVX2, FMA and F16C).
 pub fn wide_available() -> bool {
-    let f = features();
-    f.wide && f.f16c
+    features().wide
 }
 
-/// AVX2 alone, as the k-quants' integer lanes need it.
+/// The k-quants' 256-bit integer lanes: AVX2 on the selected path.
 pub fn avx2_detected() -> bool {
-    std::arch::is_x86_feature_detected!("avx2")
+    features().avx2
 }
 
-/// AVX2, FMA and F16C, as the formats' SIMD-compiled products need them.
+/// AVX2, FMA and F16C on the selected path, as the formats' SIMD-compiled products need
+/// them.
 pub fn avx2_fma_f16c_detected() -> bool {
-    avx2_detected()
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
+    features().avx2
 }

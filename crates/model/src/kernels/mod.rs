@@ -18,7 +18,8 @@
 //! The wider kernels only change which lanes run side by side, never a lane's operations or
 //! their order, and each is tested bit for bit against the narrower path (`tests.rs`; the
 //! AVX-512 ones run where the CPU has it, `scripts/test.sh` says when it does not;
-//! `KVWARDEN_CPU=avx2` keeps a machine on the 256-bit paths):
+//! `KVWARDEN_CPU=avx2` keeps a machine on the 256-bit paths, `KVWARDEN_CPU=portable` on
+//! the portable code):
 //!
 //! - `x86.rs`: 256-bit, two rows × four tokens for Q4_1.
 //! - `x86_512.rs`: 512-bit, one generic tile for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (a
@@ -91,7 +92,30 @@ pub(crate) mod x86_512_low_kquants;
 pub use activation::{ggml_expf, silu, swiglu, table_glu};
 pub use attention::{dot_f16_ggml, KvElem};
 #[cfg(target_arch = "x86_64")]
-pub use cpu::wide_available;
+pub use cpu::{path_name as cpu_path, wide_available, CpuPath};
+
+/// The instruction-set path the kernels take: only the portable one off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+pub fn cpu_path() -> &'static str {
+    "portable"
+}
+
+/// Checks `KVWARDEN_CPU` (`portable`, `avx2`, `avx512`, or unset for the CPU's widest
+/// path) and returns the path the kernels will take; an unknown value, or a path this CPU
+/// cannot run, is an error naming it, for the binary to refuse at start.
+pub fn check_cpu_request() -> Result<&'static str, String> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        cpu::requested_path().map(CpuPath::name)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    match std::env::var("KVWARDEN_CPU") {
+        Ok(v) if v.trim() != "portable" => Err(format!(
+            "KVWARDEN_CPU={v:?}: this CPU runs only the portable kernels"
+        )),
+        _ => Ok("portable"),
+    }
+}
 pub use f32_dot::dot_f32;
 pub use matmul::{matmul, matmul_group, ActKind, WeightRows};
 pub use quant_dot::{
