@@ -161,20 +161,15 @@ def record(name, fetch, binary):
                  f"{out / 'default.log'}")
     default_ppl = printed(r"Final estimate: PPL = ([0-9.]+)", p.stdout + p.stderr,
                           "final PPL", out / "default.log")
-    p, _ = run_llama(binary, model, default_flags, {},
-                     ["--kl-divergence-base", str(plain), "--kl-divergence"],
-                     out / "spread.log")
-    if p.returncode != 0:
-        sys.exit(f"eval-references: llama-perplexity --kl-divergence failed; see "
-                 f"{out / 'spread.log'}")
-    spread = kl_figures(p.stdout + p.stderr, out / "spread.log")
-    p, _ = run_llama(binary, model, PLAIN_FLAGS, PLAIN_ENV,
-                     ["--kl-divergence-base", str(plain), "--kl-divergence"],
-                     out / "floor.log")
-    if p.returncode != 0:
-        sys.exit(f"eval-references: llama-perplexity --kl-divergence failed; see "
-                 f"{out / 'floor.log'}")
-    floor = kl_figures(p.stdout + p.stderr, out / "floor.log")
+    def against_plain(flags, env, log):
+        p, _ = run_llama(binary, model, flags, env,
+                         ["--kl-divergence-base", str(plain), "--kl-divergence"], log)
+        if p.returncode != 0:
+            sys.exit(f"eval-references: llama-perplexity --kl-divergence failed; see {log}")
+        return kl_figures(p.stdout + p.stderr, log)
+
+    spread = against_plain(default_flags, {}, out / "spread.log")
+    floor = against_plain(PLAIN_FLAGS, PLAIN_ENV, out / "floor.log")
     system = re.search(r"system_info: (.*)", (out / "plain.log").read_text())
     meta = {
         "key": key,

@@ -61,6 +61,21 @@ fn write_model(dir: &Dir, name: &str, vocab: usize) -> String {
     path
 }
 
+/// Runs `model` over `tokens` in windows of 64 and writes its distributions to `base`.
+fn write_base(model: &str, tokens: &str, base: &str) -> Report {
+    run(&[
+        "--model",
+        model,
+        "--tokens",
+        tokens,
+        "--ctx",
+        "64",
+        "--write-base",
+        base,
+    ])
+    .unwrap_or_else(|e| panic!("{model} over {tokens}: {e}"))
+}
+
 /// Deterministic ids past the control tokens, as a JSON array.
 fn write_tokens(dir: &Dir, name: &str, n: usize, vocab: u32) -> String {
     let ids: Vec<u32> = (0..n as u32)
@@ -77,17 +92,7 @@ fn own_reference_reads_back_and_feeding_does_not_change_a_bit() {
     let model = write_model(&dir, "m.gguf", 300);
     let tokens = write_tokens(&dir, "t.json", 200, 300);
     let base = dir.path("base.kld");
-    let whole = run(&[
-        "--model",
-        &model,
-        "--tokens",
-        &tokens,
-        "--ctx",
-        "64",
-        "--write-base",
-        &base,
-    ])
-    .expect("whole windows");
+    let whole = write_base(&model, &tokens, &base);
     assert_eq!((whole.shape.n_chunk, whole.shape.n_ctx), (3, 64));
     assert_eq!(whole.summary.tokens_scored, 3 * 31);
     assert!(whole.summary.ppl.is_finite() && whole.summary.ppl > 1.0);
@@ -146,17 +151,7 @@ fn another_model_is_measured_apart() {
         .expect("write");
     let tokens = write_tokens(&dir, "t.json", 130, 300);
     let base = dir.path("a.kld");
-    run(&[
-        "--model",
-        &a,
-        "--tokens",
-        &tokens,
-        "--ctx",
-        "64",
-        "--write-base",
-        &base,
-    ])
-    .expect("a");
+    write_base(&a, &tokens, &base);
     let other = run(&["--model", &b, "--kl-base", &base]).expect("b against a");
     let o = other.summary.base.as_ref().expect("figures");
     assert!(o.kld_mean > 1e-3, "{}", other.table());
@@ -170,17 +165,7 @@ fn mismatched_and_broken_inputs_are_refused_naming_why() {
     let wide = write_model(&dir, "wide.gguf", 320);
     let tokens = write_tokens(&dir, "t.json", 150, 300);
     let base = dir.path("base.kld");
-    run(&[
-        "--model",
-        &model,
-        "--tokens",
-        &tokens,
-        "--ctx",
-        "64",
-        "--write-base",
-        &base,
-    ])
-    .expect("base");
+    write_base(&model, &tokens, &base);
 
     // A reference for another vocabulary.
     let e = err(&["--model", &wide, "--kl-base", &base]);
