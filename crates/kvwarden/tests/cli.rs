@@ -220,3 +220,37 @@ fn synth_model_writes_every_architecture() {
     assert!(stderr.contains("256"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn an_unknown_or_unavailable_kernel_path_is_refused_at_start() {
+    for (value, want) in [
+        ("bogus", "is not a kernel path"),
+        ("AVX2 ", "is not a kernel path"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvwarden"))
+            .args(["tokenize", "--text", "hi"])
+            .env("KVWARDEN_CPU", value)
+            .output()
+            .expect("run kvwarden");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{value:?}: {stderr}");
+        assert!(stderr.contains(want), "{value:?}: {stderr}");
+    }
+    // The portable path runs on every CPU, so it is always accepted.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwarden"))
+        .args([
+            "tokenize",
+            "--model",
+            model().to_str().expect("path"),
+            "--text",
+            "hi",
+        ])
+        .env("KVWARDEN_CPU", "portable")
+        .output()
+        .expect("run kvwarden");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
