@@ -52,9 +52,20 @@ if target/debug/kvwarden serve --help | grep -q -- --inject-fault; then
   echo "test.sh: the default kvwarden binary was built with fault injection" >&2
   exit 1
 fi
-# The fault-injection build, in its own target dir so target/debug/kvwarden stays the
-# normal one: tests/python/test_audit.py proves the audit catches the incident's bug in it.
-cargo build -p kvwarden --features fault-injection --target-dir target/fault
+# The fault-injection build: tests/python/test_audit.py proves the audit catches the
+# incident's bug in it. It is built in target/ itself, where cargo keeps both feature sets'
+# artifacts side by side, so only the crates the feature touches are compiled again (its own
+# target dir rebuilt every dependency, minutes on 2 cores); the binary moves to
+# target/fault/debug and the normal one goes back where `cargo test` put it.
+cp target/debug/kvwarden target/debug/kvwarden.normal
+cargo build -p kvwarden --features fault-injection
+mkdir -p target/fault/debug
+mv -f target/debug/kvwarden target/fault/debug/kvwarden
+mv -f target/debug/kvwarden.normal target/debug/kvwarden
+if ! target/fault/debug/kvwarden serve --help | grep -q -- --inject-fault; then
+  echo "test.sh: target/fault/debug/kvwarden lacks fault injection" >&2
+  exit 1
+fi
 
 # The incident replay (its output is shown in the README).
 target/debug/kvwarden --threads 2 audit --scenario incident

@@ -62,8 +62,8 @@ def test_audit_passes_against_kvwarden(audited_server, tmp_path):
 def test_audit_names_the_leak_in_the_fault_injection_build(make_server, tmp_path):
     if not FAULT_BIN.is_file():
         pytest.fail(
-            f"fault-injection build not found at {FAULT_BIN}: cargo build -p kvwarden "
-            "--features fault-injection --target-dir target/fault (scripts/test.sh does)",
+            f"fault-injection build not found at {FAULT_BIN}: scripts/test.sh builds it "
+            "(cargo build -p kvwarden --features fault-injection, moved there)",
             pytrace=False,
         )
     s = make_server(
