@@ -122,6 +122,16 @@ fn ct_eq_padded(key: &[u8], presented: &[u8]) -> subtle::Choice {
 impl Auth {
     /// The isolation domain of the request's tenant, or 401.
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<IsolationDomain, ApiError> {
+        // Proxies and servers disagree on which of two keys counts; the request is refused
+        // rather than guessed, with or without keys configured.
+        let presented = headers.get_all(header::AUTHORIZATION).iter().count();
+        if presented > 1 {
+            return Err(ApiError::invalid(
+                "duplicate_header",
+                None,
+                format!("Send one Authorization header; this request has {presented}."),
+            ));
+        }
         let keys = match self {
             Auth::Open => return Ok(IsolationDomain::tenant(DEFAULT_TENANT)),
             Auth::Keys(keys) => keys,
@@ -216,6 +226,25 @@ mod tests {
                 (401, "invalid_api_key"),
                 "{bad:?}"
             );
+        }
+    }
+
+    #[test]
+    fn two_authorization_headers_are_refused_whichever_is_valid() {
+        let keyed = Auth::Keys(ApiKeys::parse(FILE).unwrap());
+        for auth in [&keyed, &Auth::Open] {
+            for pair in [
+                ["Bearer sk-alpha", "Bearer sk-beta"],
+                ["Bearer nope", "Bearer sk-beta"],
+            ] {
+                let mut h = headers(Some(pair[0]));
+                h.append(
+                    header::AUTHORIZATION,
+                    HeaderValue::from_str(pair[1]).unwrap(),
+                );
+                let e = auth.authenticate(&h).unwrap_err();
+                assert_eq!((e.status().as_u16(), e.code()), (400, "duplicate_header"));
+            }
         }
     }
 

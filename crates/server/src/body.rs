@@ -62,6 +62,35 @@ pub fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
     }
 }
 
+/// Refuses a `Transfer-Encoding` other than one `chunked` (hyper decodes a final
+/// `chunked` and would pass over a `gzip` before it). RFC 9112 answers an unknown coding
+/// with 501.
+pub fn require_known_transfer_encoding(headers: &HeaderMap) -> Result<(), ApiError> {
+    let mut codings = headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|c| !c.is_empty());
+    let only_chunked = match (codings.next(), codings.next()) {
+        (None, _) => true,
+        (Some(c), None) => c.eq_ignore_ascii_case(b"chunked"),
+        _ => false,
+    };
+    if only_chunked {
+        return Ok(());
+    }
+    let got = headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .collect::<Vec<_>>()
+        .join(", ");
+    Err(ApiError::UnsupportedTransferEncoding {
+        got: got.chars().take(100).collect(),
+    })
+}
+
 /// Decodes a JSON object, mapping each serde failure to a typed 400.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let Some(&first) = bytes.iter().find(|b| !b.is_ascii_whitespace()) else {
@@ -334,5 +363,32 @@ mod tests {
         let r: Req =
             decode(b" {\"model\":\"m\",\"messages\":[{\"role\":\"user\"}],\"extra\":1} ").unwrap();
         assert_eq!(r.messages.len(), 1);
+    }
+
+    #[test]
+    fn only_a_single_chunked_transfer_coding_passes() {
+        let with = |values: &[&str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(header::TRANSFER_ENCODING, v.parse().unwrap());
+            }
+            require_known_transfer_encoding(&h)
+        };
+        assert!(with(&[]).is_ok());
+        assert!(with(&["chunked"]).is_ok());
+        assert!(with(&["Chunked "]).is_ok());
+        for bad in [
+            &["gzip, chunked"][..],
+            &["gzip", "chunked"],
+            &["chunked, chunked"],
+            &["identity"],
+        ] {
+            let e = with(bad).unwrap_err();
+            assert_eq!(
+                (e.status().as_u16(), e.code()),
+                (501, "unsupported_transfer_encoding"),
+                "{bad:?}"
+            );
+        }
     }
 }

@@ -36,6 +36,10 @@ pub enum ApiError {
     MethodNotAllowed { method: String, path: String },
     #[error("Request bodies must be JSON, sent with `Content-Type: application/json`{}.", got.as_ref().map(|g| format!(" (got '{g}')")).unwrap_or_default())]
     UnsupportedMediaType { got: Option<String> },
+    /// A transfer coding other than a single `chunked`: decoding `chunked` and ignoring
+    /// the rest would read the body as something other than what the client sent.
+    #[error("Transfer-Encoding '{got}' is not supported; send the body as is or with `Transfer-Encoding: chunked` alone.")]
+    UnsupportedTransferEncoding { got: String },
     #[error("{}", engine_message(.0))]
     Engine(#[from] EngineError),
     /// The engine holds as many requests as it may; the client should retry shortly.
@@ -174,6 +178,7 @@ impl ApiError {
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::UnsupportedTransferEncoding { .. } => StatusCode::NOT_IMPLEMENTED,
             ApiError::Engine(EngineError::Remote { reason, .. }) => match remote_kind(reason) {
                 RemoteKind::Verification => StatusCode::BAD_GATEWAY,
                 RemoteKind::Timeout => StatusCode::GATEWAY_TIMEOUT,
@@ -203,6 +208,7 @@ impl ApiError {
             ApiError::RouteNotFound { .. } => "not_found",
             ApiError::MethodNotAllowed { .. } => "method_not_allowed",
             ApiError::UnsupportedMediaType { .. } => "unsupported_media_type",
+            ApiError::UnsupportedTransferEncoding { .. } => "unsupported_transfer_encoding",
             ApiError::Engine(EngineError::Isolation(_)) => "isolation_check_failed",
             ApiError::Engine(EngineError::Model(_)) => "model_error",
             ApiError::Engine(EngineError::Shutdown) => "service_unavailable",

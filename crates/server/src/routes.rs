@@ -108,6 +108,7 @@ async fn accept<R: DeserializeOwned, V>(
 ) -> Result<(IsolationDomain, V), ApiError> {
     let tenant = app.auth.authenticate(headers)?;
     body::require_json(headers)?;
+    body::require_known_transfer_encoding(headers)?;
     let bytes = body::read(body, app.max_body_bytes, app.body_timeout).await?;
     let req: R = body::decode(&bytes)?;
     let valid = validate(&req, &ServedModel::of(app))?;

@@ -4,6 +4,14 @@
 //! the longest suffix that is a prefix of some stop string is held back. A match therefore
 //! always lies entirely inside the held-back buffer plus the new piece, and nothing of a
 //! stop string (or anything after it) is ever sent.
+//!
+//! Matching is incremental: each stop string carries a Knuth-Morris-Pratt automaton whose
+//! state is exactly the length of the longest suffix of the text so far that is a prefix of
+//! it, so a token costs its own bytes times the number of stop strings (amortized), whatever
+//! the stops' length or the text's. That state is also the hold-back, so nothing is searched
+//! twice. Validation bounds the stops (`MAX_STOP_STRINGS` of at most `MAX_STOP_BYTES`
+//! each), which bounds the automata's memory; the per-token cost is what keeps the matching
+//! on the async threads that serve everyone: it is no more than copying the token's text.
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StopPush {
@@ -13,9 +21,55 @@ pub enum StopPush {
     Stopped(String),
 }
 
+/// One stop string and how much of it the text's end currently matches.
+#[derive(Debug)]
+struct StopAutomaton {
+    pattern: Box<[u8]>,
+    /// `fallback[k]`: the longest proper border of `pattern[..=k]` (KMP's failure function).
+    fallback: Box<[usize]>,
+    matched: usize,
+}
+
+impl StopAutomaton {
+    fn new(pattern: &str) -> Self {
+        let pattern: Box<[u8]> = pattern.as_bytes().into();
+        let mut fallback = vec![0usize; pattern.len()];
+        let mut border = 0;
+        for i in 1..pattern.len() {
+            while border > 0 && pattern[i] != pattern[border] {
+                border = fallback[border - 1];
+            }
+            if pattern[i] == pattern[border] {
+                border += 1;
+            }
+            fallback[i] = border;
+        }
+        Self {
+            pattern,
+            fallback: fallback.into(),
+            matched: 0,
+        }
+    }
+
+    /// Feeds one byte; true when the whole pattern now ends at it.
+    fn advance(&mut self, byte: u8) -> bool {
+        while self.matched > 0 && self.pattern[self.matched] != byte {
+            self.matched = self.fallback[self.matched - 1];
+        }
+        if self.pattern[self.matched] == byte {
+            self.matched += 1;
+        }
+        if self.matched == self.pattern.len() {
+            self.matched = self.fallback[self.matched - 1];
+            return true;
+        }
+        false
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct StopMatcher {
-    stops: Vec<String>,
+    stops: Vec<StopAutomaton>,
     held: String,
 }
 
@@ -24,7 +78,11 @@ impl StopMatcher {
     /// string would match before the first character).
     pub fn new(stops: Vec<String>) -> Self {
         Self {
-            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            stops: stops
+                .iter()
+                .filter(|s| !s.is_empty())
+                .map(|s| StopAutomaton::new(s))
+                .collect(),
             held: String::new(),
         }
     }
@@ -33,19 +91,26 @@ impl StopMatcher {
         if self.stops.is_empty() {
             return StopPush::Text(piece.to_owned());
         }
+        let offset = self.held.len();
         self.held.push_str(piece);
-        let earliest = self
-            .stops
-            .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min();
+        // Of the matches that end inside this piece, the one that starts first: a match that
+        // started in the held text started no earlier than the held text (the hold-back is at
+        // least every automaton's state).
+        let mut earliest: Option<usize> = None;
+        for (i, byte) in piece.bytes().enumerate() {
+            for stop in &mut self.stops {
+                if stop.advance(byte) {
+                    let start = offset + i + 1 - stop.pattern.len();
+                    earliest = Some(earliest.map_or(start, |e| e.min(start)));
+                }
+            }
+        }
         if let Some(at) = earliest {
             let mut text = std::mem::take(&mut self.held);
             text.truncate(at);
             return StopPush::Stopped(text);
         }
-        let keep = self.holdback();
-        let release = self.held.len() - keep;
+        let release = self.held.len() - self.holdback();
         let rest = self.held.split_off(release);
         StopPush::Text(std::mem::replace(&mut self.held, rest))
     }
@@ -55,18 +120,19 @@ impl StopMatcher {
         std::mem::take(&mut self.held)
     }
 
-    /// Length in bytes of the longest suffix of `held` that starts some stop string.
-    /// Always a char boundary of `held`, since the suffix is a valid string's prefix.
+    /// Length in bytes of the longest suffix of `held` that starts some stop string. A
+    /// suffix equal to a valid string's prefix begins on a char boundary of `held`; the loop
+    /// only widens the hold-back (always safe) should that ever not be so.
     fn holdback(&self) -> usize {
-        let mut keep = 0;
-        for stop in &self.stops {
-            let longest = stop.len().saturating_sub(1).min(self.held.len());
-            for k in (keep + 1..=longest).rev() {
-                if stop.is_char_boundary(k) && self.held.ends_with(&stop[..k]) {
-                    keep = k;
-                    break;
-                }
-            }
+        let mut keep = self
+            .stops
+            .iter()
+            .map(|s| s.matched)
+            .max()
+            .unwrap_or(0)
+            .min(self.held.len());
+        while !self.held.is_char_boundary(self.held.len() - keep) {
+            keep += 1;
         }
         keep
     }
@@ -170,5 +236,80 @@ mod tests {
         let pieces: Vec<&str> = chars.iter().map(String::as_str).collect();
         let (sent, stopped, _) = run(&stops, &pieces);
         assert_eq!(sent.concat() + stopped.as_deref().unwrap_or("?"), expected);
+    }
+
+    /// The matcher against the obvious definition (search the whole text so far after each
+    /// piece), on random texts and stops over a small alphabet, split at random.
+    #[test]
+    fn agrees_with_searching_the_whole_text() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        let alphabet = ['a', 'b', 'é'];
+        for _ in 0..2000 {
+            let word = |len: usize, next: &mut dyn FnMut(usize) -> usize| -> String {
+                (0..len).map(|_| alphabet[next(alphabet.len())]).collect()
+            };
+            let stops: Vec<String> = (0..1 + next(3))
+                .map(|_| word(1 + next(4), &mut next))
+                .collect();
+            let text = word(next(16), &mut next);
+            let mut pieces = Vec::new();
+            let chars: Vec<char> = text.chars().collect();
+            let mut at = 0;
+            while at < chars.len() {
+                let len = (1 + next(3)).min(chars.len() - at);
+                pieces.push(chars[at..at + len].iter().collect::<String>());
+                at += len;
+            }
+            // After each piece, the text so far is searched whole; the first piece after
+            // which some stop occurs ends the output before that text's earliest stop.
+            let mut so_far = String::new();
+            let mut expected = None;
+            for piece in &pieces {
+                so_far.push_str(piece);
+                expected = stops.iter().filter_map(|s| so_far.find(s.as_str())).min();
+                if expected.is_some() {
+                    break;
+                }
+            }
+            let refs: Vec<&str> = stops.iter().map(String::as_str).collect();
+            let piece_refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+            let (sent, stopped, rest) = run(&refs, &piece_refs);
+            match expected {
+                Some(at) => assert_eq!(
+                    (sent.concat() + stopped.as_deref().unwrap_or("?")).as_str(),
+                    &text[..at],
+                    "stops {stops:?} text {text:?} pieces {pieces:?}"
+                ),
+                None => {
+                    assert_eq!(stopped, None, "stops {stops:?} text {text:?}");
+                    assert_eq!(sent.concat() + &rest, text);
+                }
+            }
+        }
+    }
+
+    /// Stops as long as validation allows, which the text keeps almost matching: the
+    /// hold-back stays below the stop's length and everything else is released.
+    #[test]
+    fn long_stops_hold_back_less_than_their_length() {
+        let long = "ab".repeat(crate::validation::MAX_STOP_BYTES / 2 - 1) + "cc";
+        let stops = vec![long.clone(), long.clone(), long.clone(), long];
+        let mut m = StopMatcher::new(stops);
+        let mut released = 0;
+        for _ in 0..100_000 {
+            match m.push("ab") {
+                StopPush::Text(t) => released += t.len(),
+                StopPush::Stopped(_) => panic!("the stop needs more than is held"),
+            }
+            // The hold-back never exceeds the longest stop.
+            assert!(m.held.len() < crate::validation::MAX_STOP_BYTES);
+        }
+        assert_eq!(released + m.finish().len(), 200_000);
     }
 }

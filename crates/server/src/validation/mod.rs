@@ -18,6 +18,10 @@ use crate::AppState;
 
 /// Most stop strings a request may give (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
+/// Longest stop string, in UTF-8 bytes. OpenAI states no limit; stop sequences in use are
+/// a few characters, and this bounds what one request can make the matcher hold
+/// (`server::stop`) to 4 KiB.
+pub const MAX_STOP_BYTES: usize = 1024;
 /// Most alternatives per token a request may ask for.
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 
@@ -272,6 +276,21 @@ impl Common<'_> {
                 "invalid_value",
                 param("stop"),
                 "Stop sequences must not be empty.",
+            ));
+        }
+        if let Some((i, long)) = stops
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.len() > MAX_STOP_BYTES)
+        {
+            return Err(ApiError::invalid(
+                "invalid_value",
+                param("stop"),
+                format!(
+                    "Each stop sequence may be at most {MAX_STOP_BYTES} bytes of UTF-8; \
+                     stop[{i}] is {} bytes.",
+                    long.len()
+                ),
             ));
         }
         if let Some(salt) = self.cache_salt {

@@ -73,6 +73,22 @@ fn chat_refusals() {
         code(chat(&format!(r#"{{{M},"stop":[""]}}"#))).1,
         Some("stop".into())
     );
+    // A stop string at the limit passes; one byte more (here a two-byte character
+    // straddling it) is refused, for both endpoints.
+    let at_limit = "a".repeat(MAX_STOP_BYTES);
+    assert!(chat(&format!(r#"{{{M},"stop":["{at_limit}"]}}"#)).is_ok());
+    let over = format!("{}é", "a".repeat(MAX_STOP_BYTES - 1));
+    assert_eq!(
+        code(chat(&format!(r#"{{{M},"stop":["x","{over}"]}}"#))),
+        ("invalid_value", Some("stop".into()))
+    );
+    assert_eq!(
+        code(completion(&format!(
+            r#"{{"model":"m","prompt":"hi","stop":"{over}"}}"#
+        )))
+        .1,
+        Some("stop".into())
+    );
     assert_eq!(
         code(chat(&format!(r#"{{{M},"tools":[{{}}]}}"#))).1,
         Some("tools".into())
