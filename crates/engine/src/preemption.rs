@@ -43,6 +43,32 @@ pub(crate) fn victim(running: &[Holding<'_>], asking: usize) -> Option<usize> {
     best.map(|(i, _)| i)
 }
 
+/// Which running request gives its slot back when every slot is taken and a request
+/// waits whose tenant runs `waiting_tenant_runs` requests: the youngest request of the
+/// tenant running the most, if that tenant runs at least two more (one more would only
+/// swap the two tenants' places). `running` holds each running request's tenant, oldest
+/// first.
+///
+/// Max-min fair: slots move only towards the tenant with fewer, so two tenants never take
+/// a slot back and forth, and a tenant keeps its oldest request running (it runs two or
+/// more when it gives one up), which keeps every request finishing.
+pub(crate) fn slot_victim(running: &[&str], waiting_tenant_runs: usize) -> Option<usize> {
+    let mut counts: HashMap<&str, usize> = HashMap::new();
+    for t in running {
+        *counts.entry(t).or_default() += 1;
+    }
+    // Youngest first: among tenants running as many, the youngest request's gives way.
+    let mut best: Option<(usize, usize)> = None;
+    for (i, t) in running.iter().enumerate().rev() {
+        let count = counts[t];
+        if best.is_none_or(|(_, most)| count > most) {
+            best = Some((i, count));
+        }
+    }
+    best.filter(|&(_, most)| most >= waiting_tenant_runs + 2)
+        .map(|(i, _)| i)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,5 +119,45 @@ mod tests {
     fn ties_take_the_youngest() {
         let r = running(&[("a", 2), ("b", 2), ("a", 2), ("b", 2)]);
         assert_eq!(victim(&r, 0), Some(3));
+    }
+
+    #[test]
+    fn a_slot_goes_from_the_tenant_running_the_most_to_one_running_two_fewer() {
+        let r = ["flood", "flood", "quiet", "flood", "flood"];
+        // A quiet request waits: the flood's youngest gives its slot.
+        assert_eq!(slot_victim(&r, 1), Some(4));
+        assert_eq!(slot_victim(&r, 0), Some(4));
+        // A flood request waits: nobody runs two more than the flood does.
+        assert_eq!(slot_victim(&r, 4), None);
+        // One more only would swap places: no slot moves.
+        assert_eq!(slot_victim(&["a", "a", "b"], 1), None);
+        assert_eq!(slot_victim(&["a", "a", "b"], 0), Some(1));
+    }
+
+    /// After a slot moves, the request it went back for cannot take it back: counts only
+    /// ever even out.
+    #[test]
+    fn slots_never_move_back_and_forth() {
+        let mut running = vec!["a"; 8];
+        let mut waiting_b = 3;
+        let mut moves = 0;
+        while waiting_b > 0 {
+            let b_runs = running.iter().filter(|t| **t == "b").count();
+            match slot_victim(&running, b_runs) {
+                Some(v) => {
+                    assert_eq!(running[v], "a");
+                    running.remove(v);
+                    running.push("b");
+                    waiting_b -= 1;
+                    moves += 1;
+                    // The preempted "a" waits now: it must not get its slot back.
+                    let a_runs = running.iter().filter(|t| **t == "a").count();
+                    assert_eq!(slot_victim(&running, a_runs), None);
+                }
+                None => break,
+            }
+        }
+        assert_eq!(moves, 3);
+        assert_eq!(running.iter().filter(|t| **t == "a").count(), 5);
     }
 }

@@ -8,6 +8,12 @@
 //! recomputes that K/V (bit for bit the same: rows do not depend on the batch) and goes on.
 //! Nothing ever runs on partial KV. Admission guarantees each request fits the pool alone,
 //! and the oldest request is never preempted for a younger one, so every request finishes.
+//!
+//! Running slots are shared between tenants: the next request to run is the oldest of the
+//! tenant running the fewest, and when every slot is taken a tenant running two or more
+//! than a waiting request's tenant gives its youngest request's slot back
+//! (`crate::preemption::slot_victim`, the same preempt-and-recompute). Such a tenant keeps
+//! its own oldest request running, so each tenant's requests still all finish.
 
 mod event_loop;
 mod import;

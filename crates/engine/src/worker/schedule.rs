@@ -1,6 +1,7 @@
 //! Who holds pages: cancelled requests dropped, waiting ones promoted, running ones grown
 //! (preempting a younger one when the pool is dry), finished prompts offered to the cache.
 
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
 use kv::{Owner, SequenceKv, Visibility};
@@ -35,14 +36,53 @@ impl Worker {
         pages <= self.pool.counts().free
     }
 
-    /// Moves waiting requests into the running set in arrival order, while the pool has
-    /// room for their stream so far plus one page to grow into, and a spare page for each
-    /// request already running.
+    /// The waiting request to run next: the oldest of the tenant that runs the fewest, so
+    /// that running slots are shared between tenants (and arrival order decides within
+    /// one). With its tenant's count of running requests.
+    fn next_waiting(&self) -> Option<(usize, usize)> {
+        let mut running: HashMap<&str, usize> = HashMap::new();
+        for r in &self.running {
+            *running
+                .entry(r.progress.request.domain.tenant_name())
+                .or_default() += 1;
+        }
+        // `waiting` is in arrival order: the first of each count is the oldest.
+        let mut best: Option<(usize, usize)> = None;
+        for (i, w) in self.waiting.iter().enumerate() {
+            let count = running
+                .get(w.request.domain.tenant_name())
+                .copied()
+                .unwrap_or(0);
+            if best.is_none_or(|(_, fewest)| count < fewest) {
+                best = Some((i, count));
+            }
+        }
+        best
+    }
+
+    /// Moves waiting requests into the running set, the oldest of the tenant running the
+    /// fewest first, while the pool has room for their stream so far plus one page to grow
+    /// into, and a spare page for each request already running. When every slot is taken
+    /// and another tenant runs at least two more than the waiting request's, that tenant's
+    /// youngest running request gives its slot back (`crate::preemption::slot_victim`), so
+    /// one tenant's flood delays another's next request by one step, not by its queue.
     pub(super) fn promote(&mut self) {
-        while self.running.len() < self.config.max_running {
-            let Some(head) = self.waiting.front() else {
-                break;
-            };
+        while let Some((w, tenant_running)) = self.next_waiting() {
+            if self.running.len() >= self.config.max_running {
+                let tenants: Vec<&str> = self
+                    .running
+                    .iter()
+                    .map(|r| r.progress.request.domain.tenant_name())
+                    .collect();
+                let Some(v) = preemption::slot_victim(&tenants, tenant_running) else {
+                    break;
+                };
+                let victim = self.running.remove(v);
+                self.preempt(victim);
+                // The victim went back into `waiting`: choose again.
+                continue;
+            }
+            let head = &self.waiting[w];
             let owner = Owner {
                 request: head.id,
                 domain: head.request.domain.clone(),
@@ -66,8 +106,8 @@ impl Worker {
                     // Unreachable unless the cache broke its contract: fail the request, loudly.
                     EngineMetrics::add(&self.metrics.isolation_failures, 1);
                     tracing::error!("prefix cache offered an unreadable page: {e}");
-                    if let Some(w) = self.waiting.pop_front() {
-                        w.end(Event::Failed(EngineError::Isolation(e)));
+                    if let Some(failed) = self.waiting.remove(w) {
+                        failed.end(Event::Failed(EngineError::Isolation(e)));
                     }
                     continue;
                 }
@@ -82,7 +122,7 @@ impl Worker {
                 tracing::debug!("reservation deferred: {e}");
                 break;
             }
-            let Some(mut progress) = self.waiting.pop_front() else {
+            let Some(mut progress) = self.waiting.remove(w) else {
                 break;
             };
             #[cfg(feature = "fault-injection")]
