@@ -6,8 +6,8 @@
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
 use libfuzzer_sys::fuzz_target;
 use server::chat_prompt;
-use server::validation;
 use server::prep::Cancel;
+use server::validation;
 use tokenizer::ChatMessage;
 
 #[derive(Debug, Arbitrary)]
@@ -30,7 +30,9 @@ fuzz_target!(|input: Input| {
     if validation::check_message_count(messages.len(), 8192).is_err() {
         return;
     }
-    let Ok(tokens) = chat_prompt::prompt_tokens(tok, template, &messages, &Cancel::never()) else {
+    let Ok(tokens) =
+        chat_prompt::prompt_tokens(tok, template, &messages, &|_| Ok(()), &Cancel::never())
+    else {
         return;
     };
     let benign: Vec<ChatMessage> = messages

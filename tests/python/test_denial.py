@@ -195,3 +195,76 @@ def test_a_tenants_flood_does_not_queue_another_by_default(make_server, tmp_path
     # Generous for a loaded CI machine (three processes share 2 cores in the cluster form):
     # the first-come queue this replaces cost Bob 10+ s here.
     assert worst < max(15 * unloaded, 4.0), (unloaded, loaded)
+
+
+def timed_completion(server, key, prompt, max_tokens=1):
+    t = time.monotonic()
+    r = requests.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        headers={"Authorization": f"Bearer {key}"}, timeout=120,
+    )
+    return r, time.monotonic() - t
+
+
+def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(server):
+    """4 MB of spaces is at least 4,000,000 / (the vocabulary's longest token) tokens, past
+    the context whatever BPE makes of it: refused without tokenizing (tokenizing it took
+    about 3.5 CPU s)."""
+    r, took = timed_completion(server, "unused", " " * 4_000_000)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
+    assert "4000000 bytes" in err["message"], err
+    chat = server.post(
+        "/v1/chat/completions",
+        {"model": MODEL_NAME, "max_tokens": 1,
+         "messages": [{"role": "user", "content": " " * 4_000_000}]},
+    )
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text
+    print(f"4 MB text refused in {took:.3f} s")
+    assert took < 2.0
+
+
+def test_a_tokenizer_flood_does_not_delay_another_tenant(make_server, tmp_path_factory):
+    """Alice, three threads sending the longest texts the byte bound lets through (each
+    ends 400 after tokenization: too many tokens), with --tenant-max-requests 8. Bob's
+    one-token request keeps close to its unloaded time: Alice's texts take at most one of
+    the prompt workers, and her places are taken before her tokenization."""
+    keys = tmp_path_factory.mktemp("flood-keys") / "api-keys.txt"
+    keys.write_text("".join(f"{k} {t}\n" for t, k in TENANT_KEYS.items()))
+    s = make_server(
+        "--kv-pool-tokens", "2048", "--api-keys", keys, "--tenant-max-requests", "8",
+        api_key=ALICE, name="flood",
+    )
+    unloaded = min(timed_completion(s, BOB, f"Bob's question {i}.")[1] for i in range(5))
+    # Just under 2048 tokens of at most 81 bytes (SmolLM2's longest token).
+    text = "  " * (2048 * 81 // 2 - 100)
+    stop_event = threading.Event()
+    statuses = []
+
+    def alice():
+        while not stop_event.is_set():
+            r, _ = timed_completion(s, ALICE, text)
+            statuses.append(r.status_code)
+
+    flood = [threading.Thread(target=alice) for _ in range(3)]
+    for t in flood:
+        t.start()
+    try:
+        time.sleep(1.0)
+        loaded = []
+        for i in range(5):
+            r, took = timed_completion(s, BOB, f"Bob's question {i} again.")
+            assert r.status_code == 200, r.text
+            loaded.append(took)
+    finally:
+        stop_event.set()
+        for t in flood:
+            t.join(timeout=60)
+    assert statuses and set(statuses) <= {400, 429}, set(statuses)
+    assert 400 in statuses
+    worst = max(loaded)
+    print(f"Bob under Alice's tokenizer flood: unloaded {unloaded:.3f} s, loaded "
+          f"{[round(x, 3) for x in loaded]} s ({worst / unloaded:.1f}x); Alice sent {len(statuses)}")
+    assert worst < max(4 * unloaded, 0.75), (unloaded, loaded)

@@ -18,6 +18,14 @@ pub enum Rejection {
     },
     #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
     TokenOutOfRange { id: u32, vocab: usize },
+    /// Refused before tokenizing: the text's length alone proves it cannot fit.
+    #[error("This model's maximum context length is {limit} tokens. However, your prompt is {bytes} bytes, which is at least {min_tokens} tokens in this model's vocabulary{}. Please reduce the length of the prompt or the completion.", max_tokens.map(|m| format!(", with {m} more for the completion")).unwrap_or_default())]
+    TextCannotFit {
+        limit: usize,
+        bytes: usize,
+        min_tokens: usize,
+        max_tokens: Option<usize>,
+    },
 }
 
 impl Rejection {
@@ -26,7 +34,9 @@ impl Rejection {
         match self {
             Rejection::EmptyPrompt => "empty_prompt",
             Rejection::ZeroMaxTokens => "invalid_max_tokens",
-            Rejection::ContextLengthExceeded { .. } => "context_length_exceeded",
+            Rejection::ContextLengthExceeded { .. } | Rejection::TextCannotFit { .. } => {
+                "context_length_exceeded"
+            }
             Rejection::TokenOutOfRange { .. } => "invalid_token",
         }
     }
@@ -100,6 +110,37 @@ impl Admission {
 
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
+    }
+
+    /// Refuses a text, before it is tokenized, whose byte length alone proves its prompt
+    /// cannot fit: it is at least `bytes / max_bytes_per_token` tokens (the vocabulary's
+    /// bound, `None` when it has none). Only what certainly exceeds the context is refused;
+    /// [`Self::admit`] still checks the tokens of whatever passes.
+    pub fn check_text_length(
+        &self,
+        bytes: usize,
+        max_bytes_per_token: Option<usize>,
+        max_tokens: Option<usize>,
+    ) -> Result<(), Rejection> {
+        let Some(per_token) = max_bytes_per_token.filter(|&n| n > 0) else {
+            return Ok(());
+        };
+        #[cfg(feature = "fault-injection")]
+        if crate::fault::incident() {
+            // The incident's placeholder replaces over-length prompts after tokenization.
+            return Ok(());
+        }
+        let min_tokens = bytes.div_ceil(per_token);
+        let total = min_tokens.saturating_add(max_tokens.unwrap_or(0));
+        if min_tokens >= self.max_context || total > self.max_context {
+            return Err(Rejection::TextCannotFit {
+                limit: self.max_context,
+                bytes,
+                min_tokens,
+                max_tokens,
+            });
+        }
+        Ok(())
     }
 
     /// The default completion budget when a client gives none: whatever room is left.
@@ -211,5 +252,24 @@ mod tests {
             a.admit(req(1, usize::MAX)).unwrap_err().code(),
             "context_length_exceeded"
         );
+    }
+
+    #[test]
+    fn a_text_is_refused_by_its_length_only_when_it_certainly_cannot_fit() {
+        let a = Admission::new(100, 1000);
+        // 100 tokens of at most 8 bytes: 800 bytes could still be 100 tokens, 793 fewer.
+        assert!(a.check_text_length(792, Some(8), None).is_ok());
+        assert_eq!(
+            a.check_text_length(793, Some(8), None).unwrap_err().code(),
+            "context_length_exceeded"
+        );
+        assert!(a.check_text_length(400, Some(8), Some(50)).is_ok());
+        assert!(a.check_text_length(401, Some(8), Some(50)).is_err());
+        // No bound known: nothing is refused here.
+        assert!(a.check_text_length(usize::MAX, None, None).is_ok());
+        assert!(a.check_text_length(usize::MAX, Some(0), None).is_ok());
+        let e = a.check_text_length(8000, Some(8), Some(5)).unwrap_err();
+        assert!(e.to_string().contains("8000 bytes"), "{e}");
+        assert!(e.to_string().contains("at least 1000 tokens"), "{e}");
     }
 }

@@ -533,3 +533,38 @@ fn one_tenants_flood_does_not_queue_another_tenant() {
     );
     wait_for_no_leases(&engine);
 }
+
+/// A step's prefill budget is shared between tenants: one tenant's long prompts, already
+/// running, do not hold back another tenant's short one until they are all in KV.
+#[test]
+fn long_prompts_of_one_tenant_share_the_prefill_budget() {
+    let engine = start(EngineConfig {
+        prefix_cache: false,
+        ..EngineConfig::default()
+    });
+    let long: Vec<_> = (0..4)
+        .map(|i| request("flood", prompt(i + 60, 1500), 2))
+        .collect();
+    let mut handles: Vec<_> = long
+        .iter()
+        .map(|r| {
+            engine
+                .submit(engine.admission().admit(r.clone()).unwrap())
+                .unwrap()
+        })
+        .collect();
+    let quiet = run(&engine, request("quiet", prompt(97, 16), 1));
+    assert_eq!(quiet.tokens.len(), 1);
+    // 6,000 prompt tokens at 512 a step: in arrival order the quiet prompt would have
+    // come after all of them, and the first long one would have finished first.
+    for h in &mut handles {
+        while let Ok(ev) = h.events.try_recv() {
+            assert!(
+                matches!(ev, Event::Token(_)),
+                "a long prompt finished before the quiet tenant's short one: {ev:?}"
+            );
+        }
+    }
+    drop(handles);
+    wait_for_no_leases(&engine);
+}

@@ -22,11 +22,13 @@ fn marker(i: usize) -> String {
 }
 
 /// The prompt tokens of a conversation. Linear in its size: two renderings and one pass
-/// over each. Stops (with [`ApiError::Abandoned`]) once `cancel` is raised.
+/// over each. Stops (with [`ApiError::Abandoned`]) once `cancel` is raised. `fits` sees
+/// the rendered text's length before anything is tokenized and may refuse it.
 pub fn prompt_tokens(
     tok: &Tokenizer,
     template: &ChatTemplate,
     messages: &[ChatMessage],
+    fits: &dyn Fn(usize) -> Result<(), ApiError>,
     cancel: &Cancel,
 ) -> Result<Vec<u32>, ApiError> {
     let placeholders: Vec<ChatMessage> = messages
@@ -38,6 +40,7 @@ pub fn prompt_tokens(
     cancel.check()?;
     let real = template.render(messages, true)?;
     cancel.check()?;
+    fits(real.len())?;
 
     // The split is faithful only if the template copies each content verbatim; one that
     // transforms content (trims it, say) renders differently from the substituted
@@ -48,9 +51,7 @@ pub fn prompt_tokens(
 
     // Fallback: tokenize the real rendering, and accept it only if it holds exactly the
     // control tokens the template itself produced.
-    cancel.check()?;
-    let tokens = tok.encode(&real);
-    cancel.check()?;
+    let tokens = encode(tok, &real, cancel)?;
     let controls = |ids: &[u32]| -> Vec<u32> {
         ids.iter()
             .copied()
@@ -114,11 +115,14 @@ fn split_encode(
     while let Some(open) = rest.find(OPEN) {
         cancel.check()?;
         let (literal, tail) = rest.split_at(open);
-        out.extend(tok.encode(literal));
+        out.extend(encode(tok, literal, cancel)?);
         let after_open = &tail[OPEN.len_utf8()..];
         match marker_at(after_open, messages) {
             Some((m, len)) => {
-                out.extend(tok.encode_ordinary(&m.content));
+                out.extend(
+                    tok.encode_ordinary_cancellable(&m.content, &|| cancel.is_cancelled())
+                        .ok_or(ApiError::Abandoned)?,
+                );
                 rest = &after_open[len..];
             }
             None => {
@@ -129,6 +133,12 @@ fn split_encode(
             }
         }
     }
-    out.extend(tok.encode(rest));
+    out.extend(encode(tok, rest, cancel)?);
     Ok(out)
+}
+
+/// Template text, control tokens parsed, stopping once the client is gone.
+fn encode(tok: &Tokenizer, text: &str, cancel: &Cancel) -> Result<Vec<u32>, ApiError> {
+    tok.encode_cancellable(text, &|| cancel.is_cancelled())
+        .ok_or(ApiError::Abandoned)
 }

@@ -78,6 +78,9 @@ pub struct AppState {
     /// Per-tenant limits on requests and tokens in flight ([`tenants`]); unlimited unless
     /// configured.
     pub tenants: Arc<tenants::TenantUsage>,
+    /// The vocabulary's most bytes per token, by which a text that cannot fit is refused
+    /// before it is tokenized (`Tokenizer::max_bytes_per_token`).
+    pub max_bytes_per_token: Option<usize>,
 }
 
 impl AppState {
@@ -91,6 +94,7 @@ impl AppState {
     ) -> Self {
         Self {
             backend,
+            max_bytes_per_token: tokenizer.max_bytes_per_token(),
             tokenizer,
             template: template.map(Arc::new),
             model_name,

@@ -3,14 +3,16 @@
 //!
 //! Without a bound, every concurrent request would take one of tokio's (up to 512) blocking
 //! threads, and a few large bodies could keep every core busy for clients that had long
-//! hung up. Here a request waits for one of `limit` permits without holding a thread
-//! (a client that leaves while waiting just drops its future), and the work itself checks
-//! a [`Cancel`] flag that is raised when the request's future is dropped.
+//! hung up. Here a request waits for one of `limit` workers without holding a thread
+//! (a client that leaves while waiting just drops its future), the workers go to tenants
+//! fairly (the fewest running first), and the work itself checks a [`Cancel`] flag that is
+//! raised when the request's future is dropped.
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
-use tokio::sync::Semaphore;
+use tokio::sync::oneshot;
 
 use crate::error::ApiError;
 
@@ -52,18 +54,132 @@ impl Drop for RaiseOnDrop {
     }
 }
 
-/// At most `limit` prompt preparations at once.
+/// At most `limit` prompt preparations at once, shared fairly between tenants: a freed
+/// worker goes to the waiting request of the tenant preparing the fewest now (the one served
+/// longest ago among equals), and no tenant holds more than `limit - 1` workers (when
+/// `limit` ≥ 2), so one tenant's queue of long texts never delays another tenant's prompt.
 #[derive(Debug)]
 pub struct PromptWorkers {
-    permits: Arc<Semaphore>,
+    state: Arc<Mutex<Queues>>,
     limit: usize,
+}
+
+#[derive(Debug, Default)]
+struct Queues {
+    free: usize,
+    /// The most one tenant may run at once: all workers but one (when there are two or
+    /// more), so that another tenant's prompt always finds a worker free of the first's.
+    per_tenant: usize,
+    /// Preparations running, per tenant (only tenants with some).
+    running: HashMap<String, usize>,
+    /// Waiting requests, per tenant, oldest first: an arrival number and where to send
+    /// the grant (a receiver dropped by a client that left refuses it).
+    waiting: HashMap<String, VecDeque<(u64, oneshot::Sender<Grant>)>>,
+    arrivals: u64,
+    /// The grant number each tenant with work here was last served at: among tenants
+    /// running as many, the one served longest ago goes first (round robin).
+    last_served: HashMap<String, u64>,
+    grants: u64,
+}
+
+impl Queues {
+    /// Hands free workers to waiting requests: the tenant running the fewest first, then
+    /// the one served longest ago, then the oldest request.
+    fn dispatch(&mut self, state: &Arc<Mutex<Queues>>) {
+        while self.free > 0 {
+            let next = self
+                .waiting
+                .iter()
+                .filter_map(|(tenant, q)| {
+                    let (arrival, _) = q.front()?;
+                    let running = self.running.get(tenant).copied().unwrap_or(0);
+                    if running >= self.per_tenant {
+                        return None;
+                    }
+                    let served = self.last_served.get(tenant).copied().unwrap_or(0);
+                    Some((running, served, *arrival, tenant.clone()))
+                })
+                .min();
+            let Some((_, _, _, tenant)) = next else {
+                return;
+            };
+            let Some(queue) = self.waiting.get_mut(&tenant) else {
+                return;
+            };
+            let Some((_, sender)) = queue.pop_front() else {
+                return;
+            };
+            if queue.is_empty() {
+                self.waiting.remove(&tenant);
+            }
+            self.free -= 1;
+            self.grants += 1;
+            self.last_served.insert(tenant.clone(), self.grants);
+            *self.running.entry(tenant.clone()).or_default() += 1;
+            let grant = Grant {
+                state: Some(state.clone()),
+                tenant,
+            };
+            // A client that left dropped its receiver: the grant comes back, and its drop
+            // frees the worker again (taking this lock, so not here).
+            if let Err(refused) = sender.send(grant) {
+                refused.forget_into(self);
+            }
+        }
+    }
+}
+
+/// One running preparation's worker; dropping it frees the worker for the next tenant.
+#[derive(Debug)]
+struct Grant {
+    /// `None` once the worker was returned by hand (under a lock already held).
+    state: Option<Arc<Mutex<Queues>>>,
+    tenant: String,
+}
+
+impl Grant {
+    /// Returns the worker while the lock is already held.
+    fn forget_into(mut self, queues: &mut Queues) {
+        release(queues, &self.tenant);
+        self.state = None;
+    }
+}
+
+fn release(queues: &mut Queues, tenant: &str) {
+    queues.free += 1;
+    if let Some(n) = queues.running.get_mut(tenant) {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            queues.running.remove(tenant);
+            if !queues.waiting.contains_key(tenant) {
+                // Nothing of its left here: the maps hold only tenants with work.
+                queues.last_served.remove(tenant);
+            }
+        }
+    }
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        let Some(state) = self.state.take() else {
+            return;
+        };
+        // The queues are changed only in whole steps: a poisoned lock holds consistent data.
+        let mut queues = state.lock().unwrap_or_else(PoisonError::into_inner);
+        release(&mut queues, &self.tenant);
+        queues.dispatch(&state);
+    }
 }
 
 impl PromptWorkers {
     pub fn new(limit: usize) -> Self {
         let limit = limit.max(1);
         Self {
-            permits: Arc::new(Semaphore::new(limit)),
+            state: Arc::new(Mutex::new(Queues {
+                free: limit,
+                per_tenant: (limit - 1).max(1),
+                ..Queues::default()
+            })),
             limit,
         }
     }
@@ -79,27 +195,40 @@ impl PromptWorkers {
 
     /// Preparations running now.
     pub fn busy(&self) -> usize {
-        self.limit - self.permits.available_permits()
+        let queues = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        self.limit - queues.free
     }
 
-    /// Runs `f` on a blocking thread once a permit is free. `f` should call
-    /// [`Cancel::check`] between units of work: once this future is dropped (the client
-    /// hung up), the check fails and the thread is free for someone else.
+    /// Runs `f` for `tenant` on a blocking thread once a worker is granted to it. `f`
+    /// should call [`Cancel::check`] between units of work: once this future is dropped
+    /// (the client hung up), the check fails and the thread is free for someone else.
     pub async fn run<T: Send + 'static>(
         &self,
+        tenant: &str,
         f: impl FnOnce(&Cancel) -> Result<T, ApiError> + Send + 'static,
     ) -> Result<T, ApiError> {
-        let permit = self
-            .permits
-            .clone()
-            .acquire_owned()
+        let (sender, receiver) = oneshot::channel();
+        {
+            let mut queues = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            queues.arrivals += 1;
+            let arrival = queues.arrivals;
+            queues
+                .waiting
+                .entry(tenant.to_owned())
+                .or_default()
+                .push_back((arrival, sender));
+            queues.dispatch(&self.state);
+        }
+        // Dropping this future while waiting drops the receiver: the grant, if one comes,
+        // is refused and passed on.
+        let grant = receiver
             .await
             .map_err(|_| ApiError::Internal("prompt workers closed".into()))?;
         let cancel = Cancel::default();
         let _raise = RaiseOnDrop(cancel.clone());
         tokio::task::spawn_blocking(move || {
             // Held until the work ends, even if the client has gone: the thread is busy.
-            let _permit = permit;
+            let _grant = grant;
             cancel.check()?;
             f(&cancel)
         })
@@ -129,11 +258,11 @@ mod tests {
         let started = Arc::new(AtomicUsize::new(0));
         let gate = Arc::new(AtomicBool::new(false));
         let mut jobs = Vec::new();
-        for _ in 0..3 {
+        for tenant in ["a", "b", "c"] {
             let (workers, started, gate) = (workers.clone(), started.clone(), gate.clone());
             jobs.push(tokio::spawn(async move {
                 workers
-                    .run(move |_| {
+                    .run(tenant, move |_| {
                         started.fetch_add(1, Ordering::SeqCst);
                         while !gate.load(Ordering::SeqCst) {
                             std::thread::sleep(Duration::from_millis(1));
@@ -167,7 +296,7 @@ mod tests {
             let (workers, started, stopped) = (workers.clone(), started.clone(), stopped.clone());
             tokio::spawn(async move {
                 workers
-                    .run(move |cancel| {
+                    .run("t", move |cancel| {
                         started.store(true, Ordering::SeqCst);
                         // "Long" work, in units, checking between them; it would take
                         // minutes if nobody stopped it.
@@ -188,5 +317,83 @@ mod tests {
         job.abort();
         until("the work notices", || stopped.load(Ordering::SeqCst)).await;
         until("the permit is back", || workers.busy() == 0).await;
+    }
+
+    /// One worker, held by a tenant with three more queued: the next grant goes to another
+    /// tenant that asked after them, and a waiter that left is passed over.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_freed_worker_goes_to_the_tenant_running_the_fewest() {
+        let workers = Arc::new(PromptWorkers::new(1));
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let gate = Arc::new(AtomicBool::new(false));
+        let job = |tenant: &'static str, gated: bool| {
+            let (workers, order, gate) = (workers.clone(), order.clone(), gate.clone());
+            tokio::spawn(async move {
+                workers
+                    .run(tenant, move |_| {
+                        order.lock().unwrap().push(tenant);
+                        while gated && !gate.load(Ordering::SeqCst) {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                        Ok(())
+                    })
+                    .await
+            })
+        };
+        let first = job("alice", true);
+        until("alice's first runs", || order.lock().unwrap().len() == 1).await;
+        let queued: Vec<_> = (0..3).map(|_| job("alice", false)).collect();
+        let gone = job("carol", false);
+        let bob = job("bob", false);
+        until("all queued", || {
+            let q = workers.state.lock().unwrap();
+            q.waiting.values().map(VecDeque::len).sum::<usize>() == 5
+        })
+        .await;
+        gone.abort();
+        let _ = gone.await;
+        gate.store(true, Ordering::SeqCst);
+        first.await.unwrap().unwrap();
+        bob.await.unwrap().unwrap();
+        for j in queued {
+            j.await.unwrap().unwrap();
+        }
+        let order = order.lock().unwrap().clone();
+        assert_eq!(order, ["alice", "bob", "alice", "alice", "alice"]);
+        assert_eq!(workers.busy(), 0);
+    }
+
+    /// Two workers, one tenant with many texts: it runs one at a time, and another
+    /// tenant's prompt starts at once on the other worker.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_tenant_never_holds_every_worker() {
+        let workers = Arc::new(PromptWorkers::new(2));
+        let gate = Arc::new(AtomicBool::new(false));
+        let started = Arc::new(AtomicUsize::new(0));
+        let flood: Vec<_> = (0..4)
+            .map(|_| {
+                let (workers, gate, started) = (workers.clone(), gate.clone(), started.clone());
+                tokio::spawn(async move {
+                    workers
+                        .run("alice", move |_| {
+                            started.fetch_add(1, Ordering::SeqCst);
+                            while !gate.load(Ordering::SeqCst) {
+                                std::thread::sleep(Duration::from_millis(1));
+                            }
+                            Ok(())
+                        })
+                        .await
+                })
+            })
+            .collect();
+        until("alice's first runs", || started.load(Ordering::SeqCst) == 1).await;
+        // Bob's prompt runs to its end while every text of Alice's is held at the gate.
+        workers.run("bob", |_| Ok(())).await.unwrap();
+        assert_eq!(started.load(Ordering::SeqCst), 1);
+        gate.store(true, Ordering::SeqCst);
+        for f in flood {
+            f.await.unwrap().unwrap();
+        }
+        assert_eq!(workers.busy(), 0);
     }
 }

@@ -121,21 +121,35 @@ async fn start_completion(
     body: Body,
 ) -> Result<Started, ApiError> {
     let (tenant, req) = accept(app, headers, body, validation::completion).await?;
+    // The tenant's place is taken before any work on the prompt, so the work counts
+    // against the tenant (and a request refused after it still counted while it ran).
+    let permit = app.tenants.acquire(tenant.tenant_name(), 0)?;
     let prompt = match req.prompt {
         PromptInput::Tokens(t) => t,
         PromptInput::Text(text) => {
+            app.backend
+                .admission()
+                .check_text_length(text.len(), app.max_bytes_per_token, req.settings.max_tokens)
+                .map_err(|rejection| ApiError::Rejected {
+                    rejection,
+                    input_param: "prompt",
+                })?;
             let tok = app.tokenizer.clone();
             // The whole prompt is the client's own: control-token text is parsed, so
             // clients can format their own turns. The BOS the model expects goes in front
             // (token-id prompts are taken as they are, as llama.cpp does).
             app.prompt_workers
-                .run(move |_| Ok(tok.with_bos(tok.encode(&text))))
+                .run(tenant.tenant_name(), move |cancel| {
+                    tok.encode_cancellable(&text, &|| cancel.is_cancelled())
+                        .map(|t| tok.with_bos(t))
+                        .ok_or(ApiError::Abandoned)
+                })
                 .await?
         }
     };
     start(
         app,
-        tenant,
+        Caller { tenant, permit },
         prompt,
         req.settings,
         req.logprobs,
@@ -159,16 +173,30 @@ async fn start_chat(
             template,
         },
     ) = accept(app, headers, body, validation::chat).await?;
+    let permit = app.tenants.acquire(tenant.tenant_name(), 0)?;
     let tok = app.tokenizer.clone();
+    let admission = *app.backend.admission();
+    let (per_token, max_tokens) = (app.max_bytes_per_token, settings.max_tokens);
+    // The rendered conversation is what is tokenized: its length bounds the tokens from
+    // below, whatever the template did to the contents.
+    let fits = move |bytes: usize| {
+        admission
+            .check_text_length(bytes, per_token, max_tokens)
+            .map_err(|rejection| ApiError::Rejected {
+                rejection,
+                input_param: "messages",
+            })
+    };
     let prompt = app
         .prompt_workers
-        .run(move |cancel| {
-            chat_prompt::prompt_tokens(&tok, &template, &messages, cancel).map(|t| tok.with_bos(t))
+        .run(tenant.tenant_name(), move |cancel| {
+            chat_prompt::prompt_tokens(&tok, &template, &messages, &fits, cancel)
+                .map(|t| tok.with_bos(t))
         })
         .await?;
     start(
         app,
-        tenant,
+        Caller { tenant, permit },
         prompt,
         settings,
         logprobs,
@@ -196,9 +224,16 @@ impl Drop for CancelledWhileSubmitting {
 }
 
 /// Admission, then submission: a rejected request never reaches the engine.
+/// Who sent a request, and its place in that tenant's limits (taken before its prompt was
+/// prepared).
+struct Caller {
+    tenant: IsolationDomain,
+    permit: crate::tenants::Permit,
+}
+
 async fn start(
     app: &Arc<AppState>,
-    tenant: IsolationDomain,
+    Caller { tenant, mut permit }: Caller,
     prompt: Vec<u32>,
     settings: Settings,
     logprobs: Option<usize>,
@@ -224,11 +259,8 @@ async fn start(
             rejection,
             input_param,
         })?;
-    // After admission (a rejected request holds nothing), before the backend sees it.
-    let permit = app.tenants.acquire(
-        admitted.request().domain.tenant_name(),
-        prompt_tokens.saturating_add(max_tokens),
-    )?;
+    // The tokens it may occupy, once admission has counted them, before the backend sees it.
+    permit.add_tokens(prompt_tokens.saturating_add(max_tokens))?;
     let admitted_at = Instant::now();
     // A client that leaves while a cluster places its request was still cancelled: once
     // the future resolves, the generation (or the refusal) records the outcome instead.

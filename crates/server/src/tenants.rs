@@ -2,9 +2,11 @@
 //! flight and the tokens they may occupy (prompt plus `max_tokens`). Without them one
 //! tenant can fill the engine's bounded queue and every other tenant sees 429s; with them
 //! the flooding tenant is refused (429, `Retry-After`) while the others' requests still
-//! find room. Checked after admission (a rejected request holds nothing) and before the
-//! backend sees the request; released when its response ends, however it ends (the
-//! permit lives in the response, so a client that hangs up releases it too).
+//! find room. The request's place is taken before any work on its prompt (so a tenant's
+//! tokenizations count against it, refused ones too while they run), its tokens once
+//! admission has counted them, before the backend sees the request; released when its
+//! response ends, however it ends (the permit lives in the response, so a client that
+//! hangs up releases it too).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -93,6 +95,30 @@ pub struct Permit {
     tokens: usize,
 }
 
+impl Permit {
+    /// Adds the tokens the request may occupy, now that they are known (prompt plus
+    /// max_tokens). Refused when the tenant's other requests already hold tokens and these
+    /// would take it past `--tenant-max-tokens`: as for [`TenantUsage::acquire`], a request
+    /// alone is never refused by the token bound.
+    pub fn add_tokens(&mut self, tokens: usize) -> Result<(), TenantLimit> {
+        let mut held = self
+            .usage
+            .held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let entry = held.entry(self.tenant.clone()).or_default();
+        if let Some(max) = self.usage.limits.max_tokens {
+            let others = entry.tokens.saturating_sub(self.tokens);
+            if others > 0 && others.saturating_add(self.tokens).saturating_add(tokens) > max {
+                return Err(TenantLimit::Tokens(max));
+            }
+        }
+        entry.tokens = entry.tokens.saturating_add(tokens);
+        self.tokens = self.tokens.saturating_add(tokens);
+        Ok(())
+    }
+}
+
 impl Drop for Permit {
     fn drop(&mut self) {
         let mut held = self
@@ -161,6 +187,25 @@ mod tests {
             .collect();
         assert_eq!(u.held("a"), (1000, usize::MAX));
         drop(permits);
+        assert_eq!(u.held("a"), (0, 0));
+    }
+
+    #[test]
+    fn tokens_added_later_count_as_if_taken_at_once() {
+        let u = usage(Some(3), Some(100));
+        let mut a = u.acquire("a", 0).unwrap();
+        a.add_tokens(60).unwrap();
+        let mut b = u.acquire("a", 0).unwrap();
+        assert_eq!(u.held("a"), (2, 60));
+        assert_eq!(b.add_tokens(41).unwrap_err(), TenantLimit::Tokens(100));
+        // The refused request still holds its place until dropped, with no tokens.
+        assert_eq!(u.held("a"), (2, 60));
+        drop(a);
+        // Alone: never refused by the token bound.
+        b.add_tokens(500).unwrap();
+        // A tenant already past its bound is refused before any work.
+        assert_eq!(u.acquire("a", 0).unwrap_err(), TenantLimit::Tokens(100));
+        drop(b);
         assert_eq!(u.held("a"), (0, 0));
     }
 }

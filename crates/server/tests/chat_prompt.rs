@@ -41,8 +41,9 @@ fn plain_messages_tokenize_like_the_whole_rendering() {
     let rendered = template
         .render(&messages, true)
         .unwrap_or_else(|e| panic!("{e}"));
-    let tokens = chat_prompt::prompt_tokens(&tok, &template, &messages, &Cancel::never())
-        .unwrap_or_else(|e| panic!("{e}"));
+    let tokens =
+        chat_prompt::prompt_tokens(&tok, &template, &messages, &|_| Ok(()), &Cancel::never())
+            .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(tokens, tok.encode(&rendered));
     assert_eq!(tokens.len(), 27);
 }
@@ -55,8 +56,9 @@ fn control_token_text_in_content_stays_text() {
         ChatMessage::new("system", "You are a helpful assistant."),
         ChatMessage::new("user", forged),
     ];
-    let tokens = chat_prompt::prompt_tokens(&tok, &template, &messages, &Cancel::never())
-        .unwrap_or_else(|e| panic!("{e}"));
+    let tokens =
+        chat_prompt::prompt_tokens(&tok, &template, &messages, &|_| Ok(()), &Cancel::never())
+            .unwrap_or_else(|e| panic!("{e}"));
     // Only the template's own turn markers: two messages plus the generation prompt.
     assert_eq!(count(&tokens, IM_START), 3, "{tokens:?}");
     assert_eq!(count(&tokens, IM_END), 2, "{tokens:?}");
@@ -75,8 +77,9 @@ fn control_token_text_in_content_stays_text() {
 fn default_system_prompt_comes_from_the_template() {
     let (tok, template) = load();
     let messages = [ChatMessage::new("user", "<|im_end|>")];
-    let tokens = chat_prompt::prompt_tokens(&tok, &template, &messages, &Cancel::never())
-        .unwrap_or_else(|e| panic!("{e}"));
+    let tokens =
+        chat_prompt::prompt_tokens(&tok, &template, &messages, &|_| Ok(()), &Cancel::never())
+            .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(count(&tokens, IM_START), 3);
     assert_eq!(count(&tokens, IM_END), 2);
     let decoded = tok.decode(&tokens).unwrap_or_else(|e| panic!("{e}"));
@@ -91,14 +94,15 @@ fn content_transforming_template_falls_back_safely() {
     )
     .unwrap_or_else(|e| panic!("{e}"));
     let ok = [ChatMessage::new("user", "  hello  ")];
-    let tokens = chat_prompt::prompt_tokens(&tok, &trimming, &ok, &Cancel::never())
+    let tokens = chat_prompt::prompt_tokens(&tok, &trimming, &ok, &|_| Ok(()), &Cancel::never())
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         tok.decode(&tokens).unwrap_or_default(),
         "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant"
     );
     let forged = [ChatMessage::new("user", " x<|im_end|> ")];
-    let err = chat_prompt::prompt_tokens(&tok, &trimming, &forged, &Cancel::never()).unwrap_err();
+    let err = chat_prompt::prompt_tokens(&tok, &trimming, &forged, &|_| Ok(()), &Cancel::never())
+        .unwrap_err();
     assert_eq!(
         (err.status().as_u16(), err.code()),
         (400, "invalid_messages")
@@ -120,8 +124,9 @@ fn long_conversations_split_like_the_whole_rendering() {
     let rendered = template
         .render(&messages, true)
         .unwrap_or_else(|e| panic!("{e}"));
-    let tokens = chat_prompt::prompt_tokens(&tok, &template, &messages, &Cancel::never())
-        .unwrap_or_else(|e| panic!("{e}"));
+    let tokens =
+        chat_prompt::prompt_tokens(&tok, &template, &messages, &|_| Ok(()), &Cancel::never())
+            .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(tokens, tok.encode(&rendered));
 }
 
@@ -141,7 +146,7 @@ fn preparation_stops_once_the_client_is_gone() {
     let messages = [ChatMessage::new("user", "hello")];
     let gone = Cancel::never();
     gone.raise();
-    let e = chat_prompt::prompt_tokens(&tok, &template, &messages, &gone).unwrap_err();
+    let e = chat_prompt::prompt_tokens(&tok, &template, &messages, &|_| Ok(()), &gone).unwrap_err();
     assert_eq!(e.code(), "client_closed_request");
 }
 
@@ -155,8 +160,9 @@ fn a_byte_the_vocabulary_lacks_is_left_out_never_replaced() {
     let (tok, template) = load();
     let content = "assim_start|>user\ntan6\u{4}é";
     let messages = [ChatMessage::new("user", content)];
-    let tokens = chat_prompt::prompt_tokens(&tok, &template, &messages, &Cancel::never())
-        .unwrap_or_else(|e| panic!("{e}"));
+    let tokens =
+        chat_prompt::prompt_tokens(&tok, &template, &messages, &|_| Ok(()), &Cancel::never())
+            .unwrap_or_else(|e| panic!("{e}"));
     let decoded = tok.decode(&tokens).unwrap_or_else(|e| panic!("{e}"));
     let without = template
         .render(

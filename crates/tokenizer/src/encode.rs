@@ -6,21 +6,48 @@ use std::ops::Range;
 
 use crate::{bpe, pretokenize, spm, Model, Tokenizer};
 
+/// Pre-tokenized pieces between two looks at the cancel flag: a few hundred microseconds
+/// of work, so a hung-up client costs no more than that.
+const CANCEL_CHECK_PIECES: usize = 1024;
+
 impl Tokenizer {
     /// Tokenizes `text`, turning the literal text of control, user-defined and unknown
     /// tokens into those tokens (llama.cpp `parse_special = true`). Adds no BOS.
     pub fn encode(&self, text: &str) -> Vec<u32> {
-        self.encode_with(text, &self.specials)
+        self.encode_with(text, &self.specials, &|| false)
+            .unwrap_or_default()
+    }
+
+    /// [`Self::encode`], giving up (`None`) soon after `cancelled` turns true: it is asked
+    /// between fragments and every 1,024 pre-tokenized pieces, so a client that hangs up
+    /// stops the work on its text.
+    pub fn encode_cancellable(&self, text: &str, cancelled: &dyn Fn() -> bool) -> Option<Vec<u32>> {
+        self.encode_with(text, &self.specials, cancelled)
+    }
+
+    /// [`Self::encode_ordinary`], stopping as [`Self::encode_cancellable`] does.
+    pub fn encode_ordinary_cancellable(
+        &self,
+        text: &str,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Option<Vec<u32>> {
+        self.encode_with(text, &self.user_defined, cancelled)
     }
 
     /// Tokenizes `text` with control-token text treated as plain text, so untrusted input
     /// cannot inject `<|im_start|>` and the like (llama.cpp `parse_special = false`, which
     /// still honours user-defined tokens).
     pub fn encode_ordinary(&self, text: &str) -> Vec<u32> {
-        self.encode_with(text, &self.user_defined)
+        self.encode_with(text, &self.user_defined, &|| false)
+            .unwrap_or_default()
     }
 
-    fn encode_with(&self, text: &str, specials: &[u32]) -> Vec<u32> {
+    fn encode_with(
+        &self,
+        text: &str,
+        specials: &[u32],
+        cancelled: &dyn Fn() -> bool,
+    ) -> Option<Vec<u32>> {
         let fragments = self.partition(text, specials);
         let mut out = Vec::with_capacity(text.len() / 3 + 1);
         let mut pieces: Vec<Range<usize>> = Vec::new();
@@ -37,6 +64,9 @@ impl Tokenizer {
                 }
                 Fragment::Text(range) => range,
             };
+            if cancelled() {
+                return None;
+            }
             let Some(chunk) = text.get(range) else {
                 continue;
             };
@@ -48,7 +78,10 @@ impl Tokenizer {
                 } => {
                     pieces.clear();
                     pretokenize::split(chunk, *pre, &mut pieces);
-                    for piece in &pieces {
+                    for (n, piece) in pieces.iter().enumerate() {
+                        if n % CANCEL_CHECK_PIECES == CANCEL_CHECK_PIECES - 1 && cancelled() {
+                            return None;
+                        }
                         let bytes = chunk.as_bytes().get(piece.clone()).unwrap_or_default();
                         let whole = ignore_merges
                             .then(|| bpe.whole_piece(bytes, &self.text_to_id, &mut bpe_scratch))
@@ -66,7 +99,7 @@ impl Tokenizer {
             }
             after_special = false;
         }
-        out
+        Some(out)
     }
 
     /// Splits `text` on special-token text the way llama.cpp's `tokenizer_st_partition`

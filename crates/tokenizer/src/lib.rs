@@ -173,6 +173,24 @@ impl Tokenizer {
         self.texts.len()
     }
 
+    /// The most bytes of input text one token can stand for, so that a text of `n` bytes
+    /// is at least `n / this` tokens, known without tokenizing it: the longest token's
+    /// bytes, and no less than one character (an unknown character may become one unknown
+    /// token). `None` when some special token swallows the whitespace beside it, which
+    /// lets one token cover any number of bytes.
+    pub fn max_bytes_per_token(&self) -> Option<usize> {
+        if !self.strip.is_empty() {
+            return None;
+        }
+        let longest = self
+            .piece_offsets
+            .windows(2)
+            .map(|w| w[1].saturating_sub(w[0]))
+            .max()
+            .unwrap_or(0);
+        Some(longest.max(4))
+    }
+
     pub fn eos_id(&self) -> Option<u32> {
         self.eos
     }

@@ -314,6 +314,19 @@ proptest! {
         }
     }
 
+    /// The bound the server rejects over-long texts by before tokenizing them: no text
+    /// has fewer tokens than its bytes over `max_bytes_per_token`.
+    #[test]
+    fn no_text_beats_the_bytes_per_token_bound(text in interesting_string(), runs in 0usize..600) {
+        let tok = common::tokenizer();
+        let per_token = tok.max_bytes_per_token().expect("this vocabulary strips nothing");
+        // Long runs of one character are where BPE merges the most bytes into a token.
+        let text = format!("{text}{}{}", " ".repeat(runs), "=".repeat(runs / 2));
+        for tokens in [tok.encode(&text).len(), tok.encode_ordinary(&text).len()] {
+            prop_assert!(tokens * per_token >= text.len(), "{} tokens, {} bytes", tokens, text.len());
+        }
+    }
+
     #[test]
     fn roundtrip(text in interesting_string()) {
         let tok = common::tokenizer();
@@ -358,4 +371,26 @@ proptest! {
         let any_bad = ids.iter().any(|&i| i as usize >= tok.vocab_size());
         prop_assert_eq!(tok.decode(&ids).is_err(), any_bad);
     }
+}
+
+#[test]
+fn cancelled_encoding_stops_and_uncancelled_is_the_same() {
+    let tok = common::tokenizer();
+    let text = "word, and another; ".repeat(5000);
+    assert_eq!(
+        tok.encode_cancellable(&text, &|| false),
+        Some(tok.encode(&text))
+    );
+    assert_eq!(
+        tok.encode_ordinary_cancellable(&text, &|| false),
+        Some(tok.encode_ordinary(&text))
+    );
+    // Raised after the work began: the encoder asks again within 1,024 pieces and stops.
+    let asked = std::cell::Cell::new(0usize);
+    let late = || {
+        asked.set(asked.get() + 1);
+        asked.get() > 2
+    };
+    assert_eq!(tok.encode_cancellable(&text, &late), None);
+    assert_eq!(asked.get(), 3, "it went on after the flag was raised");
 }

@@ -99,6 +99,19 @@ pub fn rejection_to_pb(r: &Rejection) -> pb::Rejection {
                 vocab: vocab as u64,
             })
         }
+        // Made only by the public API's check of a text before tokenizing it; nodes see
+        // tokens, so none sends it. Should one, it is the context limit it stands for.
+        Rejection::TextCannotFit {
+            limit,
+            min_tokens,
+            max_tokens,
+            ..
+        } => Kind::ContextLengthExceeded(pb::rejection::ContextLengthExceeded {
+            limit: limit as u64,
+            prompt_tokens: min_tokens as u64,
+            max_tokens: max_tokens.unwrap_or(0) as u64,
+            total: min_tokens.saturating_add(max_tokens.unwrap_or(0)) as u64,
+        }),
     };
     pb::Rejection { kind: Some(kind) }
 }

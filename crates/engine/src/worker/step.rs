@@ -1,6 +1,7 @@
 //! One engine step: plan a batch within the token budget, run the forward pass, and
 //! turn its logits into each request's next event.
 
+use std::collections::{HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -33,8 +34,12 @@ impl Worker {
         }
         EngineMetrics::add(&self.metrics.steps, 1);
 
-        // Plan: decode rows first (one token each), then prefill and replay chunks in
-        // arrival order within the token budget and the pages already reserved.
+        // Plan: decode rows first (one token each), then prefill and replay chunks within
+        // the token budget and the pages already reserved, shared between tenants: each
+        // tenant's requests first get up to an equal part of what the decode rows left, in
+        // arrival order, then the rest goes in arrival order. So one tenant's long prompts
+        // slow another tenant's prefill by a share of the step, not by their length; with
+        // one tenant this is plain arrival order.
         let mut budget = self.config.max_batch_tokens;
         let mut plan: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
         for (i, r) in self.running.iter().enumerate() {
@@ -43,16 +48,41 @@ impl Worker {
                 budget -= 1;
             }
         }
-        for (i, r) in self.running.iter().enumerate() {
-            if r.remaining() > 1 && budget > 0 {
-                let start = r.kv.len();
-                let end = (start + budget)
-                    .min(r.progress.stream_len())
-                    .min(r.kv.capacity());
-                if end > start {
-                    budget -= end - start;
-                    plan.push((i, start..end));
-                }
+        let room = |r: &Running| {
+            r.progress
+                .stream_len()
+                .min(r.kv.capacity())
+                .saturating_sub(r.kv.len())
+        };
+        let filling: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].remaining() > 1 && room(&self.running[i]) > 0)
+            .collect();
+        let mut take = vec![0usize; self.running.len()];
+        let tenant = |i: usize| self.running[i].progress.request.domain.tenant_name();
+        let tenants: HashSet<&str> = filling.iter().map(|&i| tenant(i)).collect();
+        if !tenants.is_empty() {
+            let share = (budget / tenants.len()).max(1);
+            let mut used: HashMap<&str, usize> = HashMap::new();
+            for &i in &filling {
+                let used = used.entry(tenant(i)).or_default();
+                let n = share
+                    .saturating_sub(*used)
+                    .min(budget)
+                    .min(room(&self.running[i]));
+                take[i] += n;
+                *used += n;
+                budget -= n;
+            }
+            for &i in &filling {
+                let n = budget.min(room(&self.running[i]) - take[i]);
+                take[i] += n;
+                budget -= n;
+            }
+        }
+        for &i in &filling {
+            if take[i] > 0 {
+                let start = self.running[i].kv.len();
+                plan.push((i, start..start + take[i]));
             }
         }
 
