@@ -4,6 +4,7 @@ limit configured. Each runs against `serve` and, with KVWARDEN_DEPLOYMENT=cluste
 the router in front of a prefill and a decode node. The timing bounds are generous (a
 loaded 2-core machine must pass them); the figures print for the closing note."""
 
+import json
 import socket
 import threading
 import time
@@ -268,3 +269,122 @@ def test_a_tokenizer_flood_does_not_delay_another_tenant(make_server, tmp_path_f
     print(f"Bob under Alice's tokenizer flood: unloaded {unloaded:.3f} s, loaded "
           f"{[round(x, 3) for x in loaded]} s ({worst / unloaded:.1f}x); Alice sent {len(statuses)}")
     assert worst < max(4 * unloaded, 0.75), (unloaded, loaded)
+
+
+def connect_from(url, source_ip, timeout=10):
+    u = urlparse(url)
+    return socket.create_connection((u.hostname, u.port), timeout=timeout,
+                                    source_address=(source_ip, 0))
+
+
+def test_hostile_sockets_from_one_address_leave_another_served(make_server):
+    """256 sockets from 127.0.0.1 that send partial headers and hold them: that address gets
+    its share of the 256 places (half) and 503s beyond; 127.0.0.2 (another loopback address)
+    is answered, /health and a completion, within a second each."""
+    s = make_server("--kv-pool-tokens", "1024", "--max-connections", "256", nofile=4096,
+                    name="slots")
+    hostile = []
+    try:
+        for _ in range(256):
+            sock = connect_from(s.url, "127.0.0.1")
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            hostile.append(sock)
+        def timed_get(path):
+            with connect_from(s.url, "127.0.0.2") as c:
+                t = time.monotonic()
+                c.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+                reply = c.recv(65536)
+                return reply, time.monotonic() - t
+
+        reply, took = timed_get("/health")
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+        body = b'{"model":"%s","prompt":"The capital of France is","max_tokens":3}' % (
+            MODEL_NAME.encode())
+        with connect_from(s.url, "127.0.0.2") as c:
+            t = time.monotonic()
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Authorization: Bearer unused\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                      % len(body) + body)
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                chunk = c.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+            completion_took = time.monotonic() - t
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        # The flooded address itself is refused with the per-address answer.
+        with connect_from(s.url, "127.0.0.1") as c:
+            c.settimeout(5)
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            own = c.recv(65536)
+        assert own.startswith(b"HTTP/1.1 503") and b"too_many_connections" in own, own[:300]
+        assert b"Your address" in own
+        # What the server made of them: those past the share were answered 503 at once
+        # (read now, before the header timeout closes the others).
+        refused = 0
+        for sock in hostile:
+            sock.settimeout(0.01)
+            try:
+                if sock.recv(64).startswith(b"HTTP/1.1 503"):
+                    refused += 1
+            except socket.timeout:
+                pass
+        assert refused >= 128, refused
+        print(f"127.0.0.2 beside 256 hostile sockets: /health {took:.3f} s, "
+              f"completion {completion_took:.3f} s; {refused} of 256 refused")
+        assert took < 1.0 and completion_took < 1.0, (took, completion_took)
+    finally:
+        for sock in hostile:
+            sock.close()
+
+
+def test_a_slow_reader_is_ended_within_the_send_timeout(make_server):
+    """A client with a 4 KB receive buffer that reads 1 KB every half second, far slower than
+    its stream comes: it always makes some progress, yet its connection is reset within the
+    send timeout (plus what the socket buffers absorb) and its pages are back, while its
+    generation had far from finished."""
+    s = make_server("--kv-pool-tokens", "4096", "--send-timeout", "3", name="slow-stream")
+    leased = lambda: s.metrics().get('kvwarden_kv_pages{state="leased"}', 0)
+    body = json.dumps({
+        "model": MODEL_NAME, "prompt": "Tell me a very long story about", "max_tokens": 3000,
+        "stream": True, "ignore_eos": True,
+    })
+    reader = socket.socket()
+    reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    u = urlparse(s.url)
+    reader.connect((u.hostname, u.port))
+    reader.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+    )
+    started = time.monotonic()
+    received = 0
+    ended = None
+    try:
+        reader.settimeout(1)
+        while time.monotonic() - started < 120:
+            try:
+                chunk = reader.recv(1024)
+            except socket.timeout:
+                continue
+            except ConnectionResetError:
+                ended = time.monotonic() - started
+                break
+            if not chunk:
+                ended = time.monotonic() - started
+                break
+            received += len(chunk)
+            time.sleep(0.5)
+        assert ended is not None, f"still open after 120 s ({received} bytes read)"
+        deadline = time.monotonic() + 10
+        while leased() != 0:
+            assert time.monotonic() < deadline, f"pages still leased: {leased()}"
+            time.sleep(0.1)
+        print(f"slow reader ended after {ended:.1f} s, having read {received} bytes")
+        # 3,000 tokens at this machine's pace take well over a minute: the stream was cut,
+        # not finished. The bound: the send timeout, plus the time the socket buffers take
+        # to fill at 2 KB/s, plus slack.
+        assert ended < 3 + 30, ended
+    finally:
+        reader.close()

@@ -161,7 +161,8 @@ def test_a_thousand_idle_keep_alive_connections(tmp_path):
     if soft < IDLE + 200:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
     c = Cluster(
-        ["--kv-pool-tokens", "4096", "--max-connections", IDLE + 50, "--header-timeout", "5"],
+        ["--kv-pool-tokens", "4096", "--max-connections", IDLE + 50,
+         "--max-connections-per-address", IDLE + 50, "--header-timeout", "5"],
         tmp_path, nofile=8192,
     )
     socks = []

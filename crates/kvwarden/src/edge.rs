@@ -25,6 +25,12 @@ pub struct EdgeArgs {
     /// Must fit under the open-file limit (`ulimit -n`) with room to spare.
     #[arg(long, default_value_t = 256)]
     pub max_connections: usize,
+    /// Of --max-connections, the most one client address may hold (an IPv6 client counts
+    /// by its /64); one more is answered 503 and closed, so one address cannot take every
+    /// place. Default: half of --max-connections. Behind a proxy every client has the
+    /// proxy's address: set it to --max-connections there and limit clients in the proxy.
+    #[arg(long)]
+    pub max_connections_per_address: Option<usize>,
     /// Seconds a connection may take to send a request's headers, counted from when it
     /// opens or its previous response ends (so also the idle limit of keep-alive).
     #[arg(long, default_value_t = 10)]
@@ -110,8 +116,19 @@ impl EdgeArgs {
             },
         ));
         state.body_timeout = std::time::Duration::from_secs(self.body_timeout);
+        let max_per_address = self
+            .max_connections_per_address
+            .unwrap_or(self.max_connections / 2)
+            .max(1);
+        if max_per_address > self.max_connections {
+            bail!(
+                "--max-connections-per-address {max_per_address} is more than --max-connections {}",
+                self.max_connections
+            );
+        }
         state.connection_limits = server::ConnectionLimits {
             max_connections: self.max_connections,
+            max_per_address,
             header_timeout: std::time::Duration::from_secs(self.header_timeout),
             send_timeout: std::time::Duration::from_secs(self.send_timeout.max(1)),
             ..server::ConnectionLimits::default()

@@ -2,30 +2,40 @@
 //! limits a server exposed to hostile clients needs before any request reaches a handler
 //! (and before any API key is checked).
 //!
-//! * At most [`ConnectionLimits::max_connections`] connections are open at once. One more is
-//!   answered at once with a 503 in OpenAI's error shape (and `Retry-After`) and closed,
-//!   never left hanging; the cap sits well below the descriptor limit, so `accept` itself
-//!   keeps working and `/health` keeps answering.
+//! * At most [`ConnectionLimits::max_connections`] connections are open at once, and at
+//!   most [`ConnectionLimits::max_per_address`] from one peer address (an IPv6 peer counts
+//!   by its /64, which one host can fill with addresses). One more is answered at once with
+//!   a 503 in OpenAI's error shape (and `Retry-After`) and closed, never left hanging; the
+//!   cap sits well below the descriptor limit, so `accept` itself keeps working, and the
+//!   per-address share leaves the rest of the cap to other addresses whatever one address
+//!   opens, holds idle or trickles. Behind a proxy every peer is the proxy: raise the share
+//!   to the whole cap there, and limit clients in the proxy.
 //! * A connection has [`ConnectionLimits::header_timeout`] to send a request's headers,
 //!   counted from when it opens or when its previous response ended: a connection that sends
 //!   nothing, sends headers byte by byte, or idles between keep-alive requests is closed.
 //! * A request body must arrive within `AppState::body_timeout` (the handlers read it;
 //!   a 408 otherwise), so a Content-Length larger than the body, or a body trickled one
 //!   byte at a time, cannot hold a connection.
-//! * A response that the client stops reading is dropped after
-//!   [`ConnectionLimits::send_timeout`] without progress, and its generation with it.
+//! * A response that the client does not keep up with is dropped once the bytes handed to
+//!   the socket have not all gone out for [`ConnectionLimits::send_timeout`], however
+//!   slowly the client reads meanwhile, and its generation with it: the connection is reset
+//!   (not closed in order, which would leave the kernel trickling what it buffered to the
+//!   slow client), so its place and its pages come back within the timeout.
 //! * The errors hyper answers by itself, before any handler runs (400 for an unparsable
 //!   request or Content-Length, 414, 431), carry OpenAI's error body like every other error.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
+use std::net::{IpAddr, Ipv6Addr};
 use std::pin::{pin, Pin};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use axum::Router;
+use axum::{Extension, Router};
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
@@ -40,6 +50,8 @@ use crate::error::ApiError;
 #[derive(Debug, Clone)]
 pub struct ConnectionLimits {
     pub max_connections: usize,
+    /// Of `max_connections`, the most one peer address may hold.
+    pub max_per_address: usize,
     /// For a request's headers, from when the connection opens or its previous response
     /// ends; so also the longest a keep-alive connection may idle.
     pub header_timeout: Duration,
@@ -53,6 +65,7 @@ impl Default for ConnectionLimits {
     fn default() -> Self {
         Self {
             max_connections: 256,
+            max_per_address: 128,
             header_timeout: Duration::from_secs(10),
             send_timeout: Duration::from_secs(30),
             // Room for hyper's own 64 KiB URI limit (414), so that limit stays the one
@@ -61,6 +74,9 @@ impl Default for ConnectionLimits {
         }
     }
 }
+
+/// The kernel's send buffer per connection (Linux doubles it for its own bookkeeping).
+const SEND_BUFFER_BYTES: usize = 32 * 1024;
 
 /// Refused connections being answered at once (see [`refuse`]).
 const ANSWERING_REFUSALS: usize = 16;
@@ -88,6 +104,7 @@ pub async fn serve_router(
 ) -> io::Result<()> {
     let max = limits.max_connections.clamp(1, Semaphore::MAX_PERMITS);
     let places = Arc::new(Semaphore::new(max));
+    let per_address = Arc::new(PerAddress::new(limits.max_per_address.clamp(1, max)));
     let refusals = Arc::new(Semaphore::new(ANSWERING_REFUSALS));
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut shutdown = pin!(shutdown);
@@ -95,7 +112,7 @@ pub async fn serve_router(
         let stream = tokio::select! {
             () = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // Per-connection failures (reset before accept) are nothing to wait
                     // for; resource exhaustion is, briefly, rather than spinning.
@@ -110,17 +127,39 @@ pub async fn serve_router(
                 }
             },
         };
+        let (stream, peer) = stream;
+        let Some(share) = per_address.take(peer.ip()) else {
+            refuse(
+                stream,
+                ApiError::TooManyConnectionsFromAddress {
+                    limit: per_address.limit,
+                },
+                &refusals,
+            );
+            continue;
+        };
         let Ok(place) = places.clone().try_acquire_owned() else {
-            refuse(stream, max, &refusals);
+            refuse(
+                stream,
+                ApiError::TooManyConnections { limit: max },
+                &refusals,
+            );
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let service = TowerToHyperService::new(router.clone());
+        // A small kernel send buffer keeps a slow client's backlog where the stream can see
+        // it (its events not yet taken) instead of in the kernel, which on loopback grows
+        // the buffer to megabytes. Token streams need a few KB/s.
+        let _ = socket2::SockRef::from(&stream).set_send_buffer_size(SEND_BUFFER_BYTES);
+        let control = ConnectionControl::new(limits.send_timeout);
+        let reset = control.reset.clone();
+        let service = TowerToHyperService::new(router.clone().layer(Extension(control)));
         let limits = limits.clone();
         let mut stop = stop_rx.clone();
         tokio::spawn(async move {
             let _place = place;
-            let io = TokioIo::new(GuardedIo::new(stream, limits.send_timeout));
+            let _share = share;
+            let io = TokioIo::new(GuardedIo::new(stream, limits.send_timeout, reset));
             let mut builder = http1::Builder::new();
             builder
                 .timer(TokioTimer::new())
@@ -160,9 +199,9 @@ pub async fn serve_router(
 /// and what the client sent is read and dropped, for at most a second, by one of a few
 /// tasks (a bounded number of descriptors). When all of those are busy, the answer is
 /// written and the socket closed at once.
-fn refuse(stream: TcpStream, max: usize, refusals: &Arc<Semaphore>) {
-    tracing::warn!("connection refused: {max} connections already open");
-    let reply = raw_error(&ApiError::TooManyConnections { limit: max });
+fn refuse(stream: TcpStream, why: ApiError, refusals: &Arc<Semaphore>) {
+    tracing::warn!("connection refused: {why}");
+    let reply = raw_error(&why);
     let Ok(permit) = refusals.clone().try_acquire_owned() else {
         let _ = stream.try_write(&reply);
         return;
@@ -185,6 +224,72 @@ fn refuse(stream: TcpStream, max: usize, refusals: &Arc<Semaphore>) {
         };
         let _ = tokio::time::timeout(Duration::from_secs(1), answer).await;
     });
+}
+
+/// Open connections per peer address, for the per-address share of the cap.
+#[derive(Debug)]
+struct PerAddress {
+    limit: usize,
+    open: Mutex<HashMap<IpAddr, usize>>,
+}
+
+/// One connection's place in its address's share; dropping it gives the place back.
+struct AddressShare {
+    table: Arc<PerAddress>,
+    key: IpAddr,
+}
+
+impl PerAddress {
+    fn new(limit: usize) -> Self {
+        Self {
+            limit,
+            open: Mutex::default(),
+        }
+    }
+
+    /// What one client controls: an IPv4 address, or an IPv6 /64 (an IPv4 address mapped
+    /// into IPv6 counts as itself).
+    fn key(ip: IpAddr) -> IpAddr {
+        match ip {
+            IpAddr::V4(_) => ip,
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => IpAddr::V4(v4),
+                None => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !((1u128 << 64) - 1))),
+            },
+        }
+    }
+
+    fn take(self: &Arc<Self>, ip: IpAddr) -> Option<AddressShare> {
+        let key = Self::key(ip);
+        // Counts change only in whole steps: a poisoned lock holds consistent data.
+        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        let n = open.entry(key).or_default();
+        if *n >= self.limit {
+            return None;
+        }
+        *n += 1;
+        Some(AddressShare {
+            table: self.clone(),
+            key,
+        })
+    }
+}
+
+impl Drop for AddressShare {
+    fn drop(&mut self) {
+        let mut open = self
+            .table
+            .open
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(n) = open.get_mut(&self.key) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                // Only addresses with connections stay in the table.
+                open.remove(&self.key);
+            }
+        }
+    }
 }
 
 /// A complete HTTP/1.1 response carrying `error` in OpenAI's shape (status, body and
@@ -228,25 +333,78 @@ fn rewrite_bare_error(buf: &[u8]) -> Option<Vec<u8>> {
     Some(raw_error(&ApiError::Http { status }))
 }
 
+/// A connection that can be reset rather than closed in order.
+trait Reset {
+    fn reset(&self);
+}
+
+impl Reset for TcpStream {
+    fn reset(&self) {
+        // Linger zero: close sends RST and drops whatever the kernel still buffers.
+        let _ = socket2::SockRef::from(self).set_linger(Some(Duration::ZERO));
+    }
+}
+
+impl Reset for tokio::io::DuplexStream {
+    fn reset(&self) {}
+}
+
+/// What a request's handler may ask of the connection it came on (a request extension;
+/// absent when a router is driven without this layer, as in unit tests).
+#[derive(Debug, Clone)]
+pub struct ConnectionControl {
+    reset: Arc<AtomicBool>,
+    /// [`ConnectionLimits::send_timeout`]: how long a response may wait on its client.
+    pub send_timeout: Duration,
+}
+
+impl ConnectionControl {
+    fn new(send_timeout: Duration) -> Self {
+        Self {
+            reset: Arc::default(),
+            send_timeout,
+        }
+    }
+
+    /// Resets the connection when it ends instead of closing it in order, so that bytes
+    /// a slow client has not taken yet are not left trickling out of the kernel's buffer.
+    pub fn reset_when_closed(&self) {
+        self.reset.store(true, Ordering::Relaxed);
+    }
+}
+
 /// The TCP stream as the connection sees it: a write that makes no progress for
-/// `send_timeout` fails (closing the connection), and hyper's bare error responses are
-/// replaced by ones in OpenAI's error shape.
-struct GuardedIo<S> {
+/// `send_timeout` fails (resetting the connection), and hyper's bare error responses are
+/// replaced by ones in OpenAI's error shape. A client that reads, but too slowly, is the
+/// stream's to detect (it sees the backlog: `routes::stream`), which asks for the reset
+/// through [`ConnectionControl`].
+struct GuardedIo<S: Reset> {
     stream: S,
     send_timeout: Duration,
     /// Armed while a write waits on a client that does not read.
     stalled: Option<Pin<Box<Sleep>>>,
+    /// Set by the request's handler (or a stalled write): reset rather than close.
+    reset: Arc<AtomicBool>,
     /// A replacement being written: its bytes, how many went out, and the length of the
     /// original write to report once it is all out.
     rewrite: Option<(Vec<u8>, usize, usize)>,
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> GuardedIo<S> {
-    fn new(stream: S, send_timeout: Duration) -> Self {
+impl<S: Reset> Drop for GuardedIo<S> {
+    fn drop(&mut self) {
+        if self.reset.load(Ordering::Relaxed) {
+            self.stream.reset();
+        }
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin + Reset> GuardedIo<S> {
+    fn new(stream: S, send_timeout: Duration, reset: Arc<AtomicBool>) -> Self {
         Self {
             stream,
             send_timeout,
             stalled: None,
+            reset,
             rewrite: None,
         }
     }
@@ -269,16 +427,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin> GuardedIo<S> {
                 self.progressed();
                 Poll::Ready(r)
             }
-            Poll::Pending if self.stalled_too_long(cx) => Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the client stopped reading the response",
-            ))),
+            Poll::Pending if self.stalled_too_long(cx) => {
+                self.reset.store(true, Ordering::Relaxed);
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client stopped reading the response",
+                )))
+            }
             Poll::Pending => Poll::Pending,
         }
     }
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for GuardedIo<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin + Reset> AsyncRead for GuardedIo<S> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -288,7 +449,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for GuardedIo<S> {
     }
 }
 
-impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for GuardedIo<S> {
+impl<S: AsyncRead + AsyncWrite + Unpin + Reset> AsyncWrite for GuardedIo<S> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -368,7 +529,7 @@ mod tests {
     #[tokio::test]
     async fn a_write_nobody_reads_fails_after_the_send_timeout() {
         let (ours, _theirs) = tokio::io::duplex(64);
-        let mut io = GuardedIo::new(ours, Duration::from_millis(50));
+        let mut io = GuardedIo::new(ours, Duration::from_millis(50), Arc::default());
         let chunk = [b'x'; 1024];
         // Liveness bound only: the write fails about 50 ms after the buffer fills.
         let written = tokio::time::timeout(Duration::from_secs(30), async {
@@ -399,5 +560,27 @@ mod tests {
         );
         let body: serde_json::Value = serde_json::from_str(body).unwrap();
         assert_eq!(body["error"]["code"], "too_many_connections");
+    }
+
+    #[test]
+    fn one_address_holds_at_most_its_share_and_a_64_counts_as_one() {
+        let table = Arc::new(PerAddress::new(2));
+        let a: IpAddr = "10.0.0.1".parse().unwrap();
+        let b: IpAddr = "10.0.0.2".parse().unwrap();
+        let first = table.take(a).unwrap();
+        let _second = table.take(a).unwrap();
+        assert!(table.take(a).is_none());
+        assert!(table.take(b).is_some(), "another address is not affected");
+        drop(first);
+        assert!(
+            table.take(a).is_some(),
+            "a closed connection gives its place back"
+        );
+        let v6 = |s: &str| -> IpAddr { s.parse().unwrap() };
+        let _x = table.take(v6("2001:db8:1:2::1")).unwrap();
+        let _y = table.take(v6("2001:db8:1:2:ffff::9")).unwrap();
+        assert!(table.take(v6("2001:db8:1:2:abcd::5")).is_none(), "same /64");
+        assert!(table.take(v6("2001:db8:1:3::1")).is_some(), "another /64");
+        assert_eq!(PerAddress::key(v6("::ffff:10.0.0.2")), b);
     }
 }

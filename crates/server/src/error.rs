@@ -52,6 +52,9 @@ pub enum ApiError {
     /// The connection cap is reached; this connection is answered and closed.
     #[error("The server has {limit} connections open, its limit; retry shortly.")]
     TooManyConnections { limit: usize },
+    /// This peer address already holds its share of the connection cap.
+    #[error("Your address has {limit} connections open, the most one address may; close one or retry shortly.")]
+    TooManyConnectionsFromAddress { limit: usize },
     /// The request body did not arrive in time.
     #[error("The request body did not arrive within {secs} seconds.")]
     BodyTimeout { secs: u64 },
@@ -187,7 +190,8 @@ impl ApiError {
                 RemoteKind::Isolation | RemoteKind::Model => StatusCode::INTERNAL_SERVER_ERROR,
             },
             ApiError::QueueFull(_) | ApiError::TenantLimit(_) => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::TooManyConnections { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::TooManyConnections { .. }
+            | ApiError::TooManyConnectionsFromAddress { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::Http { status } => *status,
             ApiError::Engine(EngineError::Shutdown) | ApiError::EngineUnavailable => {
@@ -223,7 +227,8 @@ impl ApiError {
             ApiError::QueueFull(_) => "queue_full",
             // OpenAI's code for a per-key limit.
             ApiError::TenantLimit(_) => "rate_limit_exceeded",
-            ApiError::TooManyConnections { .. } => "too_many_connections",
+            ApiError::TooManyConnections { .. }
+            | ApiError::TooManyConnectionsFromAddress { .. } => "too_many_connections",
             ApiError::BodyTimeout { .. } => "request_timeout",
             ApiError::Http { status } => match status.as_u16() {
                 408 => "request_timeout",
@@ -264,7 +269,8 @@ impl ApiError {
         match self {
             ApiError::QueueFull(_)
             | ApiError::TenantLimit(_)
-            | ApiError::TooManyConnections { .. } => Some(1),
+            | ApiError::TooManyConnections { .. }
+            | ApiError::TooManyConnectionsFromAddress { .. } => Some(1),
             ApiError::Engine(EngineError::Remote { reason, .. })
                 if matches!(remote_kind(reason), RemoteKind::Capacity) =>
             {

@@ -126,6 +126,12 @@ impl Generation {
         }
     }
 
+    /// Events the backend has produced that nobody has taken yet: how far the client is
+    /// behind its generation.
+    pub fn backlog(&self) -> usize {
+        self.handle.as_ref().map_or(0, |h| h.events.len())
+    }
+
     pub fn request_id(&self) -> Option<engine::RequestId> {
         self.handle.as_ref().map(|h| h.id)
     }

@@ -1,7 +1,6 @@
 //! The HTTP endpoints.
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -11,11 +10,12 @@ use axum::http::{header, HeaderMap, Method, Uri};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use engine::{GenerateRequest, IsolationDomain};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
+use crate::conn::ConnectionControl;
 use crate::error::ApiError;
 use crate::format::{Api, ResponseMeta};
 use crate::generation::{Chunk, Generation, Step};
@@ -41,6 +41,8 @@ pub fn router(state: Arc<AppState>) -> Router {
 pub fn metrics_router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
+        // Health probes here use capacity that the API's clients cannot take.
+        .route("/health", get(health))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -62,20 +64,30 @@ struct Started {
     permit: crate::tenants::Permit,
 }
 
-async fn completions(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+/// The connection's controls, when the request came through `conn` (absent in tests that
+/// drive the router directly).
+type Control = Option<Extension<ConnectionControl>>;
+
+async fn completions(
+    State(app): State<Arc<AppState>>,
+    control: Control,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
     match start_completion(&app, &headers, body).await {
-        Ok(started) => respond(started).await,
+        Ok(started) => respond(started, control).await,
         Err(e) => refuse(&app, e),
     }
 }
 
 async fn chat_completions(
     State(app): State<Arc<AppState>>,
+    control: Control,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     match start_chat(&app, &headers, body).await {
-        Ok(started) => respond(started).await,
+        Ok(started) => respond(started, control).await,
         Err(e) => refuse(&app, e),
     }
 }
@@ -301,9 +313,9 @@ async fn start(
     })
 }
 
-async fn respond(started: Started) -> Response {
+async fn respond(started: Started, control: Control) -> Response {
     if started.settings.stream {
-        stream(started).into_response()
+        stream(started, control.map(|Extension(c)| c)).into_response()
     } else {
         collect(started).await
     }
@@ -342,6 +354,34 @@ struct StreamState {
     finished: bool,
     /// Dropped with the stream: when it ends, or when the client hangs up.
     _permit: crate::tenants::Permit,
+    control: Option<ConnectionControl>,
+    /// Since when the client has been at least [`BEHIND_EVENTS`] events behind.
+    behind_since: Option<Instant>,
+}
+
+/// Events waiting for a client that count as falling behind (a client that keeps up finds
+/// none or one waiting when it asks for more).
+const BEHIND_EVENTS: usize = 8;
+
+impl StreamState {
+    /// True once the client has been behind its generation for the send timeout: it reads,
+    /// but more slowly than tokens come, so the connection layer's timer (which needs a
+    /// write with no progress at all) would never fire while the backlog grows.
+    fn client_too_slow(&mut self) -> bool {
+        let Some(control) = &self.control else {
+            return false;
+        };
+        if self.generation.backlog() < BEHIND_EVENTS {
+            self.behind_since = None;
+            return false;
+        }
+        let since = *self.behind_since.get_or_insert_with(Instant::now);
+        if since.elapsed() < control.send_timeout {
+            return false;
+        }
+        control.reset_when_closed();
+        true
+    }
 }
 
 fn data(v: &Value) -> SseEvent {
@@ -350,7 +390,10 @@ fn data(v: &Value) -> SseEvent {
 
 /// Server-sent events. The stream owns the generation: when the client disconnects, the
 /// response body is dropped, and with it the engine request.
-fn stream(started: Started) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
+fn stream(
+    started: Started,
+    control: Option<ConnectionControl>,
+) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, std::io::Error>>> {
     let include_usage = started.settings.include_usage;
     let mut queue = VecDeque::new();
     if started.meta.api == Api::Chat {
@@ -363,6 +406,8 @@ fn stream(started: Started) -> Sse<impl futures_util::Stream<Item = Result<SseEv
         queue,
         finished: false,
         _permit: started.permit,
+        control,
+        behind_since: None,
     };
     let events = futures_util::stream::unfold(state, |mut st| async move {
         loop {
@@ -371,6 +416,16 @@ fn stream(started: Started) -> Sse<impl futures_util::Stream<Item = Result<SseEv
             }
             if st.finished {
                 return None;
+            }
+            if st.client_too_slow() {
+                // An error ends the body without its last chunk: hyper drops the connection
+                // (reset, as asked), and dropping the stream cancels the generation.
+                let slow = std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the client fell behind its stream for the send timeout",
+                );
+                st.finished = true;
+                return Some((Err(slow), st));
             }
             match st.generation.next().await {
                 None => st.finished = true,
