@@ -388,3 +388,74 @@ def test_a_slow_reader_is_ended_within_the_send_timeout(make_server):
         assert ended < 3 + 30, ended
     finally:
         reader.close()
+
+
+def rss_mib(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+RSS_BOUND_MIB = 100
+
+
+def test_resident_memory_returns_after_a_hostile_phase(make_server):
+    """Oversized and over-long bodies, malformed ones, floods and hang-ups, at once, then
+    quiet: the resident memory of the process clients reach (the server, or the router)
+    comes back to within RSS_BOUND_MIB of where it was after warm-up."""
+    s = make_server("--kv-pool-tokens", "4096", name="rss")
+    pid = s.proc.pid
+    for i in range(8):
+        r, _ = timed_completion(s, "unused", f"Warm-up {i}: the weather today is", max_tokens=16)
+        assert r.status_code == 200
+    baseline = rss_mib(pid)
+    peak = baseline
+
+    def post_raw(data, content_type="application/json"):
+        try:
+            return requests.post(s.url + "/v1/completions", data=data, timeout=60,
+                                 headers={"Content-Type": content_type,
+                                          "Authorization": "Bearer unused"}).status_code
+        except requests.RequestException:
+            return None
+
+    big_text = json.dumps({"model": MODEL_NAME, "prompt": " x" * 1_990_000, "max_tokens": 1})
+    attacks = (
+        [lambda: post_raw(big_text)] * 12  # a 4 MB text: refused by its length
+        + [lambda: post_raw(b"{" * 4_000_000)] * 6  # malformed JSON at the body limit
+        + [lambda: post_raw(b"x" * 5_000_000)] * 6  # over the body limit: 413
+    )
+
+    def hang_up():
+        r = requests.post(s.url + "/v1/completions", stream=True, timeout=60,
+                          json={"model": MODEL_NAME, "prompt": "Hang up on me", "max_tokens": 200,
+                                "stream": True})
+        next(r.iter_lines())
+        r.close()
+        return 200
+
+    attacks += [hang_up] * 24
+    statuses = []
+    for _round in range(3):
+        threads = [threading.Thread(target=lambda a=a: statuses.append(a())) for a in attacks]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            peak = max(peak, rss_mib(pid))
+            time.sleep(0.05)
+    assert set(statuses) <= {200, 400, 413, None}, set(statuses)
+    assert 400 in statuses and 413 in statuses
+    leased = lambda: s.metrics().get('kvwarden_kv_pages{state="leased"}', 0)
+    deadline = time.monotonic() + 30
+    while leased() != 0:
+        assert time.monotonic() < deadline, f"pages still leased: {leased()}"
+        time.sleep(0.1)
+    time.sleep(2)
+    after = rss_mib(pid)
+    print(f"RSS: {baseline:.0f} MiB after warm-up, peak {peak:.0f} MiB under the hostile phase, "
+          f"{after:.0f} MiB after quiet")
+    assert after - baseline < RSS_BOUND_MIB, (baseline, peak, after)
+    # And it still serves.
+    r, _ = timed_completion(s, "unused", "Still there?", max_tokens=4)
+    assert r.status_code == 200
