@@ -494,43 +494,29 @@ fn one_tenants_flood_does_not_queue_another_tenant() {
     }
     let quiet = run(&engine, request("quiet", prompt(99, 16), 4));
     assert_eq!(quiet.tokens.len(), 4);
+    let mut early: Vec<Vec<(u32, u32)>> = Vec::new();
     for h in &mut handles {
+        let mut tokens = Vec::new();
         while let Ok(ev) = h.events.try_recv() {
-            assert!(
-                matches!(ev, Event::Token(_)),
-                "a flood request ended before the quiet tenant's: {ev:?}"
-            );
+            match ev {
+                Event::Token(t) => tokens.push((t.id, t.logprob.unwrap().to_bits())),
+                other => panic!("a flood request ended before the quiet tenant's: {other:?}"),
+            }
         }
+        early.push(tokens);
     }
     assert!(engine.metrics().preemptions.load(Ordering::Relaxed) > 0);
-    // The flood's answers, minus the tokens drained above, are unchanged by the
-    // preemption: compare whole streams by running them again.
-    drop(handles);
-    wait_for_no_leases(&engine);
-    let before = engine.metrics().preemptions.load(Ordering::Relaxed);
-    let again: Vec<_> = flood
-        .iter()
-        .map(|r| {
-            engine
-                .submit(engine.admission().admit(r.clone()).unwrap())
-                .unwrap()
-        })
-        .collect();
-    let quiet_again = engine
-        .submit(
-            engine
-                .admission()
-                .admit(request("quiet", prompt(98, 16), 4))
-                .unwrap(),
-        )
-        .unwrap();
-    let outs: Vec<Output> = again.into_iter().map(collect).collect();
-    collect(quiet_again);
-    assert!(engine.metrics().preemptions.load(Ordering::Relaxed) > before);
-    assert_eq!(
-        outs, solo,
-        "a slot preemption changed a flood request's tokens"
-    );
+    // The preempted requests recomputed their streams: every flood answer, the tokens
+    // taken above and the rest, is its solo answer.
+    for ((h, mut tokens), solo) in handles.into_iter().zip(early).zip(&solo) {
+        let rest = collect(h);
+        tokens.extend(rest.tokens);
+        assert_eq!(
+            (&tokens, rest.finish),
+            (&solo.tokens, solo.finish),
+            "a slot preemption changed a flood request's tokens"
+        );
+    }
     wait_for_no_leases(&engine);
 }
 
@@ -566,5 +552,86 @@ fn long_prompts_of_one_tenant_share_the_prefill_budget() {
         }
     }
     drop(handles);
+    wait_for_no_leases(&engine);
+}
+
+/// Records each forward step's batch: per item, how many tokens it fed.
+struct Recording {
+    inner: model::Model,
+    steps: Arc<std::sync::Mutex<Vec<Vec<usize>>>>,
+}
+
+impl engine::StepModel for Recording {
+    fn config(&self) -> &model::LlamaConfig {
+        &self.inner.config
+    }
+
+    fn kv_layout(&self, page_tokens: usize, dtype: kv::KvDtype) -> kv::KvLayout {
+        self.inner.kv_layout(page_tokens, dtype)
+    }
+
+    fn forward(
+        &self,
+        items: &mut [model::BatchItem<'_>],
+    ) -> Vec<Result<model::Logits, model::ModelError>> {
+        self.steps
+            .lock()
+            .unwrap()
+            .push(items.iter().map(|i| i.tokens.len()).collect());
+        self.inner.forward(items)
+    }
+}
+
+/// A lighter tenant's first token does not wait for a heavier tenant's whole batch of
+/// decode rows: its prompt is computed in a step of its own, and the decode rows go on in
+/// the very next step (never two such steps in a row).
+#[test]
+fn a_light_tenants_first_token_gets_a_step_of_its_own() {
+    let steps = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let engine = engine::start(
+        Recording {
+            inner: synth_model(4096),
+            steps: steps.clone(),
+        },
+        EngineConfig {
+            prefix_cache: false,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let heavy: Vec<_> = (0..6)
+        .map(|i| {
+            engine
+                .submit(
+                    engine
+                        .admission()
+                        .admit(request("heavy", prompt(i + 80, 8), 400))
+                        .unwrap(),
+                )
+                .unwrap()
+        })
+        .collect();
+    // Wait until the heavy tenant is decoding: a step of six one-token rows.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !steps.lock().unwrap().iter().any(|s| s == &[1; 6]) {
+        assert!(Instant::now() < deadline, "the heavy tenant never decoded");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let light = run(&engine, request("light", prompt(96, 37), 1));
+    assert_eq!(light.tokens.len(), 1);
+    drop(heavy);
+    let steps = steps.lock().unwrap().clone();
+    let at = steps
+        .iter()
+        .position(|s| s.contains(&37))
+        .expect("no step computed the light prompt");
+    assert_eq!(
+        steps[at],
+        [37],
+        "the light prompt shared its step with decode rows"
+    );
+    if let Some(next) = steps.get(at + 1) {
+        assert!(next.iter().filter(|&&n| n == 1).count() >= 6, "{next:?}");
+    }
     wait_for_no_leases(&engine);
 }

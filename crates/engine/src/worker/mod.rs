@@ -125,6 +125,9 @@ pub(crate) struct Worker {
     lifecycle: Arc<Lifecycle>,
     /// Forward steps in a row that panicked.
     panics_in_a_row: u32,
+    /// Whether the last step computed only lighter tenants' first tokens (see `step`):
+    /// such a step never follows another, so decode rows wait at most one short step.
+    first_tokens_last: bool,
     /// Decode role: reservations for K/V that other nodes will send, first come first
     /// served, before any waiting request is placed.
     reservations: VecDeque<PendingReservation>,
@@ -158,6 +161,7 @@ impl Worker {
             running: Vec::new(),
             lifecycle,
             panics_in_a_row: 0,
+            first_tokens_last: false,
             reservations: VecDeque::new(),
         }
     }

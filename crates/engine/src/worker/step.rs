@@ -18,47 +18,60 @@ use crate::{EngineError, EngineMetrics, Event};
 const MAX_CONSECUTIVE_PANICS: u32 = 3;
 
 impl Worker {
-    /// Returns false when the engine must stop.
-    pub(super) fn step(&mut self) -> bool {
-        self.drop_cancelled();
-        self.place_reservations();
-        self.promote();
-        self.grow();
-        if self.running.is_empty() {
-            if !self.waiting.is_empty() || !self.reservations.is_empty() {
-                // Nothing running yet the head cannot be placed: only possible while pages
-                // are still being returned by another thread. Back off briefly.
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            return true;
+    /// The step's batch: which running requests compute which positions.
+    ///
+    /// Normally decode rows first (one token each), then prefill and replay chunks within
+    /// the token budget and the pages already reserved, shared between tenants: each
+    /// tenant's requests first get up to an equal part of what the decode rows left, in
+    /// arrival order, then the rest goes in arrival order. So one tenant's long prompts
+    /// slow another tenant's prefill by a share of the step, not by their length; with one
+    /// tenant this is plain arrival order.
+    ///
+    /// But when a request of a lighter tenant (one running fewer requests than another)
+    /// waits for its first token, and the last step was not such a step, this step
+    /// computes only those first tokens: a heavy tenant's full batch of decode rows would
+    /// make the light one's first token wait for the whole batch. The heavy tenant's rows
+    /// then wait one step, which is short (a few prompt chunks), and never two in a row.
+    fn plan(&mut self) -> Vec<(usize, std::ops::Range<usize>)> {
+        let tenant = |i: usize| self.running[i].progress.request.domain.tenant_name();
+        let mut counts: HashMap<&str, usize> = HashMap::new();
+        for i in 0..self.running.len() {
+            *counts.entry(tenant(i)).or_default() += 1;
         }
-        EngineMetrics::add(&self.metrics.steps, 1);
-
-        // Plan: decode rows first (one token each), then prefill and replay chunks within
-        // the token budget and the pages already reserved, shared between tenants: each
-        // tenant's requests first get up to an equal part of what the decode rows left, in
-        // arrival order, then the rest goes in arrival order. So one tenant's long prompts
-        // slow another tenant's prefill by a share of the step, not by their length; with
-        // one tenant this is plain arrival order.
-        let mut budget = self.config.max_batch_tokens;
-        let mut plan: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
-        for (i, r) in self.running.iter().enumerate() {
-            if r.remaining() == 1 && budget > 0 {
-                plan.push((i, r.kv.len()..r.kv.len() + 1));
-                budget -= 1;
-            }
-        }
+        let heaviest = counts.values().copied().max().unwrap_or(0);
         let room = |r: &Running| {
             r.progress
                 .stream_len()
                 .min(r.kv.capacity())
                 .saturating_sub(r.kv.len())
         };
-        let filling: Vec<usize> = (0..self.running.len())
-            .filter(|&i| self.running[i].remaining() > 1 && room(&self.running[i]) > 0)
+        let light_first: Vec<usize> = (0..self.running.len())
+            .filter(|&i| {
+                let r = &self.running[i];
+                r.progress.output.is_empty()
+                    && r.remaining() > 1
+                    && room(r) > 0
+                    && counts[tenant(i)] < heaviest
+            })
             .collect();
+        let first_tokens_only = !light_first.is_empty() && !self.first_tokens_last;
+        self.first_tokens_last = first_tokens_only;
+        let mut budget = self.config.max_batch_tokens;
+        let mut plan: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
+        let filling: Vec<usize> = if first_tokens_only {
+            light_first
+        } else {
+            for (i, r) in self.running.iter().enumerate() {
+                if r.remaining() == 1 && budget > 0 {
+                    plan.push((i, r.kv.len()..r.kv.len() + 1));
+                    budget -= 1;
+                }
+            }
+            (0..self.running.len())
+                .filter(|&i| self.running[i].remaining() > 1 && room(&self.running[i]) > 0)
+                .collect()
+        };
         let mut take = vec![0usize; self.running.len()];
-        let tenant = |i: usize| self.running[i].progress.request.domain.tenant_name();
         let tenants: HashSet<&str> = filling.iter().map(|&i| tenant(i)).collect();
         if !tenants.is_empty() {
             let share = (budget / tenants.len()).max(1);
@@ -85,6 +98,26 @@ impl Worker {
                 plan.push((i, start..start + take[i]));
             }
         }
+        plan
+    }
+
+    /// Returns false when the engine must stop.
+    pub(super) fn step(&mut self) -> bool {
+        self.drop_cancelled();
+        self.place_reservations();
+        self.promote();
+        self.grow();
+        if self.running.is_empty() {
+            if !self.waiting.is_empty() || !self.reservations.is_empty() {
+                // Nothing running yet the head cannot be placed: only possible while pages
+                // are still being returned by another thread. Back off briefly.
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            return true;
+        }
+        EngineMetrics::add(&self.metrics.steps, 1);
+
+        let plan = self.plan();
 
         let inputs: Vec<Vec<u32>> = plan
             .iter()
