@@ -383,9 +383,9 @@ def test_a_slow_reader_is_ended_within_the_send_timeout(make_server):
             time.sleep(0.1)
         print(f"slow reader ended after {ended:.1f} s, having read {received} bytes")
         # 3,000 tokens at this machine's pace take well over a minute: the stream was cut,
-        # not finished. The bound: the send timeout, plus the time the socket buffers take
-        # to fill at 2 KB/s, plus slack.
-        assert ended < 3 + 30, ended
+        # not finished. The bound is the send timeout + 5 s (6.5 s measured); the
+        # 4 s beyond it are for a slower machine, whose backlog builds more slowly.
+        assert ended < 3 + 5 + 4, ended
     finally:
         reader.close()
 

@@ -75,8 +75,20 @@ impl Default for ConnectionLimits {
     }
 }
 
-/// The kernel's send buffer per connection (Linux doubles it for its own bookkeeping).
-const SEND_BUFFER_BYTES: usize = 32 * 1024;
+/// Bytes a connection's kernel buffer may hold that have not been sent yet.
+const UNSENT_BYTES: u32 = 4 * 1024;
+
+/// Keeps a slow client's backlog where the stream sees it (its events not yet taken)
+/// rather than in the kernel, whose send buffer grows to megabytes on loopback. On Linux
+/// only unsent bytes are capped (`TCP_NOTSENT_LOWAT`), so what is in flight to a distant
+/// client is not; elsewhere the whole send buffer is.
+fn keep_backlog_in_process(stream: &TcpStream) {
+    let socket = socket2::SockRef::from(stream);
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    let _ = socket.set_tcp_notsent_lowat(UNSENT_BYTES);
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    let _ = socket.set_send_buffer_size(UNSENT_BYTES as usize);
+}
 
 /// Refused connections being answered at once (see [`refuse`]).
 const ANSWERING_REFUSALS: usize = 16;
@@ -147,10 +159,7 @@ pub async fn serve_router(
             continue;
         };
         let _ = stream.set_nodelay(true);
-        // A small kernel send buffer keeps a slow client's backlog where the stream can see
-        // it (its events not yet taken) instead of in the kernel, which on loopback grows
-        // the buffer to megabytes. Token streams need a few KB/s.
-        let _ = socket2::SockRef::from(&stream).set_send_buffer_size(SEND_BUFFER_BYTES);
+        keep_backlog_in_process(&stream);
         let control = ConnectionControl::new(limits.send_timeout);
         let reset = control.reset.clone();
         let service = TowerToHyperService::new(router.clone().layer(Extension(control)));
