@@ -321,10 +321,12 @@ fn preempted_requests_recompute_to_the_same_tokens() {
     wait_for_no_leases(&engine);
 }
 
-/// The synthetic model, made to panic in `forward` as many times as `panics` says.
+/// The synthetic model, made to panic in `forward` as many times as `panics` says, and
+/// recording each step's batch (per item, how many tokens it fed).
 struct Faulty {
     inner: model::Model,
     panics: Arc<AtomicUsize>,
+    steps: Arc<std::sync::Mutex<Vec<Vec<usize>>>>,
 }
 
 impl engine::StepModel for Faulty {
@@ -347,6 +349,10 @@ impl engine::StepModel for Faulty {
         if fault {
             panic!("injected fault in forward");
         }
+        self.steps
+            .lock()
+            .unwrap()
+            .push(items.iter().map(|i| i.tokens.len()).collect());
         self.inner.forward(items)
     }
 }
@@ -356,6 +362,7 @@ fn faulty_engine(config: EngineConfig) -> (EngineHandle, Arc<AtomicUsize>) {
     let model = Faulty {
         inner: synth_model(4096),
         panics: panics.clone(),
+        steps: Arc::default(),
     };
     (engine::start(model, config).unwrap(), panics)
 }
@@ -555,33 +562,6 @@ fn long_prompts_of_one_tenant_share_the_prefill_budget() {
     wait_for_no_leases(&engine);
 }
 
-/// Records each forward step's batch: per item, how many tokens it fed.
-struct Recording {
-    inner: model::Model,
-    steps: Arc<std::sync::Mutex<Vec<Vec<usize>>>>,
-}
-
-impl engine::StepModel for Recording {
-    fn config(&self) -> &model::LlamaConfig {
-        &self.inner.config
-    }
-
-    fn kv_layout(&self, page_tokens: usize, dtype: kv::KvDtype) -> kv::KvLayout {
-        self.inner.kv_layout(page_tokens, dtype)
-    }
-
-    fn forward(
-        &self,
-        items: &mut [model::BatchItem<'_>],
-    ) -> Vec<Result<model::Logits, model::ModelError>> {
-        self.steps
-            .lock()
-            .unwrap()
-            .push(items.iter().map(|i| i.tokens.len()).collect());
-        self.inner.forward(items)
-    }
-}
-
 /// A lighter tenant's first token does not wait for a heavier tenant's whole batch of
 /// decode rows: its prompt is computed in a step of its own, and the decode rows go on in
 /// the very next step (never two such steps in a row).
@@ -589,8 +569,9 @@ impl engine::StepModel for Recording {
 fn a_light_tenants_first_token_gets_a_step_of_its_own() {
     let steps = Arc::new(std::sync::Mutex::new(Vec::new()));
     let engine = engine::start(
-        Recording {
+        Faulty {
             inner: synth_model(4096),
+            panics: Arc::default(),
             steps: steps.clone(),
         },
         EngineConfig {
