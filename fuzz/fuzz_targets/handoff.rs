@@ -48,6 +48,7 @@ fn request(len: usize) -> GenerateRequest {
             top_p: 1.0,
             top_k: 0,
             seed: 0,
+            ..SamplingParams::default()
         },
         ignore_eos: true,
         logprobs: Some(2),

@@ -24,6 +24,7 @@ fuzz_target!(|data: &[u8]| {
             let served = ServedModel {
                 name: &req.model,
                 max_context: 8192,
+                vocab_size: 49152,
                 template: None,
             };
             if let Err(e) = validation::chat(&req, &served) {
@@ -37,6 +38,7 @@ fuzz_target!(|data: &[u8]| {
             let served = ServedModel {
                 name: &req.model,
                 max_context: 8192,
+                vocab_size: 49152,
                 template: None,
             };
             if let Err(e) = validation::completion(&req, &served) {

@@ -36,7 +36,7 @@ pub use handle::{start, EngineHandle, RequestHandle, StartupError};
 pub use slot::QueueFull;
 
 pub use kv::{IsolationDomain, RequestId};
-pub use model::SamplingParams;
+pub use model::{Penalties, SamplingParams};
 
 /// What the engine needs from a model: its shape and one batched forward step.
 /// [`model::Model`] is the one that serves; tests wrap it to make a step fail.

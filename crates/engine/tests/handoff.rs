@@ -38,6 +38,23 @@ fn request(tenant: &str, len: usize, max_tokens: usize, seed: u64) -> GenerateRe
             top_p: 0.95,
             top_k: 0,
             seed,
+            // Seeded requests also carry every history-dependent adjustment: a decode node
+            // must sample from the prompt and the first token exactly as one node does.
+            ..if seed == 0 {
+                SamplingParams::default()
+            } else {
+                SamplingParams {
+                    min_p: 0.05,
+                    penalties: engine::Penalties {
+                        presence: 0.2,
+                        frequency: 0.3,
+                        repetition: 1.1,
+                        repeat_last_n: 16,
+                    },
+                    logit_bias: std::sync::Arc::from([(5, 2.0), (40, -3.0)]),
+                    ..SamplingParams::default()
+                }
+            }
         },
         ignore_eos: true,
         logprobs: Some(2),

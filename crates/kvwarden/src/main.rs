@@ -222,6 +222,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
             top_p: args.top_p,
             top_k: args.top_k,
             seed: args.seed,
+            ..Default::default()
         },
         ignore_eos: false,
         logprobs: None,

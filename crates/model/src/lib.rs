@@ -20,7 +20,7 @@ pub mod weights;
 pub use batch::{BatchItem, Logits, LogitsWanted};
 pub use config::LlamaConfig;
 pub use forward::Model;
-pub use sampling::{Sampler, SamplingParams};
+pub use sampling::{History, Penalties, Sampler, SamplingParams};
 
 /// Errors from loading or running a model.
 #[derive(Debug, thiserror::Error)]

@@ -1,8 +1,29 @@
-//! Turning logits into tokens: greedy, or temperature with top-k / top-p under a seeded
-//! generator (same seed, same tokens).
+//! Turning logits into tokens: greedy, or temperature with top-k / top-p / min-p under a
+//! seeded generator (same seed, same tokens), after the request's logit bias and
+//! repetition penalties.
+//!
+//! The adjustments read only the row's own history (its prompt and the tokens it has
+//! produced), never another row's and never the generator: a row samples the same token
+//! alone or in any batch, and a decode node that holds the prompt and the prefill node's
+//! first token samples exactly as a single node would, with no penalty state to hand over.
+//! In order, on the raw logits of one position:
+//!
+//! 1. `logit_bias`: `l[t] += bias[t]`;
+//! 2. repetition (llama.cpp's `repeat_penalty`, Hugging Face's `repetition_penalty`): each
+//!    distinct token among the last `repeat_last_n` of prompt ++ output has a positive
+//!    logit divided by the penalty, a negative (or zero) one multiplied by it;
+//! 3. frequency and presence (OpenAI's definitions, over this answer's tokens only):
+//!    `l[t] -= count[t] * frequency + (count[t] > 0) * presence`;
+//!
+//! then greedy takes the highest adjusted logit; sampling divides by the temperature,
+//! keeps the top k, drops tokens less likely than `min_p` times the most likely one, keeps
+//! the nucleus of mass `top_p`, and draws. Reported log-probabilities are the model's own
+//! (before any of this), as vLLM's default `raw_logprobs` reports them.
+
+use std::sync::Arc;
 
 /// How to pick the next token.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
     /// 0 means greedy.
     pub temperature: f32,
@@ -10,7 +31,12 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// 0 disables top-k filtering.
     pub top_k: usize,
+    /// 0 disables; otherwise in (0, 1].
+    pub min_p: f32,
     pub seed: u64,
+    pub penalties: Penalties,
+    /// Added to the logits of these tokens, sorted by token id, each id once.
+    pub logit_bias: Arc<[(u32, f32)]>,
 }
 
 impl Default for SamplingParams {
@@ -19,8 +45,102 @@ impl Default for SamplingParams {
             temperature: 0.0,
             top_p: 1.0,
             top_k: 0,
+            min_p: 0.0,
             seed: 0,
+            penalties: Penalties::default(),
+            logit_bias: Arc::from([]),
         }
+    }
+}
+
+/// Penalties on tokens the row has already seen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Penalties {
+    /// Subtracted once from every token that occurs in the output so far.
+    pub presence: f32,
+    /// Subtracted per occurrence in the output so far.
+    pub frequency: f32,
+    /// 1.0 disables.
+    pub repetition: f32,
+    /// How many of the last tokens (prompt ++ output) the repetition penalty looks at;
+    /// `usize::MAX` is all of them.
+    pub repeat_last_n: usize,
+}
+
+impl Default for Penalties {
+    fn default() -> Self {
+        Self {
+            presence: 0.0,
+            frequency: 0.0,
+            repetition: 1.0,
+            // llama.cpp's default window.
+            repeat_last_n: 64,
+        }
+    }
+}
+
+impl Penalties {
+    fn is_active(&self) -> bool {
+        self.presence != 0.0
+            || self.frequency != 0.0
+            || (self.repetition != 1.0 && self.repeat_last_n > 0)
+    }
+}
+
+/// What a row has seen: its prompt and the tokens it has produced so far.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct History<'a> {
+    pub prompt: &'a [u32],
+    pub output: &'a [u32],
+}
+
+impl SamplingParams {
+    fn adjusts_logits(&self) -> bool {
+        !self.logit_bias.is_empty() || self.penalties.is_active()
+    }
+
+    /// The logits after the bias and the penalties (steps 1 to 3 of the module docs).
+    /// Token ids outside `logits` are ignored: validation refuses them before this.
+    pub fn adjusted_logits(&self, logits: &[f32], history: History<'_>) -> Vec<f32> {
+        let mut out = logits.to_vec();
+        for &(id, bias) in self.logit_bias.iter() {
+            if let Some(l) = out.get_mut(id as usize) {
+                *l += bias;
+            }
+        }
+        let p = self.penalties;
+        if p.repetition != 1.0 && p.repeat_last_n > 0 {
+            let total = history.prompt.len() + history.output.len();
+            let skip = total.saturating_sub(p.repeat_last_n);
+            let mut seen: Vec<u32> = history
+                .prompt
+                .iter()
+                .chain(history.output)
+                .skip(skip)
+                .copied()
+                .collect();
+            seen.sort_unstable();
+            seen.dedup();
+            for id in seen {
+                if let Some(l) = out.get_mut(id as usize) {
+                    *l = if *l <= 0.0 {
+                        *l * p.repetition
+                    } else {
+                        *l / p.repetition
+                    };
+                }
+            }
+        }
+        if p.presence != 0.0 || p.frequency != 0.0 {
+            let mut counted: Vec<u32> = history.output.to_vec();
+            counted.sort_unstable();
+            for run in counted.chunk_by(|a, b| a == b) {
+                if let Some(l) = out.get_mut(run[0] as usize) {
+                    *l -= run.len() as f32 * p.frequency + p.presence;
+                }
+            }
+        }
+        out
     }
 }
 
@@ -113,8 +233,16 @@ impl Sampler {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = self.params;
+    /// The next token of a row that has seen `history`.
+    pub fn sample(&mut self, logits: &[f32], history: History<'_>) -> u32 {
+        let adjusted;
+        let logits = if self.params.adjusts_logits() {
+            adjusted = self.params.adjusted_logits(logits, history);
+            &adjusted[..]
+        } else {
+            logits
+        };
+        let p = &self.params;
         if p.temperature <= 0.0 || p.top_k == 1 {
             return argmax(logits);
         }
@@ -140,6 +268,17 @@ impl Sampler {
         let total: f64 = probs.iter().sum();
         for pr in probs.iter_mut() {
             *pr /= total;
+        }
+        if p.min_p > 0.0 {
+            // probs[0] is the most likely; the list is sorted, so the kept ones are a prefix.
+            let floor = p.min_p as f64 * probs[0];
+            let keep = probs.iter().take_while(|&&pr| pr >= floor).count().max(1);
+            probs.truncate(keep);
+            cand.truncate(keep);
+            let total: f64 = probs.iter().sum();
+            for pr in probs.iter_mut() {
+                *pr /= total;
+            }
         }
         if p.top_p < 1.0 {
             let mut acc = 0.0;
@@ -174,7 +313,7 @@ mod tests {
     fn greedy_and_ties() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
         let mut s = Sampler::new(SamplingParams::default());
-        assert_eq!(s.sample(&[0.0, -1.0, 5.0]), 2);
+        assert_eq!(s.sample(&[0.0, -1.0, 5.0], History::default()), 2);
     }
 
     #[test]
@@ -185,14 +324,19 @@ mod tests {
             top_p: 1.0,
             top_k: 3,
             seed: 42,
+            ..Default::default()
         };
         let a: Vec<u32> = {
-            let mut s = Sampler::new(params);
-            (0..100).map(|_| s.sample(&logits)).collect()
+            let mut s = Sampler::new(params.clone());
+            (0..100)
+                .map(|_| s.sample(&logits, History::default()))
+                .collect()
         };
         let b: Vec<u32> = {
-            let mut s = Sampler::new(params);
-            (0..100).map(|_| s.sample(&logits)).collect()
+            let mut s = Sampler::new(params.clone());
+            (0..100)
+                .map(|_| s.sample(&logits, History::default()))
+                .collect()
         };
         assert_eq!(a, b);
         // top-3 of logits with value 1.8 (i % 7 == 6): ids 6, 13, 20.
@@ -208,18 +352,23 @@ mod tests {
             top_p: 0.95,
             top_k: 0,
             seed: 9,
+            ..Default::default()
         };
-        let mut whole = Sampler::new(params);
-        let expected: Vec<u32> = (0..40).map(|_| whole.sample(&logits)).collect();
-        let mut first = Sampler::new(params);
-        let head = first.sample(&logits);
-        let mut rest = Sampler::resume(params, first.state());
+        let mut whole = Sampler::new(params.clone());
+        let expected: Vec<u32> = (0..40)
+            .map(|_| whole.sample(&logits, History::default()))
+            .collect();
+        let mut first = Sampler::new(params.clone());
+        let head = first.sample(&logits, History::default());
+        let mut rest = Sampler::resume(params.clone(), first.state());
         let mut got = vec![head];
-        got.extend((1..40).map(|_| rest.sample(&logits)));
+        got.extend((1..40).map(|_| rest.sample(&logits, History::default())));
         assert_eq!(got, expected);
         // A fresh sampler would not have continued it.
-        let mut fresh = Sampler::new(params);
-        let restarted: Vec<u32> = (1..40).map(|_| fresh.sample(&logits)).collect();
+        let mut fresh = Sampler::new(params.clone());
+        let restarted: Vec<u32> = (1..40)
+            .map(|_| fresh.sample(&logits, History::default()))
+            .collect();
         assert_ne!(restarted[..], expected[1..]);
     }
 
@@ -231,8 +380,9 @@ mod tests {
             top_p: 0.5,
             top_k: 0,
             seed: 1,
+            ..Default::default()
         });
-        assert!((0..50).all(|_| s.sample(&logits) == 0));
+        assert!((0..50).all(|_| s.sample(&logits, History::default()) == 0));
     }
 
     #[test]
@@ -242,5 +392,115 @@ mod tests {
         assert!((total - 1.0).abs() < 1e-6);
         let top = top_logprobs(&lp, 2);
         assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
+    }
+
+    fn history<'a>(prompt: &'a [u32], output: &'a [u32]) -> History<'a> {
+        History { prompt, output }
+    }
+
+    #[test]
+    fn logit_bias_moves_the_greedy_choice() {
+        let logits = [1.0, 3.0, 2.0];
+        let mut s = Sampler::new(SamplingParams {
+            logit_bias: Arc::from([(0, 5.0), (1, -100.0)]),
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&logits, History::default()), 0);
+        let mut s = Sampler::new(SamplingParams {
+            logit_bias: Arc::from([(1, -1.5)]),
+            ..Default::default()
+        });
+        // 3 - 1.5 < 2.
+        assert_eq!(s.sample(&logits, History::default()), 2);
+    }
+
+    #[test]
+    fn frequency_and_presence_count_the_output_only() {
+        let p = SamplingParams {
+            penalties: Penalties {
+                presence: 0.5,
+                frequency: 0.25,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let logits = [1.0, 1.0, 1.0, 1.0];
+        // Token 3 is in the prompt: no frequency or presence penalty for it.
+        let got = p.adjusted_logits(&logits, history(&[3, 3], &[1, 2, 1]));
+        assert_eq!(
+            got,
+            vec![1.0, 1.0 - 2.0 * 0.25 - 0.5, 1.0 - 0.25 - 0.5, 1.0]
+        );
+    }
+
+    #[test]
+    fn repetition_divides_positive_and_multiplies_negative_logits_in_its_window() {
+        let p = SamplingParams {
+            penalties: Penalties {
+                repetition: 2.0,
+                repeat_last_n: 3,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let logits = [4.0, -4.0, 4.0, 4.0, 0.0];
+        // Window: the last 3 of [0, 1] ++ [2, 1]: tokens 1 and 2 (1 twice, penalized once).
+        let got = p.adjusted_logits(&logits, history(&[0, 1], &[2, 1]));
+        assert_eq!(got, vec![4.0, -8.0, 2.0, 4.0, 0.0]);
+        let all = SamplingParams {
+            penalties: Penalties {
+                repeat_last_n: usize::MAX,
+                ..p.penalties
+            },
+            ..Default::default()
+        };
+        let got = all.adjusted_logits(&logits, history(&[0, 1], &[2, 1]));
+        assert_eq!(got, vec![2.0, -8.0, 2.0, 4.0, 0.0]);
+    }
+
+    #[test]
+    fn the_penalties_change_greedy_decoding() {
+        let logits = [2.0, 1.9, 0.0];
+        let mut s = Sampler::new(SamplingParams {
+            penalties: Penalties {
+                frequency: 0.2,
+                ..Default::default()
+            },
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&logits, history(&[], &[])), 0);
+        assert_eq!(s.sample(&logits, history(&[], &[0])), 1);
+        // Without penalties the history changes nothing.
+        let mut plain = Sampler::new(SamplingParams::default());
+        assert_eq!(plain.sample(&logits, history(&[0, 0], &[0, 0])), 0);
+    }
+
+    #[test]
+    fn min_p_drops_the_unlikely_tail() {
+        // p ∝ e^0, e^-1, e^-5: with min_p 0.2 only the first two survive (e^-1 ≈ 0.37).
+        let logits = [0.0, -1.0, -5.0];
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            min_p: 0.2,
+            seed: 3,
+            ..Default::default()
+        });
+        let draws: Vec<u32> = (0..400)
+            .map(|_| s.sample(&logits, History::default()))
+            .collect();
+        assert!(draws.iter().all(|&t| t < 2), "{draws:?}");
+        assert!(draws.contains(&1));
+        let mut wide = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: 3,
+            ..Default::default()
+        });
+        let draws: Vec<u32> = (0..2000)
+            .map(|_| wide.sample(&logits, History::default()))
+            .collect();
+        assert!(
+            draws.contains(&2),
+            "without min_p the tail is drawn sometimes"
+        );
     }
 }

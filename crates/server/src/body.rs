@@ -165,6 +165,23 @@ fn from_path_error(e: &serde_path_to_error::Error<serde_json::Error>) -> ApiErro
             format!("Missing required parameter: '{param}'."),
         );
     }
+    if let Some(field) = msg
+        .strip_prefix("unknown field `")
+        .and_then(|r| r.split('`').next())
+    {
+        // A field kvwarden does not know is refused by name, never ignored (see
+        // `crate::request`). Client-chosen: only a bounded prefix is echoed.
+        let field: String = field.chars().take(64).collect();
+        let param = match &at {
+            Some(p) if p.ends_with(&field) => p.clone(),
+            Some(p) => format!("{p}.{field}"),
+            None => field,
+        };
+        return ApiError::unsupported(
+            &param,
+            format!("Unrecognized request argument supplied: {param}."),
+        );
+    }
     let code = if msg.starts_with("invalid value") || msg.starts_with("invalid length") {
         "invalid_value"
     } else {

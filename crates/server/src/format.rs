@@ -74,13 +74,17 @@ impl ResponseMeta {
                             .iter()
                             .map(|&(id, lp)| {
                                 json!({
+                                    "id": id,
                                     "token": self.token_str(id),
                                     "logprob": finite(lp),
                                     "bytes": self.token_bytes(id),
                                 })
                             })
                             .collect();
+                        // `id` is llama.cpp's addition: the token itself, which `token` and
+                        // `bytes` name only up to the vocabulary's duplicates.
                         json!({
+                            "id": e.id,
                             "token": self.token_str(e.id),
                             "logprob": finite(e.logprob.unwrap_or(f32::NEG_INFINITY)),
                             "bytes": self.token_bytes(e.id),

@@ -26,6 +26,7 @@ pub mod request;
 mod routes;
 pub mod stop;
 pub mod tenants;
+mod tokenize;
 pub mod validation;
 
 use std::future::Future;

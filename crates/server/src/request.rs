@@ -1,4 +1,12 @@
 //! The OpenAI request bodies, as clients send them; [`crate::validation`] checks them.
+//!
+//! Every struct a client writes denies unknown fields: a field kvwarden does not know is a
+//! 400 naming it (as OpenAI refuses unrecognized arguments), never accepted and ignored,
+//! which would answer a `grammar` or a `json_schema` with unconstrained text. A field
+//! declared here is either honoured or refused by validation when it asks for something
+//! kvwarden does not do; the only ones accepted without effect are `user` (an end-user
+//! id for the operator's abuse tracking) and llama.cpp's `cache_prompt`, whose answer is
+//! the same either way.
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -20,6 +28,7 @@ pub enum Prompt {
 }
 
 #[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: Option<bool>,
@@ -46,8 +55,18 @@ macro_rules! openai_request {
             pub n: Option<u64>,
             pub presence_penalty: Option<f64>,
             pub frequency_penalty: Option<f64>,
+            /// vLLM's (and Hugging Face's) name for llama.cpp's `repeat_penalty`.
+            pub repetition_penalty: Option<f64>,
+            pub repeat_penalty: Option<f64>,
+            /// llama.cpp's window for the repetition penalty (-1: the whole sequence).
+            pub repeat_last_n: Option<i64>,
+            /// vLLM's and llama.cpp's extension.
+            pub min_p: Option<f64>,
             pub logit_bias: Option<serde_json::Map<String, Value>>,
             pub user: Option<String>,
+            /// llama.cpp's: reuse of cached K/V never changes an answer, so either value
+            /// is served the same way.
+            pub cache_prompt: Option<bool>,
             /// Narrows the tenant's isolation domain: requests with different salts share
             /// no cached prefix even within one tenant.
             pub cache_salt: Option<String>,
@@ -70,6 +89,10 @@ macro_rules! openai_request {
                     n: self.n,
                     presence_penalty: self.presence_penalty,
                     frequency_penalty: self.frequency_penalty,
+                    repetition_penalty: self.repetition_penalty,
+                    repeat_penalty: self.repeat_penalty,
+                    repeat_last_n: self.repeat_last_n,
+                    min_p: self.min_p,
                     logit_bias: self.logit_bias.as_ref(),
                     cache_salt: self.cache_salt.as_deref(),
                     ignore_eos: self.ignore_eos,
@@ -94,6 +117,10 @@ pub struct Common<'a> {
     pub n: Option<u64>,
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub repeat_penalty: Option<f64>,
+    pub repeat_last_n: Option<i64>,
+    pub min_p: Option<f64>,
     pub logit_bias: Option<&'a serde_json::Map<String, Value>>,
     pub cache_salt: Option<&'a str>,
     pub ignore_eos: Option<bool>,
@@ -101,6 +128,7 @@ pub struct Common<'a> {
 
 openai_request! {
     #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
     pub struct CompletionRequest {
         pub prompt: Prompt,
         pub logprobs: Option<u32>,
@@ -125,14 +153,24 @@ pub struct ContentPart {
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Message {
     pub role: String,
     pub content: Option<Content>,
     pub name: Option<String>,
+    /// An assistant turn's calls and a tool turn's answer: refused unless null until tool
+    /// calling is served, so a history that holds them is never silently shortened.
+    pub tool_calls: Option<Value>,
+    pub tool_call_id: Option<Value>,
+    pub function_call: Option<Value>,
+    /// What OpenAI's own responses carry (null unless the model refused), so a client may
+    /// send an earlier answer's message back as it got it.
+    pub refusal: Option<Value>,
 }
 
 openai_request! {
     #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
     pub struct ChatRequest {
         pub messages: Vec<Message>,
         pub max_completion_tokens: Option<u64>,
@@ -141,6 +179,8 @@ openai_request! {
         pub tools: Option<Value>,
         pub tool_choice: Option<Value>,
         pub functions: Option<Value>,
+        pub function_call: Option<Value>,
+        pub parallel_tool_calls: Option<Value>,
         pub response_format: Option<Value>,
     }
 }

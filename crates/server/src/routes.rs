@@ -27,6 +27,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(crate::tokenize::tokenize))
+        .route("/detokenize", post(crate::tokenize::detokenize))
         .route("/health", get(health));
     let api = match state.metrics_access {
         MetricsAccess::ApiKeys => api.route("/metrics", get(metrics_behind_keys)),
@@ -93,7 +95,7 @@ async fn chat_completions(
 }
 
 /// An error before the request reached the engine.
-fn refuse(app: &AppState, e: ApiError) -> Response {
+pub(crate) fn refuse(app: &AppState, e: ApiError) -> Response {
     if e.status().is_client_error() {
         app.metrics.rejected(e.code());
     } else {
@@ -261,7 +263,7 @@ async fn start(
         domain: domain_for(tenant, &settings),
         prompt,
         max_tokens,
-        sampling: settings.sampling,
+        sampling: settings.sampling.clone(),
         ignore_eos: settings.ignore_eos,
         logprobs,
     };

@@ -4,8 +4,8 @@
 
 use engine::handoff::{Manifest, Ticket};
 use engine::{
-    EngineError, FinishReason, GenerateRequest, IsolationDomain, Rejection, SamplingParams,
-    TokenEvent, Usage,
+    EngineError, FinishReason, GenerateRequest, IsolationDomain, Penalties, Rejection,
+    SamplingParams, TokenEvent, Usage,
 };
 use tonic::Status;
 
@@ -13,6 +13,8 @@ use crate::pb;
 
 /// Most logprobs alternatives a request may ask for (the OpenAI API allows 20).
 const MAX_TOP_LOGPROBS: u32 = 20;
+/// Most logit_bias entries (the public API's limit).
+const MAX_LOGIT_BIAS: usize = 1024;
 
 pub fn request_to_pb(request_id: &str, r: &GenerateRequest) -> pb::GenerateRequest {
     pb::GenerateRequest {
@@ -26,6 +28,17 @@ pub fn request_to_pb(request_id: &str, r: &GenerateRequest) -> pb::GenerateReque
             top_p: r.sampling.top_p,
             top_k: r.sampling.top_k as u64,
             seed: r.sampling.seed,
+            min_p: r.sampling.min_p,
+            presence_penalty: r.sampling.penalties.presence,
+            frequency_penalty: r.sampling.penalties.frequency,
+            repetition_penalty: r.sampling.penalties.repetition,
+            repeat_last_n: r.sampling.penalties.repeat_last_n as u64,
+            logit_bias: r
+                .sampling
+                .logit_bias
+                .iter()
+                .map(|&(token, bias)| pb::LogitBias { token, bias })
+                .collect(),
         }),
         ignore_eos: r.ignore_eos,
         logprobs: r.logprobs.map(|k| k as u32),
@@ -53,11 +66,7 @@ pub fn request_from_pb(r: pb::GenerateRequest) -> Result<(String, GenerateReques
         return Err(invalid("tenant is required"));
     }
     let s = r.sampling.ok_or_else(|| invalid("sampling is required"))?;
-    let temperature_ok = s.temperature.is_finite() && s.temperature >= 0.0;
-    let top_p_ok = s.top_p.is_finite() && s.top_p > 0.0 && s.top_p <= 1.0;
-    if !(temperature_ok && top_p_ok) {
-        return Err(invalid("sampling parameters out of range"));
-    }
+    let sampling = sampling_from_pb(s)?;
     if r.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
         return Err(invalid("logprobs out of range"));
     }
@@ -65,16 +74,51 @@ pub fn request_from_pb(r: pb::GenerateRequest) -> Result<(String, GenerateReques
         domain: domain(r.tenant, r.salt),
         prompt: r.prompt,
         max_tokens: usize::try_from(r.max_tokens).unwrap_or(usize::MAX),
-        sampling: SamplingParams {
-            temperature: s.temperature,
-            top_p: s.top_p,
-            top_k: usize::try_from(s.top_k).unwrap_or(usize::MAX),
-            seed: s.seed,
-        },
+        sampling,
         ignore_eos: r.ignore_eos,
         logprobs: r.logprobs.map(|k| k as usize),
     };
     Ok((r.request_id, request))
+}
+
+/// The ranges the public API's validation enforces, checked again on what arrives.
+fn sampling_from_pb(s: pb::Sampling) -> Result<SamplingParams, Status> {
+    let in_range = |v: f32, lo: f32, hi: f32| v.is_finite() && v >= lo && v <= hi;
+    let ok = s.temperature.is_finite()
+        && s.temperature >= 0.0
+        && s.top_p.is_finite()
+        && s.top_p > 0.0
+        && s.top_p <= 1.0
+        && in_range(s.min_p, 0.0, 1.0)
+        && in_range(s.presence_penalty, -2.0, 2.0)
+        && in_range(s.frequency_penalty, -2.0, 2.0)
+        && in_range(s.repetition_penalty, f32::MIN_POSITIVE, 2.0);
+    if !ok {
+        return Err(invalid("sampling parameters out of range"));
+    }
+    if s.logit_bias.len() > MAX_LOGIT_BIAS {
+        return Err(invalid("too many logit_bias entries"));
+    }
+    let sorted = s.logit_bias.windows(2).all(|w| w[0].token < w[1].token);
+    if !sorted || !s.logit_bias.iter().all(|b| in_range(b.bias, -100.0, 100.0)) {
+        return Err(invalid(
+            "logit_bias must be sorted, unique and within [-100, 100]",
+        ));
+    }
+    Ok(SamplingParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: usize::try_from(s.top_k).unwrap_or(usize::MAX),
+        min_p: s.min_p,
+        seed: s.seed,
+        penalties: Penalties {
+            presence: s.presence_penalty,
+            frequency: s.frequency_penalty,
+            repetition: s.repetition_penalty,
+            repeat_last_n: usize::try_from(s.repeat_last_n).unwrap_or(usize::MAX),
+        },
+        logit_bias: s.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
+    })
 }
 
 pub fn rejection_to_pb(r: &Rejection) -> pb::Rejection {
@@ -256,4 +300,57 @@ pub fn manifest_from_pb(m: pb::Manifest) -> Result<Manifest, Status> {
         page_checksums: m.page_checksums,
         cached_tokens: size(m.cached_tokens),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request() -> GenerateRequest {
+        GenerateRequest {
+            domain: IsolationDomain::tenant("alice"),
+            prompt: vec![1, 2, 3],
+            max_tokens: 4,
+            sampling: SamplingParams {
+                temperature: 0.7,
+                top_p: 0.9,
+                top_k: 40,
+                min_p: 0.05,
+                seed: 11,
+                penalties: Penalties {
+                    presence: 0.5,
+                    frequency: -0.25,
+                    repetition: 1.15,
+                    repeat_last_n: usize::MAX,
+                },
+                logit_bias: std::sync::Arc::from([(2, -100.0), (7, 3.5)]),
+            },
+            ignore_eos: false,
+            logprobs: Some(3),
+        }
+    }
+
+    #[test]
+    fn every_sampling_parameter_crosses_the_wire() {
+        let sent = request();
+        let (_, got) = request_from_pb(request_to_pb("r1", &sent)).unwrap();
+        assert_eq!(got.sampling, sent.sampling);
+    }
+
+    #[test]
+    fn sampling_the_api_would_refuse_is_refused_off_the_wire() {
+        let cases: [fn(&mut pb::Sampling); 5] = [
+            |s| s.repetition_penalty = 0.0,
+            |s| s.presence_penalty = f32::NAN,
+            |s| s.min_p = 1.5,
+            |s| s.logit_bias.reverse(),
+            |s| s.logit_bias[0].bias = 101.0,
+        ];
+        for (i, spoil) in cases.into_iter().enumerate() {
+            let mut pb = request_to_pb("r1", &request());
+            spoil(pb.sampling.as_mut().unwrap());
+            let err = request_from_pb(pb).expect_err(&format!("case {i} was accepted"));
+            assert_eq!(err.code(), tonic::Code::InvalidArgument, "case {i}");
+        }
+    }
 }

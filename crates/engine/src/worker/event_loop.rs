@@ -74,7 +74,7 @@ impl Worker {
                     total_tokens,
                     id,
                     arrival: self.arrivals,
-                    sampler: Sampler::new(request.sampling),
+                    sampler: Sampler::new(request.sampling.clone()),
                     request,
                     events,
                     output: Vec::new(),

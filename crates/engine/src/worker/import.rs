@@ -69,7 +69,7 @@ impl Worker {
         let mut progress = Progress {
             id,
             arrival: self.arrivals,
-            sampler: Sampler::resume(request.sampling, sampler_state),
+            sampler: Sampler::resume(request.sampling.clone(), sampler_state),
             request,
             events,
             output: Vec::new(),

@@ -1,7 +1,7 @@
 //! From logits to what the client sees: a sampled token (with its log-probabilities),
 //! the end of the stream, or, on a prefill node, the hand-over of the prompt's K/V.
 
-use model::sampling::{log_softmax, top_logprobs};
+use model::sampling::{log_softmax, top_logprobs, History};
 
 use super::{Outcome, Progress, Running};
 use crate::handoff::PrefillOutput;
@@ -19,7 +19,11 @@ fn sampled_token(
             logits.len()
         ))));
     }
-    let token = p.sampler.sample(logits);
+    let history = History {
+        prompt: &p.request.prompt,
+        output: &p.output,
+    };
+    let token = p.sampler.sample(logits, history);
     let (logprob, top) = match p.request.logprobs {
         Some(k) => {
             let lp = log_softmax(logits);

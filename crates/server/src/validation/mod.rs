@@ -10,7 +10,7 @@ use std::sync::Arc;
 use serde_json::Value;
 use tokenizer::{ChatMessage, ChatTemplate};
 
-use engine::SamplingParams;
+use engine::{Penalties, SamplingParams};
 
 use crate::error::ApiError;
 use crate::request::{ChatRequest, Common, CompletionRequest, Content, Message, Prompt, Stop};
@@ -24,12 +24,15 @@ pub const MAX_STOP_STRINGS: usize = 4;
 pub const MAX_STOP_BYTES: usize = 1024;
 /// Most alternatives per token a request may ask for.
 pub const MAX_TOP_LOGPROBS: u32 = 20;
+/// Most tokens one request may bias: each costs an addition per generated token.
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 /// What a request is checked against: the model this server serves.
 #[derive(Debug, Clone, Copy)]
 pub struct ServedModel<'a> {
     pub name: &'a str,
     pub max_context: usize,
+    pub vocab_size: usize,
     /// `None` when the model has no chat template: chat requests are then refused.
     pub template: Option<&'a Arc<ChatTemplate>>,
 }
@@ -39,6 +42,7 @@ impl<'a> ServedModel<'a> {
         Self {
             name: &app.model_name,
             max_context: app.backend.admission().max_context(),
+            vocab_size: app.backend.admission().vocab_size(),
             template: app.template.as_ref(),
         }
     }
@@ -70,7 +74,7 @@ pub fn completion(
     model: &ServedModel,
 ) -> Result<ValidCompletion, ApiError> {
     check_model(model, &req.model)?;
-    let (settings, logprobs) = req.parameters()?;
+    let (settings, logprobs) = req.parameters(model.vocab_size)?;
     let prompt = req.single_prompt()?;
     Ok(ValidCompletion {
         settings,
@@ -83,7 +87,7 @@ pub fn completion(
 /// content, message by message), then the template.
 pub fn chat(req: &ChatRequest, model: &ServedModel) -> Result<ValidChat, ApiError> {
     check_model(model, &req.model)?;
-    let (settings, logprobs) = req.parameters()?;
+    let (settings, logprobs) = req.parameters(model.vocab_size)?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid(
             "invalid_value",
@@ -104,6 +108,7 @@ pub fn chat(req: &ChatRequest, model: &ServedModel) -> Result<ValidChat, ApiErro
                 ),
             )
         })?;
+        m.check_fields(i)?;
         messages.push(ChatMessage::new(role, m.text(i)?));
     }
     let Some(template) = model.template.cloned() else {
@@ -217,7 +222,7 @@ fn check_range(
 impl Common<'_> {
     /// Validates everything but the prompt. `max_tokens` is the value the endpoint settled
     /// on (chat prefers `max_completion_tokens`).
-    fn settings(&self, max_tokens: Option<u64>) -> Result<Settings, ApiError> {
+    fn settings(&self, max_tokens: Option<u64>, vocab_size: usize) -> Result<Settings, ApiError> {
         match self.n {
             None | Some(1) => {}
             Some(n) => {
@@ -227,23 +232,48 @@ impl Common<'_> {
                 ))
             }
         }
-        for (name, v) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
-            if v.is_some_and(|v| v != 0.0) {
-                return Err(ApiError::unsupported(
-                    name,
-                    format!("{name} is not supported."),
-                ));
+        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, false)?;
+        check_range(
+            "frequency_penalty",
+            self.frequency_penalty,
+            -2.0,
+            2.0,
+            false,
+        )?;
+        check_range("min_p", self.min_p, 0.0, 1.0, false)?;
+        let repetition = match (self.repetition_penalty, self.repeat_penalty) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(ApiError::invalid(
+                    "invalid_value",
+                    param("repeat_penalty"),
+                    format!("repetition_penalty ({a}) and repeat_penalty ({b}) are two names for one setting; give one."),
+                ))
             }
-        }
-        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-            return Err(ApiError::unsupported(
-                "logit_bias",
-                "logit_bias is not supported.",
-            ));
-        }
+            (Some(v), _) => {
+                check_range("repetition_penalty", Some(v), 0.0, 2.0, true)?;
+                v
+            }
+            (None, Some(v)) => {
+                check_range("repeat_penalty", Some(v), 0.0, 2.0, true)?;
+                v
+            }
+            (None, None) => 1.0,
+        };
+        let repeat_last_n = match self.repeat_last_n {
+            None => Penalties::default().repeat_last_n,
+            Some(-1) => usize::MAX,
+            Some(n) => usize::try_from(n).map_err(|_| {
+                ApiError::invalid(
+                    "invalid_value",
+                    param("repeat_last_n"),
+                    format!("Invalid 'repeat_last_n': {n}; use -1 for the whole sequence, 0 to disable."),
+                )
+            })?,
+        };
+        let logit_bias = match self.logit_bias {
+            None => Arc::from([]),
+            Some(map) => logit_bias(map, vocab_size)?,
+        };
         check_range("temperature", self.temperature, 0.0, 2.0, false)?;
         check_range("top_p", self.top_p, 0.0, 1.0, true)?;
         let top_k = match self.top_k {
@@ -316,7 +346,15 @@ impl Common<'_> {
                 temperature: self.temperature.unwrap_or(1.0) as f32,
                 top_p: self.top_p.unwrap_or(1.0) as f32,
                 top_k,
+                min_p: self.min_p.unwrap_or(0.0) as f32,
                 seed,
+                penalties: Penalties {
+                    presence: self.presence_penalty.unwrap_or(0.0) as f32,
+                    frequency: self.frequency_penalty.unwrap_or(0.0) as f32,
+                    repetition: repetition as f32,
+                    repeat_last_n,
+                },
+                logit_bias,
             },
             stops,
             stream,
@@ -329,6 +367,63 @@ impl Common<'_> {
             ignore_eos: self.ignore_eos.unwrap_or(false),
         })
     }
+}
+
+/// OpenAI's `logit_bias`: token ids (as the object's keys) to a bias in [-100, 100], sorted
+/// by id for the sampler. An id the vocabulary does not have is refused, not ignored.
+fn logit_bias(
+    map: &serde_json::Map<String, Value>,
+    vocab_size: usize,
+) -> Result<Arc<[(u32, f32)]>, ApiError> {
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            param("logit_bias"),
+            format!(
+                "logit_bias may hold at most {MAX_LOGIT_BIAS} tokens; got {}.",
+                map.len()
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        let id = key
+            .parse::<u32>()
+            .ok()
+            .filter(|&id| (id as usize) < vocab_size)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "invalid_value",
+                    param("logit_bias"),
+                    format!(
+                        "Invalid key in 'logit_bias': '{}' is not a token id of this model (0 to {}).",
+                        key.chars().take(32).collect::<String>(),
+                        vocab_size.saturating_sub(1)
+                    ),
+                )
+            })?;
+        let bias = value
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "invalid_value",
+                    param("logit_bias"),
+                    format!("Invalid value in 'logit_bias' for token {id}: a bias is a number in [-100, 100]."),
+                )
+            })?;
+        out.push((id, bias as f32));
+    }
+    // Keys of a JSON object are distinct strings, but "7" and "07" name one token.
+    out.sort_by_key(|&(id, _)| id);
+    if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            param("logit_bias"),
+            format!("logit_bias names token {} twice.", w[0].0),
+        ));
+    }
+    Ok(out.into())
 }
 
 /// A seed for requests that give none: different per request, like OpenAI's sampling.
@@ -346,7 +441,7 @@ fn random_seed() -> u64 {
 
 impl CompletionRequest {
     /// The completion endpoint's own parameters, then the shared ones.
-    fn parameters(&self) -> Result<(Settings, Option<usize>), ApiError> {
+    fn parameters(&self, vocab_size: usize) -> Result<(Settings, Option<usize>), ApiError> {
         if self.echo == Some(true) {
             return Err(ApiError::unsupported("echo", "echo is not supported."));
         }
@@ -366,7 +461,7 @@ impl CompletionRequest {
                 format!("logprobs = {k} exceeds the maximum of {MAX_TOP_LOGPROBS}."),
             ));
         }
-        let settings = self.common().settings(self.max_tokens)?;
+        let settings = self.common().settings(self.max_tokens, vocab_size)?;
         Ok((settings, self.logprobs.map(|k| k as usize)))
     }
 
@@ -402,11 +497,13 @@ pub enum PromptInput {
 
 impl ChatRequest {
     /// Returns the settings and, when logprobs are wanted, how many alternatives.
-    fn parameters(&self) -> Result<(Settings, Option<usize>), ApiError> {
+    fn parameters(&self, vocab_size: usize) -> Result<(Settings, Option<usize>), ApiError> {
         for (name, v) in [
             ("tools", &self.tools),
             ("tool_choice", &self.tool_choice),
             ("functions", &self.functions),
+            ("function_call", &self.function_call),
+            ("parallel_tool_calls", &self.parallel_tool_calls),
         ] {
             if v.as_ref().is_some_and(|v| !v.is_null()) {
                 return Err(ApiError::unsupported(
@@ -446,12 +543,36 @@ impl ChatRequest {
         };
         let settings = self
             .common()
-            .settings(self.max_completion_tokens.or(self.max_tokens))?;
+            .settings(self.max_completion_tokens.or(self.max_tokens), vocab_size)?;
         Ok((settings, logprobs))
     }
 }
 
 impl Message {
+    /// Refuses what a message holds that kvwarden cannot render yet (tool calls and tool
+    /// results), rather than dropping it from the conversation.
+    fn check_fields(&self, index: usize) -> Result<(), ApiError> {
+        for (name, v) in [
+            ("tool_calls", &self.tool_calls),
+            ("tool_call_id", &self.tool_call_id),
+            ("function_call", &self.function_call),
+        ] {
+            if v.as_ref().is_some_and(|v| !v.is_null()) {
+                return Err(ApiError::unsupported(
+                    &format!("messages[{index}].{name}"),
+                    format!("messages[{index}].{name}: tool calls are not supported."),
+                ));
+            }
+        }
+        if self.refusal.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::unsupported(
+                &format!("messages[{index}].refusal"),
+                format!("messages[{index}].refusal is not supported; send the text as content."),
+            ));
+        }
+        Ok(())
+    }
+
     /// The message's text: a string, or the concatenation of its text parts.
     fn text(&self, index: usize) -> Result<String, ApiError> {
         match &self.content {

@@ -4,12 +4,15 @@
 use super::*;
 use crate::body::decode;
 
+/// The vocabulary the parameters are checked against.
+const VOCAB: usize = 1000;
+
 fn chat(body: &str) -> Result<(Settings, Option<usize>), ApiError> {
-    decode::<ChatRequest>(body.as_bytes())?.parameters()
+    decode::<ChatRequest>(body.as_bytes())?.parameters(VOCAB)
 }
 
 fn completion(body: &str) -> Result<(Settings, Option<usize>), ApiError> {
-    decode::<CompletionRequest>(body.as_bytes())?.parameters()
+    decode::<CompletionRequest>(body.as_bytes())?.parameters(VOCAB)
 }
 
 fn code(r: Result<(Settings, Option<usize>), ApiError>) -> (&'static str, Option<String>) {
@@ -94,8 +97,8 @@ fn chat_refusals() {
         Some("tools".into())
     );
     assert_eq!(
-        code(chat(&format!(r#"{{{M},"presence_penalty":1}}"#))).0,
-        "unsupported_parameter"
+        code(chat(&format!(r#"{{{M},"presence_penalty":2.5}}"#))),
+        ("invalid_value", Some("presence_penalty".into()))
     );
     assert_eq!(
         code(chat(&format!(r#"{{{M},"cache_salt":""}}"#))).1,
@@ -177,7 +180,7 @@ fn completion_refusals_and_prompts() {
         req.single_prompt().ok(),
         Some(PromptInput::Tokens(vec![3, 4]))
     );
-    assert_eq!(req.parameters().unwrap().1, Some(2));
+    assert_eq!(req.parameters(VOCAB).unwrap().1, Some(2));
 }
 
 #[test]
@@ -202,6 +205,7 @@ fn checks_run_in_order() {
     let served = ServedModel {
         name: "m",
         max_context: 3,
+        vocab_size: VOCAB,
         template: Some(&template),
     };
     let no_template = ServedModel {
@@ -282,4 +286,126 @@ fn checks_run_in_order() {
         super::completion(&req, &served).unwrap().prompt,
         PromptInput::Text("hi".into())
     );
+}
+
+#[test]
+fn penalties_bias_and_min_p_become_sampling_settings() {
+    let (s, _) = completion(
+        r#"{"model":"m","prompt":"x","presence_penalty":0.5,"frequency_penalty":-1,"repeat_penalty":1.3,"repeat_last_n":-1,"min_p":0.1,"logit_bias":{"17":-100,"3":2.5,"999":0}}"#,
+    )
+    .unwrap();
+    let p = s.sampling.penalties;
+    assert_eq!((p.presence, p.frequency, p.repetition), (0.5, -1.0, 1.3));
+    assert_eq!(p.repeat_last_n, usize::MAX);
+    assert_eq!(s.sampling.min_p, 0.1);
+    assert_eq!(
+        &s.sampling.logit_bias[..],
+        &[(3, 2.5), (17, -100.0), (999, 0.0)]
+    );
+    // vLLM's name for the same setting; llama.cpp's window by default.
+    let (s, _) = chat(&format!(r#"{{{M},"repetition_penalty":1.1}}"#)).unwrap();
+    assert_eq!(s.sampling.penalties.repetition, 1.1);
+    assert_eq!(s.sampling.penalties.repeat_last_n, 64);
+    let (s, _) = chat(&format!("{{{M}}}")).unwrap();
+    assert_eq!(
+        s.sampling,
+        SamplingParams {
+            seed: s.sampling.seed,
+            temperature: 1.0,
+            ..Default::default()
+        }
+    );
+}
+
+#[test]
+fn penalty_bias_and_min_p_refusals() {
+    for (body, param) in [
+        (r#""frequency_penalty":-2.01"#, "frequency_penalty"),
+        (r#""min_p":1.5"#, "min_p"),
+        (r#""repetition_penalty":0"#, "repetition_penalty"),
+        (r#""repeat_penalty":2.5"#, "repeat_penalty"),
+        (
+            r#""repetition_penalty":1.1,"repeat_penalty":1.2"#,
+            "repeat_penalty",
+        ),
+        (r#""repeat_last_n":-2"#, "repeat_last_n"),
+        (r#""logit_bias":{"1000":1}"#, "logit_bias"),
+        (r#""logit_bias":{"-1":1}"#, "logit_bias"),
+        (r#""logit_bias":{"word":1}"#, "logit_bias"),
+        (r#""logit_bias":{"5":101}"#, "logit_bias"),
+        (r#""logit_bias":{"5":"1"}"#, "logit_bias"),
+        (r#""logit_bias":{"7":1,"07":2}"#, "logit_bias"),
+    ] {
+        assert_eq!(
+            code(chat(&format!("{{{M},{body}}}"))),
+            ("invalid_value", Some(param.into())),
+            "{body}"
+        );
+    }
+    let many: serde_json::Map<String, Value> = (0..=MAX_LOGIT_BIAS)
+        .map(|i| (i.to_string(), Value::from(1)))
+        .collect();
+    let body = serde_json::json!({"model": "m", "prompt": "x", "logit_bias": many});
+    let e = decode::<CompletionRequest>(body.to_string().as_bytes())
+        .unwrap()
+        .parameters(1 << 20)
+        .unwrap_err();
+    assert_eq!(e.param(), Some("logit_bias"));
+}
+
+/// Nothing is accepted and ignored: an unknown field is a 400 that names it, at any depth
+/// a client writes; the two accepted without effect are accepted.
+#[test]
+fn unknown_fields_are_refused_by_name() {
+    for (body, param) in [
+        (format!(r#"{{{M},"grammar":"root ::= "yes""}}"#), "grammar"),
+        (format!(r#"{{{M},"json_schema":{{}}}}"#), "json_schema"),
+        (format!(r#"{{{M},"mirostat":2}}"#), "mirostat"),
+        (
+            r#"{"model":"m","messages":[{"role":"user","content":"hi","weight":1}]}"#.to_owned(),
+            "messages[0].weight",
+        ),
+        (
+            format!(
+                r#"{{{M},"stream":true,"stream_options":{{"include_usage":true,"continuous_usage_stats":true}}}}"#
+            ),
+            "stream_options.continuous_usage_stats",
+        ),
+    ] {
+        let e = chat(&body).unwrap_err();
+        assert_eq!(
+            (e.status().as_u16(), e.code(), e.param()),
+            (400, "unsupported_parameter", Some(param)),
+            "{body}"
+        );
+        assert!(e.to_string().contains(param), "{e}");
+    }
+    let e = completion(r#"{"model":"m","prompt":"x","typical_p":0.9}"#).unwrap_err();
+    assert_eq!(e.param(), Some("typical_p"));
+    assert!(chat(&format!(r#"{{{M},"user":"u1","cache_prompt":false}}"#)).is_ok());
+    assert!(completion(r#"{"model":"m","prompt":"x","cache_prompt":true}"#).is_ok());
+}
+
+/// A message carrying tool calls or a tool's answer is refused, never shortened; an
+/// earlier answer's message sent back as OpenAI returns it (refusal null) is accepted.
+#[test]
+fn tool_fields_of_a_message_are_refused_unless_null() {
+    let template =
+        Arc::new(ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}").unwrap());
+    let served = ServedModel {
+        name: "m",
+        max_context: 100,
+        vocab_size: VOCAB,
+        template: Some(&template),
+    };
+    let run = |body: &str| {
+        let req: ChatRequest = decode(body.as_bytes()).unwrap();
+        super::chat(&req, &served).map(|_| ())
+    };
+    let e = run(r#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1"}]}]}"#).unwrap_err();
+    assert_eq!(e.param(), Some("messages[1].tool_calls"));
+    assert_eq!(e.code(), "unsupported_parameter");
+    assert!(run(r#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo","refusal":null,"tool_calls":null}]}"#).is_ok());
+    let e = chat(&format!(r#"{{{M},"parallel_tool_calls":false}}"#)).unwrap_err();
+    assert_eq!(e.param(), Some("parallel_tool_calls"));
 }
