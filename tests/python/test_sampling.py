@@ -138,3 +138,51 @@ def test_bad_penalties_and_bias_are_400s_naming_them(server):
         with pytest.raises(openai.BadRequestError) as e:
             server.client.chat.completions.create(model=MODEL_NAME, messages=PROMPT, max_tokens=1, extra_body=extra)
         assert (e.value.code, e.value.param) == ("invalid_value", param), extra
+
+
+# Every request field of llama.cpp's server (tools/server/server-schema.cpp in the
+# llama-cpp-python 0.3.36 sdist), vLLM's OpenAI-compatible extensions and OpenAI's own
+# chat parameters that kvwarden does not serve.
+LLAMA_CPP_FIELDS = """adaptive_decay adaptive_target backend_sampling cache_prompt chat_format chat_parser
+continue_final_message dry_allowed_length dry_base dry_multiplier dry_penalty_last_n dry_sequence_breakers
+dynatemp_exponent dynatemp_range echo frequency_penalty generation_prompt grammar grammar_lazy grammar_triggers
+ignore_eos include_usage json_schema logit_bias lora min_keep min_p mirostat mirostat_eta mirostat_tau
+n_cache_reuse n_cmpl n_discard n_indent n_keep n_predict n_probs parse_tool_calls post_sampling_probs
+presence_penalty preserved_tokens reasoning_budget_end_tags reasoning_budget_message reasoning_budget_start_tag
+reasoning_budget_tokens reasoning_control reasoning_format repeat_last_n repeat_penalty response_fields
+return_progress return_tokens samplers seed sse_ping_interval stop stream stream_options t_max_predict_ms
+t_max_prompt_ms temperature timings_per_token top_k top_n_sigma top_p typical_p verbose xtc_probability
+xtc_threshold""".split()
+VLLM_FIELDS = """best_of use_beam_search length_penalty stop_token_ids include_stop_str_in_output
+skip_special_tokens spaces_between_special_tokens truncate_prompt_tokens prompt_logprobs allowed_token_ids
+bad_words min_tokens guided_json guided_regex guided_choice guided_grammar guided_decoding_backend
+structured_outputs add_generation_prompt add_special_tokens documents chat_template chat_template_kwargs
+mm_processor_kwargs priority request_id return_tokens_as_token_ids kv_transfer_params vllm_xargs
+repetition_penalty min_p top_k seed ignore_eos cache_salt""".split()
+OPENAI_FIELDS = """store metadata modalities audio prediction reasoning_effort service_tier web_search_options
+verbosity prompt_cache_key safety_identifier n tools tool_choice functions function_call parallel_tool_calls
+response_format user""".split()
+# What the server honours (README, "Request parameters"), with a valid value for each.
+HONOURED = {
+    "frequency_penalty": 0.1, "presence_penalty": 0.1, "logit_bias": {"5": 1}, "min_p": 0.1,
+    "repeat_last_n": 8, "repeat_penalty": 1.1, "repetition_penalty": 1.1, "seed": 1,
+    "stop": "zzz", "stream": False, "stream_options": {"include_usage": False}, "temperature": 0.5,
+    "top_k": 5, "top_p": 0.9, "ignore_eos": True, "cache_salt": "s",
+    # Accepted without effect: the answer is the same either way.
+    "cache_prompt": True, "user": "u1",
+}
+
+
+def test_every_documented_field_is_honoured_or_refused(server):
+    ignored = []
+    for field in sorted(set(LLAMA_CPP_FIELDS + VLLM_FIELDS + OPENAI_FIELDS)):
+        body = {"model": MODEL_NAME, "messages": PROMPT, "max_tokens": 2, field: HONOURED.get(field, 2)}
+        r = server.post(CHAT, data=json.dumps(body), headers={"Content-Type": "application/json"})
+        if field in HONOURED:
+            assert r.status_code == 200, (field, r.text)
+        elif r.status_code == 200:
+            ignored.append(field)
+        else:
+            assert r.status_code == 400, (field, r.text)
+            assert r.json()["error"]["param"] == field, (field, r.text)
+    assert not ignored, f"accepted and not honoured: {ignored}"
