@@ -340,16 +340,33 @@ def test_hostile_sockets_from_one_address_leave_another_served(make_server):
 
 
 def test_a_slow_reader_is_ended_within_the_send_timeout(make_server):
-    """A client with a 4 KB receive buffer that reads 1 KB every half second, far slower than
-    its stream comes: it always makes some progress, yet its connection is reset within the
-    send timeout (plus what the socket buffers absorb) and its pages are back, while its
-    generation had far from finished."""
-    s = make_server("--kv-pool-tokens", "4096", "--send-timeout", "3", name="slow-stream")
+    """A client with a 4 KB receive buffer that reads an eighth as fast as its stream comes
+    (the stream's pace measured first, on the same server, so a loaded machine slows both):
+    it always makes some progress, yet its connection is reset within the send timeout plus
+    the time the socket buffers take to fill, and its pages are back, while its generation
+    had far from finished."""
+    send_timeout = 3
+    s = make_server("--kv-pool-tokens", "4096", "--send-timeout", str(send_timeout),
+                    name="slow-stream")
     leased = lambda: s.metrics().get('kvwarden_kv_pages{state="leased"}', 0)
     body = json.dumps({
         "model": MODEL_NAME, "prompt": "Tell me a very long story about", "max_tokens": 3000,
         "stream": True, "ignore_eos": True,
     })
+
+    # The pace of this stream when its client keeps up: bytes per second after the first.
+    paced = dict(json.loads(body), max_tokens=160)
+    t0 = time.monotonic()
+    r = s.post("/v1/completions", paced, stream=True)
+    first, fast_bytes = None, 0
+    for chunk in r.iter_content(chunk_size=None):
+        first = first or time.monotonic()
+        fast_bytes += len(chunk)
+    fast_rate = fast_bytes / (time.monotonic() - first)
+    first_byte = first - t0
+    read_rate = fast_rate / 8
+    pause = 1024 / read_rate
+
     reader = socket.socket()
     reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     u = urlparse(s.url)
@@ -375,17 +392,24 @@ def test_a_slow_reader_is_ended_within_the_send_timeout(make_server):
                 ended = time.monotonic() - started
                 break
             received += len(chunk)
-            time.sleep(0.5)
+            time.sleep(pause)
         assert ended is not None, f"still open after 120 s ({received} bytes read)"
         deadline = time.monotonic() + 10
         while leased() != 0:
             assert time.monotonic() < deadline, f"pages still leased: {leased()}"
             time.sleep(0.1)
-        print(f"slow reader ended after {ended:.1f} s, having read {received} bytes")
-        # 3,000 tokens at this machine's pace take well over a minute: the stream was cut,
-        # not finished. The issue's bound is the send timeout + 5 s (6.5 s measured); the
-        # 4 s beyond it are for a slower machine, whose backlog builds more slowly.
-        assert ended < 3 + 5 + 4, ended
+        # What sits between the generation and the reader before the server sees a backlog:
+        # the reader's receive buffer (the kernel doubles 4 KB), 4 KB unsent in the server's
+        # socket (TCP_NOTSENT_LOWAT), what hyper holds, and the 8 events that count as behind;
+        # 64 KiB is several times that. They fill at the difference of the two paces.
+        fill = 64 * 1024 / (fast_rate - read_rate)
+        bound = 2 * first_byte + fill + send_timeout + 2
+        whole = 3000 / 160 * fast_bytes / fast_rate
+        print(f"slow reader ended after {ended:.1f} s (bound {bound:.1f} s; the whole stream "
+              f"takes {whole:.0f} s), having read {received} bytes at {read_rate:.0f} B/s "
+              f"against a stream of {fast_rate:.0f} B/s")
+        assert ended < bound, (ended, bound)
+        assert ended < whole / 2, (ended, whole)
     finally:
         reader.close()
 
