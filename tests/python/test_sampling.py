@@ -112,10 +112,9 @@ def test_streamed_and_whole_answers_agree_under_penalties(server):
 @pytest.mark.parametrize(
     "field, value, param",
     [
-        ("grammar", 'root ::= "yes" | "no"', "grammar"),
-        ("json_schema", {"type": "object"}, "json_schema"),
         ("mirostat", 2, "mirostat"),
-        ("structured_outputs", {"choice": ["a", "b"]}, "structured_outputs"),
+        ("guided_json", {"type": "object"}, "guided_json"),
+        ("grammar_lazy", True, "grammar_lazy"),
     ],
 )
 def test_a_field_not_honoured_is_refused_by_name(server, field, value, param):
@@ -168,6 +167,9 @@ HONOURED = {
     "repeat_last_n": 8, "repeat_penalty": 1.1, "repetition_penalty": 1.1, "seed": 1,
     "stop": "zzz", "stream": False, "stream_options": {"include_usage": False}, "temperature": 0.5,
     "top_k": 5, "top_p": 0.9, "ignore_eos": True, "cache_salt": "s",
+    # Structured outputs (tests/python/test_structured.py).
+    "grammar": 'root ::= "yes" | "no"', "json_schema": {"type": "object"},
+    "response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a", "b"]},
     # Accepted without effect: the answer is the same either way.
     "cache_prompt": True, "user": "u1",
 }

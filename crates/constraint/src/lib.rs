@@ -9,7 +9,8 @@
 //!   trie and its slices): one per served model, built on first use, shared by every
 //!   request because it holds nothing of any request.
 //! * [`RowConstraint`] is one request's compiled constraint and its parser state. Each
-//!   request compiles its own; none is cached, cloned or shared, so no request's grammar
+//!   request compiles its own; none is cached or shared (a clone is a deep copy), so no
+//!   request's grammar
 //!   state, lexer cache or compile time depends on another request's (a shared cache of
 //!   compiled schemas would be a timing side channel between tenants, as a shared prefix
 //!   cache would). Its mask depends only on the tokens this request produced, so a row

@@ -37,6 +37,20 @@ pub struct RowConstraint {
     vocab_size: usize,
 }
 
+/// A copy of this request's parser that shares no mutable state with it (llguidance's
+/// deep clone: the lexer's lazily built states are copied, not shared), so the copy's
+/// work never speeds up or slows down the original's. Only ever a copy of the same
+/// request (tests run one request alone and batched); requests never share one.
+impl Clone for RowConstraint {
+    fn clone(&self) -> Self {
+        Self {
+            matcher: self.matcher.deep_clone(),
+            spec: self.spec.clone(),
+            vocab_size: self.vocab_size,
+        }
+    }
+}
+
 impl std::fmt::Debug for RowConstraint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RowConstraint")

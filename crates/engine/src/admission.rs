@@ -221,6 +221,7 @@ mod tests {
             sampling: SamplingParams::default(),
             ignore_eos: false,
             logprobs: None,
+            constraint: None,
         }
     }
 

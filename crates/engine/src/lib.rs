@@ -79,6 +79,10 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// `Some(k)`: report each token's log-probability and the `k` most likely alternatives.
     pub logprobs: Option<usize>,
+    /// A structured output's constraint, compiled for this request alone (never shared or
+    /// cached; a clone is a deep copy): each token is sampled from its mask, and the
+    /// request ends when the constraint is complete.
+    pub constraint: Option<constraint::RowConstraint>,
 }
 
 /// One generated token.
@@ -132,6 +136,10 @@ pub enum EngineError {
     Model(String),
     #[error("the engine is shutting down")]
     Shutdown,
+    /// The request's constraint failed while generating (its per-token budget, or a
+    /// token another node sent that it does not allow).
+    #[error("{0}")]
+    Constraint(String),
     /// Disaggregated mode: a node, the link to it, or the K/V handoff failed. `reason` is
     /// the failure's label (checksum, coverage, manifest, timeout, peer_gone, ...).
     #[error("{reason}: {message}")]
@@ -154,6 +162,13 @@ pub struct EngineMetrics {
     pub steps: AtomicU64,
     /// Requests that gave their pages back to let older ones grow, and recomputed later.
     pub preemptions: AtomicU64,
+    /// Tokens sampled under a structured output's mask, the microseconds spent computing
+    /// those masks (on a thread beside the forward pass), and the microseconds the engine
+    /// waited for them after its forward pass had finished: what constraints cost the
+    /// batch, which the forward pass did not hide.
+    pub constrained_tokens: AtomicU64,
+    pub mask_micros: AtomicU64,
+    pub mask_wait_micros: AtomicU64,
     /// Gauges.
     pub running: AtomicU64,
     pub waiting: AtomicU64,

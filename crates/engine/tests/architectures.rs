@@ -47,6 +47,7 @@ fn request(domain: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest
         sampling: SamplingParams::default(),
         ignore_eos: true,
         logprobs: Some(2),
+        constraint: None,
     }
 }
 

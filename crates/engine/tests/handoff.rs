@@ -58,6 +58,7 @@ fn request(tenant: &str, len: usize, max_tokens: usize, seed: u64) -> GenerateRe
         },
         ignore_eos: true,
         logprobs: Some(2),
+        constraint: None,
     }
 }
 

@@ -226,6 +226,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         },
         ignore_eos: false,
         logprobs: None,
+        constraint: None,
     };
     let admitted = engine.admission().admit(request)?;
     let mut handle = engine.submit(admitted)?;

@@ -12,7 +12,12 @@ use transfer::{NodeIdentity, NodeService, TransferMetrics};
 use crate::serve_args::ServeArgs;
 use crate::shutdown_signal;
 
-pub fn run(args: ServeArgs, engine: EngineHandle, identity: NodeIdentity) -> Result<()> {
+pub fn run(
+    args: ServeArgs,
+    engine: EngineHandle,
+    identity: NodeIdentity,
+    vocabulary: Arc<constraint::Vocabulary>,
+) -> Result<()> {
     let tls = args.tls.load()?;
     let metrics = Arc::new(TransferMetrics::default());
     let role = identity.role;
@@ -25,6 +30,7 @@ pub fn run(args: ServeArgs, engine: EngineHandle, identity: NodeIdentity) -> Res
             ..transfer::Deadlines::default()
         },
         tls.clone(),
+        vocabulary,
     ));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -84,7 +84,10 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
             kv_dim: layout.kv_dim,
             kv_dtype_bytes: layout.dtype.bytes(),
         };
-        return crate::node::run(args, engine, identity);
+        let eos = tok.eos_id();
+        let vocabulary =
+            constraint::Vocabulary::new(Arc::new(tok), engine.admission().vocab_size(), eos);
+        return crate::node::run(args, engine, identity, Arc::new(vocabulary));
     }
     let model_name = served_model_name(&args.served_model_name, &args.model);
     let mut state = server::AppState::new(

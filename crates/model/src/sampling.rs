@@ -235,9 +235,38 @@ impl Sampler {
 
     /// The next token of a row that has seen `history`.
     pub fn sample(&mut self, logits: &[f32], history: History<'_>) -> u32 {
+        self.pick(logits, history, None)
+    }
+
+    /// The next token among those `allowed` (a structured output's mask, which must allow
+    /// at least one): every other token is removed before any step above, so greedy takes
+    /// the best allowed token and sampling draws from the allowed ones alone.
+    pub fn sample_allowed(
+        &mut self,
+        logits: &[f32],
+        history: History<'_>,
+        allowed: &dyn Fn(u32) -> bool,
+    ) -> u32 {
+        self.pick(logits, history, Some(allowed))
+    }
+
+    fn pick(
+        &mut self,
+        logits: &[f32],
+        history: History<'_>,
+        allowed: Option<&dyn Fn(u32) -> bool>,
+    ) -> u32 {
         let adjusted;
-        let logits = if self.params.adjusts_logits() {
-            adjusted = self.params.adjusted_logits(logits, history);
+        let logits = if self.params.adjusts_logits() || allowed.is_some() {
+            let mut a = self.params.adjusted_logits(logits, history);
+            if let Some(allowed) = allowed {
+                for (id, l) in a.iter_mut().enumerate() {
+                    if !allowed(id as u32) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            adjusted = a;
             &adjusted[..]
         } else {
             logits
@@ -249,8 +278,12 @@ impl Sampler {
         let mut cand: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
+            .filter(|&(_, &l)| l > f32::NEG_INFINITY)
             .map(|(i, &l)| (i as u32, l / p.temperature))
             .collect();
+        if cand.is_empty() {
+            return argmax(logits);
+        }
         // A total order (ties by id), so selecting the top k first and sorting only them
         // gives the same list as sorting everything: with Gemma's 262,144 tokens a full sort
         // per token costs more than the selection.
@@ -308,6 +341,33 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mask_removes_tokens_before_greedy_and_sampling() {
+        let logits = [5.0, 1.0, 4.0, 3.0, -2.0];
+        let odd = |t: u32| t % 2 == 1;
+        let mut greedy = Sampler::new(SamplingParams::default());
+        assert_eq!(greedy.sample(&logits, History::default()), 0);
+        assert_eq!(greedy.sample_allowed(&logits, History::default(), &odd), 3);
+        for seed in 0..200 {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 1.5,
+                top_k: 3,
+                top_p: 0.99,
+                seed,
+                ..Default::default()
+            });
+            // top-k counts allowed tokens only: 1 and 3 (and nothing masked fills a place).
+            let t = s.sample_allowed(&logits, History::default(), &odd);
+            assert!(t == 1 || t == 3, "seed {seed}: {t}");
+        }
+        let only_last = |t: u32| t == 4;
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        });
+        assert_eq!(s.sample_allowed(&logits, History::default(), &only_last), 4);
+    }
 
     #[test]
     fn greedy_and_ties() {

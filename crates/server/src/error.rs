@@ -109,6 +109,7 @@ fn engine_message(e: &EngineError) -> &'static str {
         EngineError::Isolation(_) => "A KV-cache isolation check stopped this request before it could read memory it does not own. Nothing was read; the server logged the details.",
         EngineError::Model(_) => "The model failed while processing this request; the server logged the details.",
         EngineError::Shutdown => "The engine is shutting down; retry later.",
+        EngineError::Constraint(_) => CONSTRAINT_FAILED,
         EngineError::Remote { reason, .. } => match remote_kind(reason) {
             RemoteKind::Verification => "The prompt's KV cache failed verification between the prefill and decode nodes; the request was stopped before any token was decoded from it.",
             RemoteKind::Timeout => "A prefill or decode node did not answer in time.",
@@ -116,9 +117,12 @@ fn engine_message(e: &EngineError) -> &'static str {
             RemoteKind::Capacity => "The nodes hold as many requests as they may; retry later.",
             RemoteKind::Isolation => "A KV-cache isolation check stopped this request before it could read memory it does not own. Nothing was read; the server logged the details.",
             RemoteKind::Model => "The model failed while processing this request; the server logged the details.",
+            RemoteKind::Constraint => CONSTRAINT_FAILED,
         },
     }
 }
+
+const CONSTRAINT_FAILED: &str = "The structured output's schema or grammar failed while generating: it needed more work for one token than the limits allow (see the README's structured outputs). Simplify it.";
 
 /// How a failure on another node reaches the client.
 enum RemoteKind {
@@ -127,6 +131,8 @@ enum RemoteKind {
     Timeout,
     /// Node gone or shutting down.
     Unavailable,
+    /// The request's own constraint failed on the node.
+    Constraint,
     /// A node's queue is full (its `QueueFull`).
     Capacity,
     Isolation,
@@ -140,6 +146,7 @@ fn remote_kind(reason: &str) -> RemoteKind {
         "capacity" => RemoteKind::Capacity,
         "isolation" => RemoteKind::Isolation,
         "model" => RemoteKind::Model,
+        "constraint" => RemoteKind::Constraint,
         _ => RemoteKind::Verification,
     }
 }
@@ -188,7 +195,9 @@ impl ApiError {
                 RemoteKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
                 RemoteKind::Capacity => StatusCode::TOO_MANY_REQUESTS,
                 RemoteKind::Isolation | RemoteKind::Model => StatusCode::INTERNAL_SERVER_ERROR,
+                RemoteKind::Constraint => StatusCode::BAD_REQUEST,
             },
+            ApiError::Engine(EngineError::Constraint(_)) => StatusCode::BAD_REQUEST,
             ApiError::QueueFull(_) | ApiError::TenantLimit(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::TooManyConnections { .. }
             | ApiError::TooManyConnectionsFromAddress { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -215,6 +224,7 @@ impl ApiError {
             ApiError::UnsupportedTransferEncoding { .. } => "unsupported_transfer_encoding",
             ApiError::Engine(EngineError::Isolation(_)) => "isolation_check_failed",
             ApiError::Engine(EngineError::Model(_)) => "model_error",
+            ApiError::Engine(EngineError::Constraint(_)) => "constraint_failed",
             ApiError::Engine(EngineError::Shutdown) => "service_unavailable",
             ApiError::Engine(EngineError::Remote { reason, .. }) => match remote_kind(reason) {
                 RemoteKind::Verification => "kv_handoff_failed",
@@ -223,6 +233,7 @@ impl ApiError {
                 RemoteKind::Capacity => "queue_full",
                 RemoteKind::Isolation => "isolation_check_failed",
                 RemoteKind::Model => "model_error",
+                RemoteKind::Constraint => "constraint_failed",
             },
             ApiError::QueueFull(_) => "queue_full",
             // OpenAI's code for a per-key limit.

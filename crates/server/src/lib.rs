@@ -25,6 +25,7 @@ pub mod prep;
 pub mod request;
 mod routes;
 pub mod stop;
+pub mod structured;
 pub mod tenants;
 mod tokenize;
 pub mod validation;
@@ -82,6 +83,9 @@ pub struct AppState {
     /// The vocabulary's most bytes per token, by which a text that cannot fit is refused
     /// before it is tokenized (`Tokenizer::max_bytes_per_token`).
     pub max_bytes_per_token: Option<usize>,
+    /// Compiles structured outputs' constraints: the model's vocabulary only, shared by
+    /// every request (each compiles its own parser from it).
+    pub vocabulary: Arc<constraint::Vocabulary>,
 }
 
 impl AppState {
@@ -93,7 +97,13 @@ impl AppState {
         auth: Auth,
         max_body_bytes: usize,
     ) -> Self {
+        let vocabulary = Arc::new(constraint::Vocabulary::new(
+            tokenizer.clone(),
+            backend.admission().vocab_size(),
+            tokenizer.eos_id(),
+        ));
         Self {
+            vocabulary,
             backend,
             max_bytes_per_token: tokenizer.max_bytes_per_token(),
             tokenizer,

@@ -210,6 +210,26 @@ pub fn render_engine(engine: &EngineHandle, out: &mut String) {
             "counter",
         );
         let _ = writeln!(out, "kvwarden_preemptions_total {}", get(&m.preemptions));
+        for (name, help, value) in [
+            (
+                "kvwarden_constrained_tokens_total",
+                "Tokens sampled under a structured output's mask.",
+                get(&m.constrained_tokens) as f64,
+            ),
+            (
+                "kvwarden_constraint_mask_seconds_total",
+                "Time spent computing structured outputs' masks, on a thread beside the forward pass.",
+                get(&m.mask_micros) as f64 / 1e6,
+            ),
+            (
+                "kvwarden_constraint_mask_wait_seconds_total",
+                "Time the engine waited for masks after its forward pass had finished.",
+                get(&m.mask_wait_micros) as f64 / 1e6,
+            ),
+        ] {
+            counter(out, name, help, "counter");
+            let _ = writeln!(out, "{name} {value}");
+        }
         counter(
             out,
             "kvwarden_requests_running",

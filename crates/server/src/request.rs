@@ -72,6 +72,13 @@ macro_rules! openai_request {
             pub cache_salt: Option<String>,
             /// vLLM's extension: keep generating past EOS until `max_tokens`.
             pub ignore_eos: Option<bool>,
+            /// Structured outputs, in the four shapes clients send ([`crate::structured`]):
+            /// OpenAI's `response_format`, llama.cpp's `json_schema` and `grammar`, and
+            /// vLLM's `structured_outputs`.
+            pub response_format: Option<Value>,
+            pub json_schema: Option<Value>,
+            pub grammar: Option<Value>,
+            pub structured_outputs: Option<Value>,
         }
 
         impl $name {
@@ -96,6 +103,10 @@ macro_rules! openai_request {
                     logit_bias: self.logit_bias.as_ref(),
                     cache_salt: self.cache_salt.as_deref(),
                     ignore_eos: self.ignore_eos,
+                    response_format: self.response_format.as_ref(),
+                    json_schema: self.json_schema.as_ref(),
+                    grammar: self.grammar.as_ref(),
+                    structured_outputs: self.structured_outputs.as_ref(),
                 }
             }
         }
@@ -124,6 +135,10 @@ pub struct Common<'a> {
     pub logit_bias: Option<&'a serde_json::Map<String, Value>>,
     pub cache_salt: Option<&'a str>,
     pub ignore_eos: Option<bool>,
+    pub response_format: Option<&'a Value>,
+    pub json_schema: Option<&'a Value>,
+    pub grammar: Option<&'a Value>,
+    pub structured_outputs: Option<&'a Value>,
 }
 
 openai_request! {
@@ -181,6 +196,5 @@ openai_request! {
         pub functions: Option<Value>,
         pub function_call: Option<Value>,
         pub parallel_tool_calls: Option<Value>,
-        pub response_format: Option<Value>,
     }
 }

@@ -138,6 +138,7 @@ async fn start_completion(
     // The tenant's place is taken before any work on the prompt, so the work counts
     // against the tenant (and a request refused after it still counted while it ran).
     let permit = app.tenants.acquire(tenant.tenant_name(), 0)?;
+    let constraint = compile_constraint(app, &tenant, &req.settings).await?;
     let prompt = match req.prompt {
         PromptInput::Tokens(t) => t,
         PromptInput::Text(text) => {
@@ -164,7 +165,7 @@ async fn start_completion(
     start(
         app,
         Caller { tenant, permit },
-        prompt,
+        Prepared { prompt, constraint },
         req.settings,
         req.logprobs,
         Api::Completion,
@@ -188,6 +189,7 @@ async fn start_chat(
         },
     ) = accept(app, headers, body, validation::chat).await?;
     let permit = app.tenants.acquire(tenant.tenant_name(), 0)?;
+    let constraint = compile_constraint(app, &tenant, &settings).await?;
     let tok = app.tokenizer.clone();
     let admission = *app.backend.admission();
     let (per_token, max_tokens) = (app.max_bytes_per_token, settings.max_tokens);
@@ -211,7 +213,7 @@ async fn start_chat(
     start(
         app,
         Caller { tenant, permit },
-        prompt,
+        Prepared { prompt, constraint },
         settings,
         logprobs,
         Api::Chat,
@@ -245,10 +247,39 @@ struct Caller {
     permit: crate::tenants::Permit,
 }
 
+/// A structured output's constraint compiled for this request alone, on the prompt
+/// workers (bounded by `constraint::limits`, and counted against the tenant like its
+/// prompt). Nothing compiled is cached: a cache shared between tenants would tell one
+/// tenant, by its speed, which schemas another had sent.
+async fn compile_constraint(
+    app: &Arc<AppState>,
+    tenant: &IsolationDomain,
+    settings: &Settings,
+) -> Result<Option<constraint::RowConstraint>, ApiError> {
+    let Some(requested) = settings.constraint.clone() else {
+        return Ok(None);
+    };
+    let vocabulary = app.vocabulary.clone();
+    app.prompt_workers
+        .run(tenant.tenant_name(), move |_| {
+            vocabulary
+                .compile(&requested.spec)
+                .map(Some)
+                .map_err(|e| crate::structured::compile_error(requested.param, &e))
+        })
+        .await
+}
+
+/// What the prompt workers made of a request: its tokens and its compiled constraint.
+struct Prepared {
+    prompt: Vec<u32>,
+    constraint: Option<constraint::RowConstraint>,
+}
+
 async fn start(
     app: &Arc<AppState>,
     Caller { tenant, mut permit }: Caller,
-    prompt: Vec<u32>,
+    Prepared { prompt, constraint }: Prepared,
     settings: Settings,
     logprobs: Option<usize>,
     api: Api,
@@ -266,6 +297,7 @@ async fn start(
         sampling: settings.sampling.clone(),
         ignore_eos: settings.ignore_eos,
         logprobs,
+        constraint,
     };
     let admitted = admission
         .admit(request)

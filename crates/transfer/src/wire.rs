@@ -7,6 +7,9 @@ use engine::{
     EngineError, FinishReason, GenerateRequest, IsolationDomain, Penalties, Rejection,
     SamplingParams, TokenEvent, Usage,
 };
+use std::sync::Arc;
+
+use constraint::{ConstraintSpec, Vocabulary};
 use tonic::Status;
 
 use crate::pb;
@@ -39,6 +42,13 @@ pub fn request_to_pb(request_id: &str, r: &GenerateRequest) -> pb::GenerateReque
                 .iter()
                 .map(|&(token, bias)| pb::LogitBias { token, bias })
                 .collect(),
+            constraint: r.constraint.as_ref().map(|c| {
+                let (kind, text) = c.spec().to_parts();
+                pb::Constraint {
+                    kind: kind.to_owned(),
+                    text,
+                }
+            }),
         }),
         ignore_eos: r.ignore_eos,
         logprobs: r.logprobs.map(|k| k as u32),
@@ -57,15 +67,33 @@ fn invalid(what: &str) -> Status {
     Status::invalid_argument(what.to_owned())
 }
 
-/// The request id and the engine request; refuses what the router would never send.
-pub fn request_from_pb(r: pb::GenerateRequest) -> Result<(String, GenerateRequest), Status> {
+/// The request id and the engine request; refuses what the router would never send. A
+/// constraint is compiled here, against this node's vocabulary, within the same limits as
+/// at the edge (up to a few hundred milliseconds: call it off the async workers, as
+/// [`request_from_pb_blocking`] does).
+pub fn request_from_pb(
+    r: pb::GenerateRequest,
+    vocabulary: &Vocabulary,
+) -> Result<(String, GenerateRequest), Status> {
     if r.request_id.is_empty() || r.request_id.len() > 128 {
         return Err(invalid("request_id must be 1 to 128 bytes"));
     }
     if r.tenant.is_empty() {
         return Err(invalid("tenant is required"));
     }
-    let s = r.sampling.ok_or_else(|| invalid("sampling is required"))?;
+    let mut s = r.sampling.ok_or_else(|| invalid("sampling is required"))?;
+    let constraint = match s.constraint.take() {
+        None => None,
+        Some(c) => {
+            let spec = ConstraintSpec::from_parts(&c.kind, &c.text)
+                .map_err(|e| invalid(&format!("constraint: {e}")))?;
+            Some(
+                vocabulary
+                    .compile(&spec)
+                    .map_err(|e| invalid(&format!("constraint: {e}")))?,
+            )
+        }
+    };
     let sampling = sampling_from_pb(s)?;
     if r.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
         return Err(invalid("logprobs out of range"));
@@ -77,8 +105,25 @@ pub fn request_from_pb(r: pb::GenerateRequest) -> Result<(String, GenerateReques
         sampling,
         ignore_eos: r.ignore_eos,
         logprobs: r.logprobs.map(|k| k as usize),
+        constraint,
     };
     Ok((r.request_id, request))
+}
+
+/// [`request_from_pb`] on a blocking thread when the request carries a constraint to
+/// compile, so that compiling never holds up the node's other calls.
+pub async fn request_from_pb_blocking(
+    r: pb::GenerateRequest,
+    vocabulary: &Arc<Vocabulary>,
+) -> Result<(String, GenerateRequest), Status> {
+    let constrained = r.sampling.as_ref().is_some_and(|s| s.constraint.is_some());
+    if !constrained {
+        return request_from_pb(r, vocabulary);
+    }
+    let vocabulary = vocabulary.clone();
+    tokio::task::spawn_blocking(move || request_from_pb(r, &vocabulary))
+        .await
+        .map_err(|e| Status::internal(format!("compiling the constraint: {e}")))?
 }
 
 /// The ranges the public API's validation enforces, checked again on what arrives.
@@ -241,6 +286,7 @@ pub fn failure_from_engine(e: &EngineError) -> pb::Failure {
     let reason = match e {
         EngineError::Isolation(_) => "isolation",
         EngineError::Model(_) => "model",
+        EngineError::Constraint(_) => "constraint",
         EngineError::Shutdown => "shutdown",
         EngineError::Remote { reason, .. } => reason.as_str(),
     };
@@ -250,6 +296,8 @@ pub fn failure_from_engine(e: &EngineError) -> pb::Failure {
         message: match e {
             EngineError::Isolation(_) => "a KV isolation check failed on the decode node".into(),
             EngineError::Model(_) => "the model failed on the node".into(),
+            // The request's own grammar's failure: nothing of any other request.
+            EngineError::Constraint(m) => m.clone(),
             EngineError::Shutdown => "the node is shutting down".into(),
             EngineError::Remote { message, .. } => message.clone(),
         },
@@ -306,6 +354,14 @@ pub fn manifest_from_pb(m: pb::Manifest) -> Result<Manifest, Status> {
 mod tests {
     use super::*;
 
+    /// The synthetic model's byte-level vocabulary.
+    fn vocabulary() -> Vocabulary {
+        let spec = model::synth::SynthSpec::small(1, gguf::GgmlType::Q8_0, 64);
+        let file = gguf::GgufFile::parse(spec.build().unwrap().to_bytes()).unwrap();
+        let tok = Arc::new(tokenizer::Tokenizer::from_gguf(&file).unwrap());
+        Vocabulary::new(tok.clone(), tok.vocab_size(), tok.eos_id())
+    }
+
     fn request() -> GenerateRequest {
         GenerateRequest {
             domain: IsolationDomain::tenant("alice"),
@@ -327,14 +383,52 @@ mod tests {
             },
             ignore_eos: false,
             logprobs: Some(3),
+            constraint: None,
         }
     }
 
     #[test]
     fn every_sampling_parameter_crosses_the_wire() {
         let sent = request();
-        let (_, got) = request_from_pb(request_to_pb("r1", &sent)).unwrap();
+        let (_, got) = request_from_pb(request_to_pb("r1", &sent), &vocabulary()).unwrap();
         assert_eq!(got.sampling, sent.sampling);
+        assert!(got.constraint.is_none());
+    }
+
+    #[test]
+    fn a_constraint_crosses_the_wire_as_source_and_is_compiled_on_arrival() {
+        let vocab = vocabulary();
+        let spec = ConstraintSpec::Choice(vec!["yes".into(), "no".into()]);
+        let mut sent = request();
+        sent.constraint = Some(vocab.compile(&spec).unwrap());
+        let (_, got) = request_from_pb(request_to_pb("r1", &sent), &vocab).unwrap();
+        let mut row = got.constraint.expect("the constraint arrived");
+        assert_eq!(row.spec(), &spec);
+        // Compiled here: its mask allows the first byte of each choice and nothing else.
+        let mask = row.mask().unwrap();
+        let first: Vec<u32> = mask.allowed();
+        assert!(!first.is_empty() && first.len() <= 4, "{first:?}");
+
+        let cases: [(&str, String); 4] = [
+            ("python", String::new()),
+            ("regex", "(unclosed".into()),
+            ("choice", "not a list".into()),
+            ("gbnf", "x".repeat(constraint::limits::MAX_SOURCE_BYTES + 1)),
+        ];
+        for (kind, text) in cases {
+            let mut pb = request_to_pb("r1", &request());
+            pb.sampling.as_mut().unwrap().constraint = Some(pb::Constraint {
+                kind: kind.into(),
+                text,
+            });
+            let err = request_from_pb(pb, &vocab).expect_err(kind);
+            assert_eq!(err.code(), tonic::Code::InvalidArgument, "{kind}");
+            assert!(
+                err.message().starts_with("constraint: "),
+                "{kind}: {}",
+                err.message()
+            );
+        }
     }
 
     #[test]
@@ -349,7 +443,8 @@ mod tests {
         for (i, spoil) in cases.into_iter().enumerate() {
             let mut pb = request_to_pb("r1", &request());
             spoil(pb.sampling.as_mut().unwrap());
-            let err = request_from_pb(pb).expect_err(&format!("case {i} was accepted"));
+            let err =
+                request_from_pb(pb, &vocabulary()).expect_err(&format!("case {i} was accepted"));
             assert_eq!(err.code(), tonic::Code::InvalidArgument, "case {i}");
         }
     }

@@ -20,6 +20,13 @@ fn synth_model() -> model::Model {
     SynthSpec::small(5, GgmlType::Q8_0, 4096).load().unwrap()
 }
 
+fn synth_vocabulary() -> constraint::Vocabulary {
+    let spec = SynthSpec::small(5, GgmlType::Q8_0, 4096);
+    let file = gguf::GgufFile::parse(spec.build().unwrap().to_bytes()).unwrap();
+    let tok = Arc::new(tokenizer::Tokenizer::from_gguf(&file).unwrap());
+    constraint::Vocabulary::new(tok.clone(), tok.vocab_size(), tok.eos_id())
+}
+
 const POOL: usize = 512;
 
 fn engine(prefix_cache: bool) -> EngineHandle {
@@ -69,6 +76,7 @@ async fn start_node(role: Role, ca: &ClusterCa, deadlines: Deadlines) -> TestNod
         metrics.clone(),
         deadlines,
         tls.clone(),
+        Arc::new(synth_vocabulary()),
     ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
@@ -99,6 +107,7 @@ fn request(tenant: &str, len: usize, max_tokens: usize) -> GenerateRequest {
         sampling: SamplingParams::default(),
         ignore_eos: true,
         logprobs: None,
+        constraint: None,
     }
 }
 
@@ -169,7 +178,7 @@ async fn an_honest_handoff_gives_the_monolithic_tokens() {
     for (i, (len, max_tokens)) in [(7, 9), (40, 12), (16, 1)].into_iter().enumerate() {
         let req = request("alice", len, max_tokens);
         let id = format!("req-{i}");
-        let expected = collect_local(&mono, req.clone()).await;
+        let expected = collect_local(&mono, request("alice", len, max_tokens)).await;
         let mut d = client(&dec.addr, &router);
         let (mut stream, ticket) = reserve(&mut d, &id, &req).await;
         let reply = client(&pre.addr, &router)
@@ -244,7 +253,12 @@ async fn every_injected_corruption_is_refused_with_its_own_reason() {
     let local_prefill = engine(false);
     let req = request("alice", 40, 4);
     let mut h = local_prefill
-        .submit_prefill(local_prefill.admission().admit(req.clone()).unwrap())
+        .submit_prefill(
+            local_prefill
+                .admission()
+                .admit(request("alice", 40, 4))
+                .unwrap(),
+        )
         .unwrap();
     let output = match h.events.recv().await {
         Some(Event::Prefilled(out)) => *out,
@@ -318,7 +332,12 @@ async fn a_push_to_an_unknown_ticket_is_refused() {
     let local_prefill = engine(false);
     let req = request("alice", 20, 2);
     let mut h = local_prefill
-        .submit_prefill(local_prefill.admission().admit(req.clone()).unwrap())
+        .submit_prefill(
+            local_prefill
+                .admission()
+                .admit(request("alice", 20, 2))
+                .unwrap(),
+        )
         .unwrap();
     let Some(Event::Prefilled(output)) = h.events.recv().await else {
         panic!("no prefill");
@@ -404,7 +423,12 @@ async fn an_oversized_frame_ends_only_its_own_transfer() {
     let req = request("alice", 20, 3);
     let local_prefill = engine(false);
     let mut h = local_prefill
-        .submit_prefill(local_prefill.admission().admit(req.clone()).unwrap())
+        .submit_prefill(
+            local_prefill
+                .admission()
+                .admit(request("alice", 20, 3))
+                .unwrap(),
+        )
         .unwrap();
     let Some(Event::Prefilled(output)) = h.events.recv().await else {
         panic!("no prefill");
@@ -437,7 +461,7 @@ async fn an_oversized_frame_ends_only_its_own_transfer() {
     wait_idle(&dec.engine).await;
     // The node still serves.
     let mono = engine(false);
-    let expected = collect_local(&mono, req.clone()).await;
+    let expected = collect_local(&mono, request("alice", 20, 3)).await;
     let router = identity(&ca, "router");
     let mut d = client(&dec.addr, &router);
     let (mut stream, ticket) = reserve(&mut d, "ok", &req).await;

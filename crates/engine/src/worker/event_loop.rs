@@ -78,6 +78,7 @@ impl Worker {
                     request,
                     events,
                     output: Vec::new(),
+                    next_mask: None,
                     cached_tokens: None,
                     slot,
                     prefill_only,

@@ -73,6 +73,7 @@ impl Worker {
             request,
             events,
             output: Vec::new(),
+            next_mask: None,
             cached_tokens: Some(cached_tokens),
             total_tokens,
             slot,

@@ -23,7 +23,19 @@ fn sampled_token(
         prompt: &p.request.prompt,
         output: &p.output,
     };
-    let token = p.sampler.sample(logits, history);
+    let token = match p.request.constraint.as_mut() {
+        None => p.sampler.sample(logits, history),
+        Some(row) => {
+            // Computed beside the forward pass; here only if that thread failed.
+            let mask = p
+                .next_mask
+                .take()
+                .unwrap_or_else(|| row.mask())
+                .map_err(constraint_failed)?;
+            p.sampler
+                .sample_allowed(logits, history, &|t| mask.allows(t))
+        }
+    };
     let (logprob, top) = match p.request.logprobs {
         Some(k) => {
             let lp = log_softmax(logits);
@@ -37,6 +49,10 @@ fn sampled_token(
         top_logprobs: top,
         cached_prompt_tokens: p.cached_tokens.unwrap_or(0),
     })
+}
+
+fn constraint_failed(e: constraint::ConstraintError) -> Event {
+    Event::Failed(EngineError::Constraint(e.to_string()))
 }
 
 pub(super) fn sample_next(
@@ -81,16 +97,32 @@ pub(super) fn accept_token(
     metrics: &EngineMetrics,
 ) -> Outcome {
     let id = token.id;
-    let eos = Some(id) == config.eos_token && !p.request.ignore_eos;
+    let eos =
+        Some(id) == config.eos_token && (!p.request.ignore_eos || p.request.constraint.is_some());
     if eos {
         return Outcome::Done(Event::Finished {
             reason: FinishReason::Stop,
             usage: p.usage(),
         });
     }
+    // The parser moves past the token before the client sees it: a token the constraint
+    // does not allow (one a prefill node sent) ends the request instead.
+    let complete = match p.request.constraint.as_mut() {
+        None => false,
+        Some(row) => match row.advance(id) {
+            Ok(()) => row.is_finished(),
+            Err(e) => return Outcome::Done(constraint_failed(e)),
+        },
+    };
     p.output.push(id);
     EngineMetrics::add(&metrics.generated_tokens, 1);
     let _ = p.events.send(Event::Token(token));
+    if complete {
+        return Outcome::Done(Event::Finished {
+            reason: FinishReason::Stop,
+            usage: p.usage(),
+        });
+    }
     if p.output.len() >= p.request.max_tokens {
         return Outcome::Done(Event::Finished {
             reason: FinishReason::Length,

@@ -4,13 +4,19 @@
 use std::collections::{HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use model::{BatchItem, LogitsWanted, ModelError};
 
 use super::sample::{hand_over, sample_next};
 use super::{finish, Outcome, Running, Worker};
-use crate::{EngineError, EngineMetrics, Event};
+use crate::{EngineError, EngineMetrics, Event, StepModel};
+
+type MaskResult = Result<constraint::TokenMask, constraint::ConstraintError>;
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
 
 /// Consecutive forward steps that may panic before the engine gives up: one panic is a bug
 /// hit by some batch, and the engine goes on without that batch's requests; a panic at
@@ -129,13 +135,22 @@ impl Worker {
         let results = {
             let mut slots: Vec<Option<&mut Running>> = self.running.iter_mut().map(Some).collect();
             let mut items: Vec<BatchItem<'_>> = Vec::with_capacity(plan.len());
+            let mut masks = Vec::new();
             for ((i, range), tokens) in plan.iter().zip(&inputs) {
                 let Some(r) = slots[*i].take() else {
                     continue;
                 };
                 let last = range.end == r.progress.stream_len();
+                let Running { progress, kv } = r;
+                if let (true, Some(c), None) = (
+                    last,
+                    progress.request.constraint.as_mut(),
+                    &progress.next_mask,
+                ) {
+                    masks.push((c, &mut progress.next_mask));
+                }
                 items.push(BatchItem {
-                    kv: &mut r.kv,
+                    kv,
                     tokens,
                     logits: if last {
                         LogitsWanted::Last
@@ -148,7 +163,11 @@ impl Worker {
             // request) with it. The model keeps no state between steps, so unwinding out
             // of one leaves nothing half-done but this step's requests, which fail below.
             let model = &self.model;
-            catch_unwind(AssertUnwindSafe(|| model.forward(&mut items)))
+            if masks.is_empty() {
+                catch_unwind(AssertUnwindSafe(|| model.forward(&mut items)))
+            } else {
+                forward_beside_masks(model.as_ref(), &self.metrics, &mut items, masks)
+            }
         };
         let results = match results {
             Ok(results) => {
@@ -247,4 +266,35 @@ impl Worker {
             .store(self.running.len() as u64, Ordering::Relaxed);
         true
     }
+}
+
+/// The forward pass, with the next-token masks of this step's constrained rows computed
+/// on a thread beside it: a mask depends only on its own row's tokens so far, all known
+/// before the step, so neither waits for the other (llguidance catches its own panics,
+/// so a failed mask is an error for that row alone).
+fn forward_beside_masks(
+    model: &dyn StepModel,
+    metrics: &EngineMetrics,
+    items: &mut [BatchItem<'_>],
+    masks: Vec<(&mut constraint::RowConstraint, &mut Option<MaskResult>)>,
+) -> std::thread::Result<Vec<Result<model::Logits, ModelError>>> {
+    std::thread::scope(|scope| {
+        let count = masks.len() as u64;
+        let computing = scope.spawn(move || {
+            let started = Instant::now();
+            for (row, slot) in masks {
+                *slot = Some(row.mask());
+            }
+            started.elapsed()
+        });
+        let results = catch_unwind(AssertUnwindSafe(|| model.forward(items)));
+        let waiting = Instant::now();
+        let spent = computing.join();
+        EngineMetrics::add(&metrics.mask_wait_micros, micros(waiting.elapsed()));
+        if let Ok(spent) = spent {
+            EngineMetrics::add(&metrics.mask_micros, micros(spent));
+        }
+        EngineMetrics::add(&metrics.constrained_tokens, count);
+        results
+    })
 }

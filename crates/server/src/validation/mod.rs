@@ -174,6 +174,8 @@ pub struct Settings {
     /// salt itself.
     pub cache_salt: Option<String>,
     pub ignore_eos: bool,
+    /// A structured output, checked but not yet compiled (the prompt workers compile it).
+    pub constraint: Option<crate::structured::Requested>,
 }
 
 /// The isolation-domain key of a client's `cache_salt`: 128 bits of keyed SipHash, as 32
@@ -339,6 +341,29 @@ impl Common<'_> {
             None => random_seed(),
         };
         let stream = self.stream.unwrap_or(false);
+        let constraint = crate::structured::requested(self)?;
+        let ignore_eos = self.ignore_eos.unwrap_or(false);
+        if let Some(c) = &constraint {
+            // A constrained answer ends when it is complete; a stop string could cut it
+            // short and still say `stop`, and ignore_eos would run past its end.
+            if !stops.is_empty() {
+                return Err(ApiError::invalid(
+                    "invalid_value",
+                    param("stop"),
+                    format!(
+                        "stop cannot be combined with {}: the answer ends when it is complete.",
+                        c.param
+                    ),
+                ));
+            }
+            if ignore_eos {
+                return Err(ApiError::invalid(
+                    "invalid_value",
+                    param("ignore_eos"),
+                    format!("ignore_eos cannot be combined with {}: the answer ends when it is complete.", c.param),
+                ));
+            }
+        }
         Ok(Settings {
             max_tokens,
             sampling: SamplingParams {
@@ -364,7 +389,8 @@ impl Common<'_> {
                     .and_then(|o| o.include_usage)
                     .unwrap_or(false),
             cache_salt: self.cache_salt.map(salt_key),
-            ignore_eos: self.ignore_eos.unwrap_or(false),
+            ignore_eos,
+            constraint,
         })
     }
 }
@@ -509,15 +535,6 @@ impl ChatRequest {
                 return Err(ApiError::unsupported(
                     name,
                     format!("{name} is not supported."),
-                ));
-            }
-        }
-        if let Some(fmt) = &self.response_format {
-            let kind = fmt.get("type").and_then(Value::as_str);
-            if !fmt.is_null() && kind != Some("text") {
-                return Err(ApiError::unsupported(
-                    "response_format",
-                    "Only response_format {\"type\": \"text\"} is supported.",
                 ));
             }
         }

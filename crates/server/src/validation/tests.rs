@@ -358,8 +358,7 @@ fn penalty_bias_and_min_p_refusals() {
 #[test]
 fn unknown_fields_are_refused_by_name() {
     for (body, param) in [
-        (format!(r#"{{{M},"grammar":"root ::= "yes""}}"#), "grammar"),
-        (format!(r#"{{{M},"json_schema":{{}}}}"#), "json_schema"),
+        (format!(r#"{{{M},"guided_regex":"a+"}}"#), "guided_regex"),
         (format!(r#"{{{M},"mirostat":2}}"#), "mirostat"),
         (
             r#"{"model":"m","messages":[{"role":"user","content":"hi","weight":1}]}"#.to_owned(),

@@ -52,7 +52,8 @@ impl NodeService {
     ) -> Result<Response<DecodeStream>, Status> {
         use pb::decode_event::Event as E;
         self.require(Role::Decode)?;
-        let (request_id, request) = wire::request_from_pb(request.into_inner())?;
+        let (request_id, request) =
+            wire::request_from_pb_blocking(request.into_inner(), &self.vocabulary).await?;
         self.metrics
             .decode_requests
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

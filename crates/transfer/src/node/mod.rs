@@ -70,6 +70,8 @@ pub struct NodeService {
     metrics: Arc<TransferMetrics>,
     deadlines: Deadlines,
     tls: TlsIdentity,
+    /// Compiles the constraints that arrive, against this node's own vocabulary.
+    vocabulary: Arc<constraint::Vocabulary>,
     pending: Mutex<HashMap<Ticket, PendingImport>>,
     /// Prefill: channels to the decode nodes it pushed to, reused across requests.
     peers: Mutex<HashMap<String, Channel>>,
@@ -82,6 +84,7 @@ impl NodeService {
         metrics: Arc<TransferMetrics>,
         deadlines: Deadlines,
         tls: TlsIdentity,
+        vocabulary: Arc<constraint::Vocabulary>,
     ) -> Self {
         Self {
             identity,
@@ -89,19 +92,21 @@ impl NodeService {
             metrics,
             deadlines,
             tls,
+            vocabulary,
             pending: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
         }
     }
 
-    /// The largest message this node accepts: a request of the whole context, or a page.
+    /// The largest message this node accepts: a request of the whole context with the
+    /// largest constraint, or a page.
     pub fn max_message_bytes(&self) -> usize {
         let page = self.identity.n_layers
             * 2
             * self.identity.page_tokens
             * self.identity.kv_dim
             * self.identity.kv_dtype_bytes;
-        let request = self.engine.max_context() * 6;
+        let request = self.engine.max_context() * 6 + constraint::limits::MAX_SOURCE_BYTES;
         page.max(request) + 64 * 1024
     }
 

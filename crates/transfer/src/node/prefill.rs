@@ -70,7 +70,8 @@ impl NodeService {
     ) -> Result<Response<pb::AdmitReply>, Status> {
         use pb::admit_reply::Outcome;
         self.require(Role::Prefill)?;
-        let (_, request) = wire::request_from_pb(request.into_inner())?;
+        let (_, request) =
+            wire::request_from_pb_blocking(request.into_inner(), &self.vocabulary).await?;
         let outcome = match self.engine.admission().admit(request) {
             Ok(_) => {
                 self.metrics
@@ -103,8 +104,9 @@ impl NodeService {
         } = request.into_inner();
         let ticket = Ticket::from_bytes(&ticket)
             .ok_or_else(|| Status::invalid_argument("ticket must be 16 bytes"))?;
+        let request = request.ok_or_else(|| Status::invalid_argument("no request"))?;
         let (request_id, request) =
-            wire::request_from_pb(request.ok_or_else(|| Status::invalid_argument("no request"))?)?;
+            wire::request_from_pb_blocking(request, &self.vocabulary).await?;
         let domain = request.domain.clone();
         // Admission again, on this call's own values: the verdict of `Admit` is not trusted
         // to still hold, and a rejection here still ends the request with its error.
