@@ -15,6 +15,10 @@ token-id prompts, ignore_eos):
   (a) one stream, 500-token prompt, 128 out: time to first token and decode tok/s;
   (b) 8 clients, 32 requests of 200 prompt + 64 out: output tok/s;
   (c) 32 clients, 64 requests of 200 + 64: output tok/s and p99 latency;
+  (d) (b) with every answer constrained to bench/story-schema.json (`--json-schema`, sent as
+      llama.cpp's `json_schema` field; its story runs past 64 tokens, so every answer is
+      64 tokens, as with ignore_eos): output tok/s, and for each server (d) / (b), what
+      structured outputs cost it;
 
 plus each server's peak RSS (VmHWM just before it is stopped) and the kernels' pp512/tg128
 (kvwarden's `cargo bench -p model --bench throughput`, llama.cpp's llama-bench). The order of
@@ -57,13 +61,16 @@ WORKLOADS = {
     "a_one_stream": (1, 5, 500, 128),
     "b_8_clients": (8, 32, 200, 64),
     "c_32_clients": (32, 64, 200, 64),
+    "d_8_clients_schema": (8, 32, 200, 64),
 }
+SCHEMA = ROOT / "bench" / "story-schema.json"
 KERNEL = (512, 128)
 if QUICK:
     WORKLOADS = {
         "a_one_stream": (1, 2, 32, 8),
         "b_8_clients": (2, 4, 16, 8),
         "c_32_clients": (4, 8, 16, 8),
+        "d_8_clients_schema": (2, 4, 16, 8),
     }
     KERNEL = (32, 8)
 
@@ -76,6 +83,9 @@ METRICS = [
     ("(b) 8 clients: p99 latency, ms", lambda r: r["b_8_clients"]["e2e_ms"]["p99"], False),
     ("(c) 32 clients: output tok/s", lambda r: r["c_32_clients"]["output_tok_s"], True),
     ("(c) 32 clients: p99 latency, ms", lambda r: r["c_32_clients"]["e2e_ms"]["p99"], False),
+    ("(d) 8 clients, JSON schema: output tok/s", lambda r: r["d_8_clients_schema"]["output_tok_s"], True),
+    ("(d) / (b): schema / none, output tok/s",
+     lambda r: r["d_8_clients_schema"]["output_tok_s"] / r["b_8_clients"]["output_tok_s"], True),
     ("peak RSS, MiB", lambda r: r["peak_rss_kib"] / 1024.0, False),
     (f"kernel {PP} tok/s", lambda r: r["kernel"][PP], True),
     (f"kernel {TG} tok/s", lambda r: r["kernel"][TG], True),
@@ -172,12 +182,14 @@ def server_commands(llama_server, port):
     return {"kvwarden": kvwarden, "llama.cpp": llama}
 
 
-def bench_serve(url, clients, requests, prompt, out, seed, tmp):
+def bench_serve(url, clients, requests, prompt, out, seed, tmp, schema=None):
     path = Path(tmp) / f"report-{seed}.json"
+    # A schema's answers end where it says (this one runs past max_tokens), not at EOS.
+    ending = ["--json-schema", schema] if schema else ["--ignore-eos"]
     run([
         BIN, "bench", "serve", "--base-url", url, "--concurrency", clients,
         "--num-requests", requests, "--prompt-tokens", prompt, "--max-tokens", out,
-        "--ignore-eos", "--token-id-range", TOKEN_ID_RANGE, "--seed", seed, "--json", path,
+        *ending, "--token-id-range", TOKEN_ID_RANGE, "--seed", seed, "--json", path,
     ])
     return json.loads(path.read_text())
 
@@ -213,7 +225,10 @@ def one_round(index, llama_server, llama_bench, tmp):
             bench_serve(server.url, 1, 1, 8, 4, 999, tmp)
             r = {}
             for seed, (w, (clients, requests, prompt, out)) in enumerate(WORKLOADS.items()):
-                r[w] = bench_serve(server.url, clients, requests, prompt, out, seed, tmp)
+                schema = SCHEMA if w.endswith("_schema") else None
+                # (d) sends (b)'s prompts: the schema is the only difference.
+                same = list(WORKLOADS).index("b_8_clients") if schema else seed
+                r[w] = bench_serve(server.url, clients, requests, prompt, out, same, tmp, schema)
             r["peak_rss_kib"] = peak_rss_kib(server.proc.pid)
         finally:
             server.stop()

@@ -59,3 +59,17 @@ pub fn real_tokenizer() -> &'static (Tokenizer, ChatTemplate) {
         (tok, template)
     })
 }
+
+/// The synthetic model's byte-level vocabulary as the constraint engine sees it (every
+/// byte a token, so any text a grammar allows can be produced).
+pub fn byte_vocabulary() -> &'static constraint::Vocabulary {
+    static VOCAB: OnceLock<constraint::Vocabulary> = OnceLock::new();
+    VOCAB.get_or_init(|| {
+        let file = gguf::GgufFile::parse(small_model_bytes().to_vec())
+            .unwrap_or_else(|e| panic!("synthetic model: {e}"));
+        let tok = std::sync::Arc::new(
+            Tokenizer::from_gguf(&file).unwrap_or_else(|e| panic!("synthetic vocabulary: {e}")),
+        );
+        constraint::Vocabulary::new(tok.clone(), small_spec().vocab, tok.eos_id())
+    })
+}

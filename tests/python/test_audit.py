@@ -48,6 +48,8 @@ def test_audit_passes_against_kvwarden(audited_server, tmp_path):
     assert [c["status"] for c in rep["capacity"]] == [200, 400, 400, 400], rep["capacity"]
     verdicts = {c["check"]: c["verdict"] for c in rep["checks"]}
     assert verdicts["capacity"] == verdicts["canaries"] == verdicts["status"] == "pass", out
+    # Structured outputs: the schema enforced, streamed and whole the same.
+    assert verdicts["structured"] == "pass", out
     # kvwarden is batch-invariant: every greedy answer is the same alone.
     d = rep["differential"]
     assert d["compared"] >= 3 and d["identical"] == d["compared"], d

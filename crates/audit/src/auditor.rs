@@ -88,6 +88,7 @@ impl Auditor {
             ignore_eos: false,
             cancel_after: None,
             key: self.tenants[tenant].key.clone(),
+            extra: Default::default(),
         }
     }
 

@@ -50,6 +50,7 @@ pub(crate) mod fixtures {
                 ignore_eos: false,
                 cancel_after: None,
                 key: None,
+                extra: Default::default(),
             },
             canary,
             replay_of: None,

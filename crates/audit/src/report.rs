@@ -32,7 +32,7 @@ pub enum Severity {
     Warning,
 }
 
-/// The five checks, in the order they run.
+/// The six checks, in the order they run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum CheckName {
@@ -41,15 +41,17 @@ pub enum CheckName {
     Differential,
     Status,
     SideChannel,
+    Structured,
 }
 
 impl CheckName {
-    pub const ALL: [CheckName; 5] = [
+    pub const ALL: [CheckName; 6] = [
         CheckName::Capacity,
         CheckName::Canaries,
         CheckName::Differential,
         CheckName::Status,
         CheckName::SideChannel,
+        CheckName::Structured,
     ];
 
     pub fn title(self) -> &'static str {
@@ -59,6 +61,7 @@ impl CheckName {
             CheckName::Differential => "differential content",
             CheckName::Status => "status honesty",
             CheckName::SideChannel => "prefix-cache side channel",
+            CheckName::Structured => "structured-output honesty",
         }
     }
 }
@@ -99,6 +102,7 @@ pub enum Kind {
     Cancelled,
     Replay,
     SideChannel,
+    Structured,
 }
 
 impl Kind {
@@ -118,6 +122,7 @@ impl Kind {
             Kind::NearLimit => "near limit",
             Kind::Cancelled => "cancelled stream",
             Kind::Replay => "solo replay",
+            Kind::Structured => "structured output",
             Kind::SideChannel => "side channel",
         }
     }

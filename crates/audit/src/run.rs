@@ -42,6 +42,10 @@ impl Auditor {
             side_channel = Some(sc);
             results.push(result);
         }
+        if self.enabled(CheckName::Structured) {
+            let result = self.structured().await;
+            results.push(result);
+        }
         self.progress.finish();
         // Canary and status verdicts come last: they cover every request of the run,
         // replays and side-channel probes included.

@@ -347,6 +347,7 @@ async fn over_length_at_full_scale<W: Write>(
             ignore_eos: false,
             cancel_after: None,
             key: None,
+            extra: Default::default(),
         })
         .await;
     let after = (

@@ -79,6 +79,11 @@ pub struct ServeArgs {
     /// Seconds one request may take.
     #[arg(long, default_value_t = 600)]
     pub timeout: u64,
+    /// Constrain every answer to the JSON schema in FILE (sent as llama.cpp's and
+    /// kvwarden's `json_schema` field), to measure what structured outputs cost. Give it a
+    /// schema whose answers run past --max-tokens to keep every answer max_tokens long.
+    #[arg(long, value_name = "FILE", conflicts_with = "ignore_eos")]
+    pub json_schema: Option<PathBuf>,
     /// Write the report as JSON to PATH ("-": print it on stdout instead of the table).
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
@@ -135,6 +140,14 @@ async fn serve(args: ServeArgs) -> Result<(), BenchError> {
             ids: args.token_id_range.clone(),
         },
     };
+    let mut extra = serde_json::Map::new();
+    if let Some(path) = &args.json_schema {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| BenchError::Usage(format!("reading {}: {e}", path.display())))?;
+        let schema: Value = serde_json::from_str(&text)
+            .map_err(|e| BenchError::Usage(format!("{}: not JSON: {e}", path.display())))?;
+        extra.insert("json_schema".into(), schema);
+    }
     let calls: Vec<Call> = workload::prompts(&spec, args.num_requests, args.seed)
         .into_iter()
         .map(|prompt| Call {
@@ -147,6 +160,7 @@ async fn serve(args: ServeArgs) -> Result<(), BenchError> {
             ignore_eos: args.ignore_eos,
             cancel_after: None,
             key: args.api_key.clone(),
+            extra: extra.clone(),
         })
         .collect();
     let schedule = match args.request_rate {
@@ -175,6 +189,7 @@ async fn serve(args: ServeArgs) -> Result<(), BenchError> {
             .or(args.request_rate.is_none().then_some(1)),
         request_rate: args.request_rate,
         seed: args.seed,
+        json_schema: args.json_schema.as_ref().map(|p| p.display().to_string()),
     };
     let report = Report::new(
         client.base.clone(),

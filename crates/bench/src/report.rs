@@ -21,6 +21,9 @@ pub struct Workload {
     pub concurrency: Option<usize>,
     pub request_rate: Option<f64>,
     pub seed: u64,
+    /// The JSON schema file every answer was constrained to, if any.
+    #[serde(default)]
+    pub json_schema: Option<String>,
 }
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -265,6 +268,7 @@ mod tests {
             concurrency: Some(2),
             request_rate: None,
             seed: 0,
+            json_schema: None,
         }
     }
 

@@ -16,6 +16,8 @@
 //!   cache would). Its mask depends only on the tokens this request produced, so a row
 //!   is constrained the same alone or in any batch, monolithic or split.
 
+#![forbid(unsafe_code)]
+
 mod error;
 mod gbnf;
 pub mod limits;

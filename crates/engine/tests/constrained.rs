@@ -58,13 +58,13 @@ fn constraints() -> Vec<ConstraintSpec> {
 fn request(vocab: &Vocabulary, i: usize, spec: Option<&ConstraintSpec>) -> GenerateRequest {
     let seed = i as u64;
     GenerateRequest {
-        domain: IsolationDomain::tenant(if i % 2 == 0 { "alice" } else { "bob" }),
+        domain: IsolationDomain::tenant(if i.is_multiple_of(2) { "alice" } else { "bob" }),
         prompt: (0..(12 + 7 * i as u32))
             .map(|t| 3 + (t * 31 + i as u32 * 17) % 250)
             .collect(),
         max_tokens: 48,
         sampling: SamplingParams {
-            temperature: if seed % 2 == 0 { 0.0 } else { 1.1 },
+            temperature: if seed.is_multiple_of(2) { 0.0 } else { 1.1 },
             seed,
             ..SamplingParams::default()
         },
@@ -203,7 +203,7 @@ fn split_constrained_output_equals_monolithic_and_a_refused_first_token_fails() 
         let manifest = Manifest::describe(
             reservation.ticket(),
             format!("r{i}"),
-            IsolationDomain::tenant(if i % 2 == 0 { "alice" } else { "bob" }),
+            IsolationDomain::tenant(if i.is_multiple_of(2) { "alice" } else { "bob" }),
             &out,
         );
         let mut t = reservation.begin(manifest).unwrap();

@@ -51,6 +51,8 @@ pub struct Call {
     /// Streams only: hang up after this many data events.
     pub cancel_after: Option<usize>,
     pub key: Option<String>,
+    /// More fields of the body (a structured output's `json_schema`, say), merged in last.
+    pub extra: serde_json::Map<String, Value>,
 }
 
 /// Token counts a response reported.
@@ -199,6 +201,9 @@ impl Client {
         }
         if call.stream {
             body["stream_options"] = json!({"include_usage": true});
+        }
+        for (k, v) in &call.extra {
+            body[k] = v.clone();
         }
         body
     }
