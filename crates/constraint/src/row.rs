@@ -17,6 +17,11 @@ impl TokenMask {
         (token as usize) < self.vocab_size && self.bits.is_allowed(token)
     }
 
+    /// The mask as a bitset: token `t` is bit `t % 32` of word `t / 32`.
+    pub fn words(&self) -> &[u32] {
+        self.bits.as_slice()
+    }
+
     pub fn allowed_count(&self) -> usize {
         self.bits.num_set()
     }

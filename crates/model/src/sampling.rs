@@ -155,6 +155,24 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
+/// [`argmax`] over the tokens whose bit is set in `allowed` (lowest id among equals); 0
+/// when none is.
+fn argmax_allowed(logits: &[f32], allowed: &[u32]) -> u32 {
+    let mut best: Option<usize> = None;
+    for (w, &word) in allowed.iter().enumerate() {
+        let mut rest = word;
+        while rest != 0 {
+            let i = w * 32 + rest.trailing_zeros() as usize;
+            rest &= rest - 1;
+            let Some(&l) = logits.get(i) else { break };
+            if best.is_none_or(|b| l > logits[b]) {
+                best = Some(i);
+            }
+        }
+    }
+    best.unwrap_or(0) as u32
+}
+
 /// Natural-log probabilities of the raw (temperature 1) distribution.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -238,31 +256,33 @@ impl Sampler {
         self.pick(logits, history, None)
     }
 
-    /// The next token among those `allowed` (a structured output's mask, which must allow
-    /// at least one): every other token is removed before any step above, so greedy takes
-    /// the best allowed token and sampling draws from the allowed ones alone.
-    pub fn sample_allowed(
-        &mut self,
-        logits: &[f32],
-        history: History<'_>,
-        allowed: &dyn Fn(u32) -> bool,
-    ) -> u32 {
+    /// The next token among those `allowed` (a structured output's mask, a bitset: token
+    /// `t` is bit `t % 32` of word `t / 32`; it must allow at least one token of `logits`):
+    /// every other token is removed before any step above, so greedy takes the best
+    /// allowed token and sampling draws from the allowed ones alone.
+    pub fn sample_allowed(&mut self, logits: &[f32], history: History<'_>, allowed: &[u32]) -> u32 {
         self.pick(logits, history, Some(allowed))
     }
 
-    fn pick(
-        &mut self,
-        logits: &[f32],
-        history: History<'_>,
-        allowed: Option<&dyn Fn(u32) -> bool>,
-    ) -> u32 {
+    fn pick(&mut self, logits: &[f32], history: History<'_>, allowed: Option<&[u32]>) -> u32 {
+        let greedy = self.params.temperature <= 0.0 || self.params.top_k == 1;
+        if let (Some(bits), true, false) = (allowed, greedy, self.params.adjusts_logits()) {
+            // The common case of a constrained row costs no copy of the logits.
+            return argmax_allowed(logits, bits);
+        }
         let adjusted;
         let logits = if self.params.adjusts_logits() || allowed.is_some() {
             let mut a = self.params.adjusted_logits(logits, history);
-            if let Some(allowed) = allowed {
-                for (id, l) in a.iter_mut().enumerate() {
-                    if !allowed(id as u32) {
-                        *l = f32::NEG_INFINITY;
+            if let Some(bits) = allowed {
+                for (w, chunk) in a.chunks_mut(32).enumerate() {
+                    let word = bits.get(w).copied().unwrap_or(0);
+                    if word == u32::MAX {
+                        continue;
+                    }
+                    for (b, l) in chunk.iter_mut().enumerate() {
+                        if word & (1 << b) == 0 {
+                            *l = f32::NEG_INFINITY;
+                        }
                     }
                 }
             }
@@ -345,10 +365,25 @@ mod tests {
     #[test]
     fn a_mask_removes_tokens_before_greedy_and_sampling() {
         let logits = [5.0, 1.0, 4.0, 3.0, -2.0];
-        let odd = |t: u32| t % 2 == 1;
+        let odd = [0b01010u32];
         let mut greedy = Sampler::new(SamplingParams::default());
         assert_eq!(greedy.sample(&logits, History::default()), 0);
         assert_eq!(greedy.sample_allowed(&logits, History::default(), &odd), 3);
+        // With an adjustment, the copying path gives the same choice.
+        let mut biased = Sampler::new(SamplingParams {
+            logit_bias: std::sync::Arc::from([(1, 0.5)]),
+            ..Default::default()
+        });
+        assert_eq!(biased.sample_allowed(&logits, History::default(), &odd), 3);
+        // Beyond one word, and ties to the lowest allowed id.
+        let wide: Vec<f32> = (0..70)
+            .map(|i| if i == 40 || i == 66 { 9.0 } else { 0.0 })
+            .collect();
+        let mut bits = [0u32; 3];
+        for t in [3, 40, 66, 69] {
+            bits[t / 32] |= 1 << (t % 32);
+        }
+        assert_eq!(greedy.sample_allowed(&wide, History::default(), &bits), 40);
         for seed in 0..200 {
             let mut s = Sampler::new(SamplingParams {
                 temperature: 1.5,
@@ -361,7 +396,7 @@ mod tests {
             let t = s.sample_allowed(&logits, History::default(), &odd);
             assert!(t == 1 || t == 3, "seed {seed}: {t}");
         }
-        let only_last = |t: u32| t == 4;
+        let only_last = [0b10000u32];
         let mut s = Sampler::new(SamplingParams {
             temperature: 1.0,
             ..Default::default()

@@ -32,8 +32,7 @@ fn sampled_token(
                 .take()
                 .unwrap_or_else(|| row.mask())
                 .map_err(constraint_failed)?;
-            p.sampler
-                .sample_allowed(logits, history, &|t| mask.allows(t))
+            p.sampler.sample_allowed(logits, history, mask.words())
         }
     };
     let (logprob, top) = match p.request.logprobs {
