@@ -52,6 +52,7 @@ fn request(len: usize) -> GenerateRequest {
         },
         ignore_eos: true,
         logprobs: Some(2),
+        constraint: None,
     }
 }
 

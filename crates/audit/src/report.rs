@@ -32,7 +32,7 @@ pub enum Severity {
     Warning,
 }
 
-/// The six checks, in the order they run.
+/// The seven checks, in the order they run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum CheckName {
@@ -42,16 +42,18 @@ pub enum CheckName {
     Status,
     SideChannel,
     Structured,
+    StreamEquality,
 }
 
 impl CheckName {
-    pub const ALL: [CheckName; 6] = [
+    pub const ALL: [CheckName; 7] = [
         CheckName::Capacity,
         CheckName::Canaries,
         CheckName::Differential,
         CheckName::Status,
         CheckName::SideChannel,
         CheckName::Structured,
+        CheckName::StreamEquality,
     ];
 
     pub fn title(self) -> &'static str {
@@ -62,6 +64,7 @@ impl CheckName {
             CheckName::Status => "status honesty",
             CheckName::SideChannel => "prefix-cache side channel",
             CheckName::Structured => "structured-output honesty",
+            CheckName::StreamEquality => "stream = whole",
         }
     }
 }
@@ -103,6 +106,7 @@ pub enum Kind {
     Replay,
     SideChannel,
     Structured,
+    StreamPair,
 }
 
 impl Kind {
@@ -123,6 +127,7 @@ impl Kind {
             Kind::Cancelled => "cancelled stream",
             Kind::Replay => "solo replay",
             Kind::Structured => "structured output",
+            Kind::StreamPair => "stream = whole pair",
             Kind::SideChannel => "side channel",
         }
     }

@@ -46,6 +46,10 @@ impl Auditor {
             let result = self.structured().await;
             results.push(result);
         }
+        if self.enabled(CheckName::StreamEquality) {
+            let result = self.stream_equality().await;
+            results.push(result);
+        }
         self.progress.finish();
         // Canary and status verdicts come last: they cover every request of the run,
         // replays and side-channel probes included.

@@ -278,23 +278,33 @@ fn forward_beside_masks(
     items: &mut [BatchItem<'_>],
     masks: Vec<(&mut constraint::RowConstraint, &mut Option<MaskResult>)>,
 ) -> std::thread::Result<Vec<Result<model::Logits, ModelError>>> {
+    let count = masks.len() as u64;
+    EngineMetrics::add(&metrics.constrained_tokens, count);
+    let compute = move || {
+        let started = Instant::now();
+        for (row, slot) in masks {
+            *slot = Some(row.mask());
+        }
+        started.elapsed()
+    };
+    // Shared so that, should the thread not start, this thread computes them itself.
+    let compute = std::sync::Mutex::new(Some(compute));
+    let take = || compute.lock().ok().and_then(|mut c| c.take());
     std::thread::scope(|scope| {
-        let count = masks.len() as u64;
-        let computing = scope.spawn(move || {
-            let started = Instant::now();
-            for (row, slot) in masks {
-                *slot = Some(row.mask());
-            }
-            started.elapsed()
-        });
+        let computing = std::thread::Builder::new()
+            .name("masks".into())
+            .spawn_scoped(scope, || take().map(|f| f()));
         let results = catch_unwind(AssertUnwindSafe(|| model.forward(items)));
         let waiting = Instant::now();
-        let spent = computing.join();
+        let spent = match computing {
+            Ok(handle) => handle.join().ok().flatten(),
+            // No thread to be had: the sampling step computes any mask still missing.
+            Err(_) => take().map(|f| f()),
+        };
         EngineMetrics::add(&metrics.mask_wait_micros, micros(waiting.elapsed()));
-        if let Ok(spent) = spent {
+        if let Some(spent) = spent {
             EngineMetrics::add(&metrics.mask_micros, micros(spent));
         }
-        EngineMetrics::add(&metrics.constrained_tokens, count);
         results
     })
 }
