@@ -400,10 +400,12 @@ def test_a_slow_reader_is_ended_within_the_send_timeout(make_server):
             time.sleep(0.1)
         # What sits between the generation and the reader before the server sees a backlog:
         # the reader's receive buffer (the kernel doubles 4 KB), 4 KB unsent in the server's
-        # socket (TCP_NOTSENT_LOWAT), what hyper holds, and the 8 events that count as behind;
-        # 64 KiB is several times that. They fill at the difference of the two paces.
+        # socket (TCP_NOTSENT_LOWAT), and the 16 KiB in hyper's buffer (or 8 events) that
+        # count as behind; 64 KiB is twice that. They fill at the difference of the two
+        # paces. (Before the server counted hyper's buffer, a reader at this pace was never
+        # reset: hyper took the whole 117 KB stream into its 400 KiB buffer.)
         fill = 64 * 1024 / (fast_rate - read_rate)
-        bound = 2 * first_byte + fill + send_timeout + 2
+        bound = 2 * first_byte + fill + send_timeout + 4
         whole = 3000 / 160 * fast_bytes / fast_rate
         print(f"slow reader ended after {ended:.1f} s (bound {bound:.1f} s; the whole stream "
               f"takes {whole:.0f} s), having read {received} bytes at {read_rate:.0f} B/s "

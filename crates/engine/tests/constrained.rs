@@ -174,6 +174,30 @@ fn constrained_rows_are_the_same_alone_and_batched_and_complete_when_they_end() 
     assert!(solo[8].tokens.len() > 8 || solo[9].tokens.len() > 8);
 }
 
+/// Reserves `req` on the decode engine, sends it the prefill node's K/V, and decodes.
+fn decode(
+    dec: &EngineHandle,
+    req: GenerateRequest,
+    out: &engine::handoff::PrefillOutput,
+    id: &str,
+) -> Result<Output, String> {
+    let domain = req.domain.clone();
+    let admitted = dec.admission().admit(req).unwrap();
+    let reservation = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(dec.reserve_import(admitted, id.to_owned()))
+        .unwrap();
+    let manifest = Manifest::describe(reservation.ticket(), id.to_owned(), domain, out);
+    let mut t = reservation.begin(manifest).unwrap();
+    for (p, page) in out.pages.iter().enumerate() {
+        let tokens = (out.prompt.len() - p * out.page_tokens).min(out.page_tokens);
+        t.receive_page(p, tokens, page).unwrap();
+    }
+    collect(dec.submit_import(t.finish().unwrap()).unwrap())
+}
+
 #[test]
 fn split_constrained_output_equals_monolithic_and_a_refused_first_token_fails() {
     let tok = tokenizer();
@@ -193,25 +217,7 @@ fn split_constrained_output_equals_monolithic_and_a_refused_first_token_fails() 
             panic!("no prefill output");
         };
         // The decode node compiles the constraint itself (here: a fresh compile).
-        let admitted = dec.admission().admit(request(&vocab, i, Some(s))).unwrap();
-        let reservation = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(dec.reserve_import(admitted, format!("r{i}")))
-            .unwrap();
-        let manifest = Manifest::describe(
-            reservation.ticket(),
-            format!("r{i}"),
-            IsolationDomain::tenant(if i.is_multiple_of(2) { "alice" } else { "bob" }),
-            &out,
-        );
-        let mut t = reservation.begin(manifest).unwrap();
-        for (p, page) in out.pages.iter().enumerate() {
-            let tokens = (out.prompt.len() - p * out.page_tokens).min(out.page_tokens);
-            t.receive_page(p, tokens, page).unwrap();
-        }
-        let got = collect(dec.submit_import(t.finish().unwrap()).unwrap()).unwrap();
+        let got = decode(&dec, request(&vocab, i, Some(s)), &out, &format!("r{i}")).unwrap();
         assert_eq!(got, expected, "{s:?}: split output differs");
     }
 
@@ -226,24 +232,6 @@ fn split_constrained_output_equals_monolithic_and_a_refused_first_token_fails() 
         panic!("no prefill output");
     };
     out.first.id = tok.encode_ordinary("z")[0];
-    let admitted = dec.admission().admit(request(&vocab, 0, Some(s))).unwrap();
-    let reservation = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(dec.reserve_import(admitted, "bad".into()))
-        .unwrap();
-    let manifest = Manifest::describe(
-        reservation.ticket(),
-        "bad".into(),
-        IsolationDomain::tenant("alice"),
-        &out,
-    );
-    let mut t = reservation.begin(manifest).unwrap();
-    for (p, page) in out.pages.iter().enumerate() {
-        let tokens = (out.prompt.len() - p * out.page_tokens).min(out.page_tokens);
-        t.receive_page(p, tokens, page).unwrap();
-    }
-    let err = collect(dec.submit_import(t.finish().unwrap()).unwrap()).unwrap_err();
+    let err = decode(&dec, request(&vocab, 0, Some(s)), &out, "bad").unwrap_err();
     assert!(err.contains("constraint"), "{err}");
 }

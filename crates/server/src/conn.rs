@@ -18,7 +18,9 @@
 //!   byte at a time, cannot hold a connection.
 //! * A response that the client does not keep up with is dropped once the bytes handed to
 //!   the socket have not all gone out for [`ConnectionLimits::send_timeout`], however
-//!   slowly the client reads meanwhile, and its generation with it: the connection is reset
+//!   slowly the client reads meanwhile, and its generation with it (a stream also watches
+//!   its own backlog, in events and in bytes hyper holds: `routes::stream`, through
+//!   [`ConnectionControl::bytes_sent`]): the connection is reset
 //!   (not closed in order, which would leave the kernel trickling what it buffered to the
 //!   slow client), so its place and its pages come back within the timeout.
 //! * The errors hyper answers by itself, before any handler runs (400 for an unparsable
@@ -29,7 +31,7 @@ use std::future::Future;
 use std::io;
 use std::net::{IpAddr, Ipv6Addr};
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
@@ -161,14 +163,14 @@ pub async fn serve_router(
         let _ = stream.set_nodelay(true);
         keep_backlog_in_process(&stream);
         let control = ConnectionControl::new(limits.send_timeout);
-        let reset = control.reset.clone();
+        let (reset, sent) = (control.reset.clone(), control.sent.clone());
         let service = TowerToHyperService::new(router.clone().layer(Extension(control)));
         let limits = limits.clone();
         let mut stop = stop_rx.clone();
         tokio::spawn(async move {
             let _place = place;
             let _share = share;
-            let io = TokioIo::new(GuardedIo::new(stream, limits.send_timeout, reset));
+            let io = TokioIo::new(GuardedIo::new(stream, limits.send_timeout, reset, sent));
             let mut builder = http1::Builder::new();
             builder
                 .timer(TokioTimer::new())
@@ -363,6 +365,8 @@ impl Reset for tokio::io::DuplexStream {
 #[derive(Debug, Clone)]
 pub struct ConnectionControl {
     reset: Arc<AtomicBool>,
+    /// Bytes the socket has taken on this connection, all responses together.
+    sent: Arc<AtomicU64>,
     /// [`ConnectionLimits::send_timeout`]: how long a response may wait on its client.
     pub send_timeout: Duration,
 }
@@ -371,8 +375,17 @@ impl ConnectionControl {
     fn new(send_timeout: Duration) -> Self {
         Self {
             reset: Arc::default(),
+            sent: Arc::default(),
             send_timeout,
         }
+    }
+
+    /// Bytes the socket has taken on this connection so far. What a response handed to
+    /// hyper beyond this waits in hyper's own buffer (up to 400 KiB, which it fills before
+    /// it stops asking the stream for more): the stream compares the two to see a slow
+    /// client's backlog there.
+    pub fn bytes_sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
     }
 
     /// Resets the connection when it ends instead of closing it in order, so that bytes
@@ -394,6 +407,8 @@ struct GuardedIo<S: Reset> {
     stalled: Option<Pin<Box<Sleep>>>,
     /// Set by the request's handler (or a stalled write): reset rather than close.
     reset: Arc<AtomicBool>,
+    /// [`ConnectionControl::bytes_sent`].
+    sent: Arc<AtomicU64>,
     /// A replacement being written: its bytes, how many went out, and the length of the
     /// original write to report once it is all out.
     rewrite: Option<(Vec<u8>, usize, usize)>,
@@ -408,12 +423,18 @@ impl<S: Reset> Drop for GuardedIo<S> {
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin + Reset> GuardedIo<S> {
-    fn new(stream: S, send_timeout: Duration, reset: Arc<AtomicBool>) -> Self {
+    fn new(
+        stream: S,
+        send_timeout: Duration,
+        reset: Arc<AtomicBool>,
+        sent: Arc<AtomicU64>,
+    ) -> Self {
         Self {
             stream,
             send_timeout,
             stalled: None,
             reset,
+            sent,
             rewrite: None,
         }
     }
@@ -434,6 +455,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin + Reset> GuardedIo<S> {
         match Pin::new(&mut self.stream).poll_write(cx, buf) {
             Poll::Ready(r) => {
                 self.progressed();
+                if let Ok(n) = r {
+                    self.sent.fetch_add(n as u64, Ordering::Relaxed);
+                }
                 Poll::Ready(r)
             }
             Poll::Pending if self.stalled_too_long(cx) => {
@@ -538,7 +562,12 @@ mod tests {
     #[tokio::test]
     async fn a_write_nobody_reads_fails_after_the_send_timeout() {
         let (ours, _theirs) = tokio::io::duplex(64);
-        let mut io = GuardedIo::new(ours, Duration::from_millis(50), Arc::default());
+        let mut io = GuardedIo::new(
+            ours,
+            Duration::from_millis(50),
+            Arc::default(),
+            Arc::default(),
+        );
         let chunk = [b'x'; 1024];
         // Liveness bound only: the write fails about 50 ms after the buffer fills.
         let written = tokio::time::timeout(Duration::from_secs(30), async {

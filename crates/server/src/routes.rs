@@ -384,18 +384,27 @@ struct StreamState {
     generation: Generation,
     meta: ResponseMeta,
     include_usage: bool,
-    queue: VecDeque<SseEvent>,
+    /// Events ready for hyper, with their sizes on the wire.
+    queue: VecDeque<(SseEvent, u64)>,
     finished: bool,
     /// Dropped with the stream: when it ends, or when the client hangs up.
     _permit: crate::tenants::Permit,
     control: Option<ConnectionControl>,
-    /// Since when the client has been at least [`BEHIND_EVENTS`] events behind.
+    /// The connection's bytes sent when this stream began, and the bytes of the events it
+    /// has handed to hyper since.
+    sent_before: u64,
+    handed: u64,
+    /// Since when the client has been behind ([`BEHIND_EVENTS`], [`BEHIND_BYTES`]).
     behind_since: Option<Instant>,
 }
 
 /// Events waiting for a client that count as falling behind (a client that keeps up finds
 /// none or one waiting when it asks for more).
 const BEHIND_EVENTS: usize = 8;
+/// Bytes handed to hyper and not yet taken by the socket that count as falling behind:
+/// hyper buffers up to 400 KiB of a response before it stops taking events, so a slow
+/// reader's backlog waits there, not among the events.
+const BEHIND_BYTES: u64 = 16 * 1024;
 
 impl StreamState {
     /// True once the client has been behind its generation for the send timeout: it reads,
@@ -405,7 +414,10 @@ impl StreamState {
         let Some(control) = &self.control else {
             return false;
         };
-        if self.generation.backlog() < BEHIND_EVENTS {
+        let unsent = self
+            .handed
+            .saturating_sub(control.bytes_sent().saturating_sub(self.sent_before));
+        if self.generation.backlog() < BEHIND_EVENTS && unsent < BEHIND_BYTES {
             self.behind_since = None;
             return false;
         }
@@ -418,8 +430,11 @@ impl StreamState {
     }
 }
 
-fn data(v: &Value) -> SseEvent {
-    SseEvent::default().data(v.to_string())
+/// An event and its size on the wire (`data: ` + the JSON + a blank line).
+fn data(v: &Value) -> (SseEvent, u64) {
+    let text = v.to_string();
+    let size = text.len() as u64 + 8;
+    (SseEvent::default().data(text), size)
 }
 
 /// Server-sent events. The stream owns the generation: when the client disconnects, the
@@ -433,6 +448,7 @@ fn stream(
     if started.meta.api == Api::Chat {
         queue.push_back(data(&started.meta.role_chunk(include_usage)));
     }
+    let sent_before = control.as_ref().map_or(0, ConnectionControl::bytes_sent);
     let state = StreamState {
         generation: started.generation,
         meta: started.meta,
@@ -441,11 +457,14 @@ fn stream(
         finished: false,
         _permit: started.permit,
         control,
+        sent_before,
+        handed: 0,
         behind_since: None,
     };
     let events = futures_util::stream::unfold(state, |mut st| async move {
         loop {
-            if let Some(ev) = st.queue.pop_front() {
+            if let Some((ev, size)) = st.queue.pop_front() {
+                st.handed += size;
                 return Some((Ok(ev), st));
             }
             if st.finished {
@@ -480,7 +499,7 @@ fn stream(
                     if st.include_usage {
                         st.queue.push_back(data(&st.meta.usage_chunk(&usage)));
                     }
-                    st.queue.push_back(SseEvent::default().data("[DONE]"));
+                    st.queue.push_back((SseEvent::default().data("[DONE]"), 14));
                     st.finished = true;
                 }
                 Some(Step::Failed(e)) => {
