@@ -82,8 +82,18 @@ pub fn request_from_pb(
         return Err(invalid("tenant is required"));
     }
     let mut s = r.sampling.ok_or_else(|| invalid("sampling is required"))?;
-    let constraint = match s.constraint.take() {
+    let constraint = s.constraint.take();
+    let sampling = sampling_from_pb(s)?;
+    if r.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+        return Err(invalid("logprobs out of range"));
+    }
+    // Compiling is the expensive check: last, once everything cheaper has passed.
+    let constraint = match constraint {
         None => None,
+        // The public API refuses the pair: a constrained answer ends when it is complete.
+        Some(_) if r.ignore_eos => {
+            return Err(invalid("constraint: cannot be combined with ignore_eos"))
+        }
         Some(c) => {
             let spec = ConstraintSpec::from_parts(&c.kind, &c.text)
                 .map_err(|e| invalid(&format!("constraint: {e}")))?;
@@ -94,10 +104,6 @@ pub fn request_from_pb(
             )
         }
     };
-    let sampling = sampling_from_pb(s)?;
-    if r.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
-        return Err(invalid("logprobs out of range"));
-    }
     let request = GenerateRequest {
         domain: domain(r.tenant, r.salt),
         prompt: r.prompt,
@@ -429,6 +435,11 @@ mod tests {
                 err.message()
             );
         }
+        // A valid constraint with ignore_eos, which the public API refuses, is refused too.
+        let mut pb = request_to_pb("r1", &sent);
+        pb.ignore_eos = true;
+        let err = request_from_pb(pb, &vocab).expect_err("ignore_eos with a constraint");
+        assert!(err.message().contains("ignore_eos"), "{}", err.message());
     }
 
     #[test]
