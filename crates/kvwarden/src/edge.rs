@@ -61,6 +61,11 @@ pub struct EdgeArgs {
     /// refused).
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
+    /// The syntax the model calls tools in: hermes (`<tool_call>`, Qwen), llama3, mistral
+    /// (`[TOOL_CALLS]`) or generic (kvwarden's own JSON form, taught in a system message).
+    /// Unset, it is the chat template's family.
+    #[arg(long)]
+    pub tool_format: Option<String>,
 }
 
 impl EdgeArgs {
@@ -92,6 +97,14 @@ impl EdgeArgs {
 
     /// Applies the connection limits to the state; refuses limits the process cannot keep.
     pub fn configure(&self, state: &mut server::AppState) -> Result<()> {
+        if let Some(name) = &self.tool_format {
+            state.tool_format = server::tools::ToolFormat::from_name(name).with_context(|| {
+                format!(
+                    "--tool-format {name:?} is not a tool-call syntax ({})",
+                    server::tools::ToolFormat::NAMES
+                )
+            })?;
+        }
         if self.max_connections == 0 || self.header_timeout == 0 || self.body_timeout == 0 {
             bail!("--max-connections, --header-timeout and --body-timeout must be positive");
         }

@@ -6,7 +6,15 @@
 //! template is rendered with a placeholder in place of each message's content; the
 //! template's own text is tokenized with control tokens parsed, and each content with
 //! them treated as plain text.
+//!
+//! Tool definitions and the calls of earlier turns are rendered by the template as its
+//! own text (templates index their fields, compare their types, count an id's length, so
+//! they cannot be swapped for markers): every string in them, keys included, is refused if
+//! it holds control-token text or could complete one beside the template's text
+//! ([`Tokenizer::could_form_control`]). A tool's answer is a message's content, marked like
+//! any other.
 
+use serde_json::Value;
 use tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
 
 use crate::error::ApiError;
@@ -28,17 +36,27 @@ pub fn prompt_tokens(
     tok: &Tokenizer,
     template: &ChatTemplate,
     messages: &[ChatMessage],
+    tools: Option<&Value>,
     fits: &dyn Fn(usize) -> Result<(), ApiError>,
     cancel: &Cancel,
 ) -> Result<Vec<u32>, ApiError> {
+    check_template_text(tok, messages, tools)?;
     let placeholders: Vec<ChatMessage> = messages
         .iter()
         .enumerate()
-        .map(|(i, m)| ChatMessage::new(m.role.clone(), marker(i)))
+        .map(|(i, m)| ChatMessage {
+            content: if m.content.is_empty() {
+                // Empty stays empty: templates test for it (a call-only assistant turn).
+                String::new()
+            } else {
+                marker(i)
+            },
+            ..m.clone()
+        })
         .collect();
-    let skeleton = template.render(&placeholders, true)?;
+    let skeleton = template.render_with_tools(&placeholders, tools, true)?;
     cancel.check()?;
-    let real = template.render(messages, true)?;
+    let real = template.render_with_tools(messages, tools, true)?;
     cancel.check()?;
     fits(real.len())?;
 
@@ -66,6 +84,59 @@ pub fn prompt_tokens(
             Some("messages".to_owned()),
             "Message content contains control-token text that this model's chat template cannot keep apart from its own.",
         ))
+    }
+}
+
+/// Refuses tool text that the template would render as its own and that could speak in
+/// control tokens, naming where it is.
+fn check_template_text(
+    tok: &Tokenizer,
+    messages: &[ChatMessage],
+    tools: Option<&Value>,
+) -> Result<(), ApiError> {
+    let refuse = |param: String| {
+        Err(ApiError::invalid(
+            "invalid_value",
+            Some(param.clone()),
+            format!("'{param}' contains text that this model's chat template would read as a control token."),
+        ))
+    };
+    if let Some(tools) = tools {
+        if json_strings_could_form_control(tok, tools) {
+            return refuse("tools".into());
+        }
+    }
+    for (i, m) in messages.iter().enumerate() {
+        if let Some(calls) = &m.tool_calls {
+            if json_strings_could_form_control(tok, calls) {
+                return refuse(format!("messages[{i}].tool_calls"));
+            }
+        }
+        for (field, v) in [("tool_call_id", &m.tool_call_id), ("name", &m.name)] {
+            if v.as_deref().is_some_and(|s| unsafe_literal(tok, s)) {
+                return refuse(format!("messages[{i}].{field}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Control-token text, or our marker characters, which the skeleton must hold only where
+/// a content was.
+fn unsafe_literal(tok: &Tokenizer, s: &str) -> bool {
+    s.contains(OPEN) || s.contains(CLOSE) || tok.could_form_control(s)
+}
+
+fn json_strings_could_form_control(tok: &Tokenizer, v: &Value) -> bool {
+    match v {
+        Value::String(s) => unsafe_literal(tok, s),
+        Value::Array(items) => items
+            .iter()
+            .any(|i| json_strings_could_form_control(tok, i)),
+        Value::Object(map) => map
+            .iter()
+            .any(|(k, v)| unsafe_literal(tok, k) || json_strings_could_form_control(tok, v)),
+        _ => false,
     }
 }
 

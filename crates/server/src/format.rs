@@ -7,6 +7,7 @@ use serde_json::{json, Map, Value};
 use tokenizer::Tokenizer;
 
 use crate::generation::{Chunk, TokenOut};
+use crate::tools::{Call, ToolCalling, ToolFormat};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
@@ -22,6 +23,8 @@ pub struct ResponseMeta {
     pub model: String,
     pub logprobs: bool,
     pub tok: Arc<Tokenizer>,
+    /// The request's tools: a chat answer is parsed for their calls.
+    pub tools: Option<Arc<ToolCalling>>,
 }
 
 pub fn finish_reason(r: FinishReason) -> &'static str {
@@ -139,16 +142,68 @@ impl ResponseMeta {
         m
     }
 
+    /// The id of the answer's `index`th call: derived from the response's id, so it is as
+    /// opaque; Mistral's templates take only ids of 9 letters and digits.
+    fn call_id(&self, index: usize) -> String {
+        use std::hash::{Hash, Hasher};
+        const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (&self.id, index).hash(&mut h);
+        let mut bits =
+            u128::from(h.finish()) << 64 | u128::from(h.finish().rotate_left(17) ^ index as u64);
+        let len = match self.tools.as_ref().map(|t| t.format) {
+            Some(ToolFormat::Mistral) => 9,
+            _ => 20,
+        };
+        let mut s = String::with_capacity(len + 5);
+        for _ in 0..len {
+            s.push(ALPHABET[(bits % 62) as usize] as char);
+            bits /= 62;
+        }
+        match self.tools.as_ref().map(|t| t.format) {
+            Some(ToolFormat::Mistral) => s,
+            _ => format!("call_{s}"),
+        }
+    }
+
+    fn call_json(&self, index: usize, call: &Call) -> Value {
+        json!({
+            "id": self.call_id(index),
+            "type": "function",
+            "function": { "name": call.name, "arguments": call.arguments },
+        })
+    }
+
     /// The whole non-streamed response.
     pub fn response(&self, output: &Chunk, reason: FinishReason, usage: &Usage) -> Value {
-        let choice = match self.api {
-            Api::Chat => json!({
+        let parsed = match (&self.tools, self.api, reason) {
+            (Some(t), Api::Chat, FinishReason::Stop) => {
+                Some(t.format.parse(&output.text, &t.tools)).filter(|p| !p.calls.is_empty())
+            }
+            _ => None,
+        };
+        let choice = match (self.api, parsed) {
+            (Api::Chat, Some(parsed)) => {
+                let calls: Vec<Value> = parsed
+                    .calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| self.call_json(i, c))
+                    .collect();
+                json!({
+                    "index": 0,
+                    "message": { "role": "assistant", "content": parsed.content, "tool_calls": calls },
+                    "logprobs": self.logprobs_json(&output.tokens),
+                    "finish_reason": "tool_calls",
+                })
+            }
+            (Api::Chat, None) => json!({
                 "index": 0,
                 "message": { "role": "assistant", "content": output.text },
                 "logprobs": self.logprobs_json(&output.tokens),
                 "finish_reason": finish_reason(reason),
             }),
-            Api::Completion => json!({
+            (Api::Completion, _) => json!({
                 "index": 0,
                 "text": output.text,
                 "logprobs": self.logprobs_json(&output.tokens),
@@ -201,6 +256,31 @@ impl ResponseMeta {
             }),
         };
         self.stream_chunk(vec![choice], include_usage)
+    }
+
+    /// A streamed answer's calls as OpenAI's deltas: per call, one chunk that opens it (its
+    /// index, id and name, empty arguments) and one with its arguments; then the last chunk,
+    /// whose finish reason is `tool_calls`.
+    pub fn tool_call_chunks(&self, calls: &[Call], include_usage: bool) -> Vec<Value> {
+        let mut out = Vec::with_capacity(2 * calls.len() + 1);
+        let chunk = |delta: Value, finish: Value| {
+            let choice = json!({ "index": 0, "delta": delta, "logprobs": Value::Null, "finish_reason": finish });
+            self.stream_chunk(vec![choice], include_usage)
+        };
+        for (i, c) in calls.iter().enumerate() {
+            let opening = json!({ "tool_calls": [{
+                "index": i,
+                "id": self.call_id(i),
+                "type": "function",
+                "function": { "name": c.name, "arguments": "" },
+            }]});
+            out.push(chunk(opening, Value::Null));
+            let arguments =
+                json!({ "tool_calls": [{ "index": i, "function": { "arguments": c.arguments } }] });
+            out.push(chunk(arguments, Value::Null));
+        }
+        out.push(chunk(json!({}), Value::from("tool_calls")));
+        out
     }
 
     /// The extra last chunk `stream_options.include_usage` asks for: no choices, usage.

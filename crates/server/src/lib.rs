@@ -28,6 +28,7 @@ pub mod stop;
 pub mod structured;
 pub mod tenants;
 mod tokenize;
+pub mod tools;
 pub mod validation;
 
 use std::future::Future;
@@ -86,6 +87,9 @@ pub struct AppState {
     /// Compiles structured outputs' constraints: the model's vocabulary only, shared by
     /// every request (each compiles its own parser from it).
     pub vocabulary: Arc<constraint::Vocabulary>,
+    /// The call syntax tool calling expects: the chat template's family, or the
+    /// operator's choice (`--tool-format`).
+    pub tool_format: tools::ToolFormat,
 }
 
 impl AppState {
@@ -102,7 +106,11 @@ impl AppState {
             backend.admission().vocab_size(),
             tokenizer.eos_id(),
         ));
+        let tool_format = template.as_ref().map_or(tools::ToolFormat::Generic, |t| {
+            tools::ToolFormat::detect(t.source())
+        });
         Self {
+            tool_format,
             vocabulary,
             backend,
             max_bytes_per_token: tokenizer.max_bytes_per_token(),

@@ -173,8 +173,7 @@ pub struct Message {
     pub role: String,
     pub content: Option<Content>,
     pub name: Option<String>,
-    /// An assistant turn's calls and a tool turn's answer: refused unless null until tool
-    /// calling is served, so a history that holds them is never silently shortened.
+    /// An assistant turn's calls, and the call a tool turn answers.
     pub tool_calls: Option<Value>,
     pub tool_call_id: Option<Value>,
     pub function_call: Option<Value>,

@@ -19,6 +19,7 @@ use crate::conn::ConnectionControl;
 use crate::error::ApiError;
 use crate::format::{Api, ResponseMeta};
 use crate::generation::{Chunk, Generation, Step};
+use crate::tools::stream::ToolStream;
 use crate::validation::{self, PromptInput, ServedModel, Settings, ValidChat};
 use crate::{body, chat_prompt, AppState, MetricsAccess};
 
@@ -165,7 +166,11 @@ async fn start_completion(
     start(
         app,
         Caller { tenant, permit },
-        Prepared { prompt, constraint },
+        Prepared {
+            prompt,
+            constraint,
+            tools: None,
+        },
         req.settings,
         req.logprobs,
         Api::Completion,
@@ -186,6 +191,7 @@ async fn start_chat(
             logprobs,
             messages,
             template,
+            tools,
         },
     ) = accept(app, headers, body, validation::chat).await?;
     let permit = app.tenants.acquire(tenant.tenant_name(), 0)?;
@@ -203,17 +209,33 @@ async fn start_chat(
                 input_param: "messages",
             })
     };
+    let tools = tools.map(Arc::new);
+    let rendered_tools = tools
+        .as_ref()
+        .filter(|t| t.format.template_renders_tools())
+        .map(|t| t.declared.clone());
     let prompt = app
         .prompt_workers
         .run(tenant.tenant_name(), move |cancel| {
-            chat_prompt::prompt_tokens(&tok, &template, &messages, &fits, cancel)
-                .map(|t| tok.with_bos(t))
+            chat_prompt::prompt_tokens(
+                &tok,
+                &template,
+                &messages,
+                rendered_tools.as_ref(),
+                &fits,
+                cancel,
+            )
+            .map(|t| tok.with_bos(t))
         })
         .await?;
     start(
         app,
         Caller { tenant, permit },
-        Prepared { prompt, constraint },
+        Prepared {
+            prompt,
+            constraint,
+            tools,
+        },
         settings,
         logprobs,
         Api::Chat,
@@ -270,16 +292,22 @@ async fn compile_constraint(
         .await
 }
 
-/// What the prompt workers made of a request: its tokens and its compiled constraint.
+/// What the prompt workers made of a request: its tokens and its compiled constraint,
+/// and the tools its answer is parsed for.
 struct Prepared {
     prompt: Vec<u32>,
     constraint: Option<constraint::RowConstraint>,
+    tools: Option<Arc<crate::tools::ToolCalling>>,
 }
 
 async fn start(
     app: &Arc<AppState>,
     Caller { tenant, mut permit }: Caller,
-    Prepared { prompt, constraint }: Prepared,
+    Prepared {
+        prompt,
+        constraint,
+        tools,
+    }: Prepared,
     settings: Settings,
     logprobs: Option<usize>,
     api: Api,
@@ -341,6 +369,7 @@ async fn start(
             model: app.model_name.clone(),
             logprobs: logprobs.is_some(),
             tok: app.tokenizer.clone(),
+            tools,
         },
         settings,
         permit,
@@ -382,6 +411,8 @@ async fn collect(mut started: Started) -> Response {
 
 struct StreamState {
     generation: Generation,
+    /// Holds back text that may be a tool call, when the request declared tools.
+    tool_stream: Option<ToolStream>,
     meta: ResponseMeta,
     include_usage: bool,
     /// Events ready for hyper, with their sizes on the wire.
@@ -449,7 +480,14 @@ fn stream(
         queue.push_back(data(&started.meta.role_chunk(include_usage)));
     }
     let sent_before = control.as_ref().map_or(0, ConnectionControl::bytes_sent);
+    let tool_stream = started
+        .meta
+        .tools
+        .clone()
+        .filter(|_| started.meta.api == Api::Chat)
+        .map(ToolStream::new);
     let state = StreamState {
+        tool_stream,
         generation: started.generation,
         meta: started.meta,
         include_usage,
@@ -482,20 +520,48 @@ fn stream(
             }
             match st.generation.next().await {
                 None => st.finished = true,
-                Some(Step::Chunk(c)) => {
+                Some(Step::Chunk(mut c)) => {
+                    if let Some(tools) = &mut st.tool_stream {
+                        c.text = tools.push(&c.text);
+                        if c.text.is_empty() && !st.meta.logprobs {
+                            continue;
+                        }
+                    }
                     st.queue
                         .push_back(data(&st.meta.delta_chunk(&c, None, st.include_usage)));
                 }
                 Some(Step::Done {
-                    tail,
+                    mut tail,
                     reason,
                     usage,
                 }) => {
-                    st.queue.push_back(data(&st.meta.delta_chunk(
-                        &tail,
-                        Some(reason),
-                        st.include_usage,
-                    )));
+                    let calls = match &mut st.tool_stream {
+                        Some(tools) => {
+                            let (rest, calls) =
+                                tools.finish(&tail.text, reason == engine::FinishReason::Stop);
+                            tail.text = rest;
+                            calls
+                        }
+                        None => Vec::new(),
+                    };
+                    if calls.is_empty() {
+                        st.queue.push_back(data(&st.meta.delta_chunk(
+                            &tail,
+                            Some(reason),
+                            st.include_usage,
+                        )));
+                    } else {
+                        if !tail.text.is_empty() || st.meta.logprobs {
+                            st.queue.push_back(data(&st.meta.delta_chunk(
+                                &tail,
+                                None,
+                                st.include_usage,
+                            )));
+                        }
+                        for ev in st.meta.tool_call_chunks(&calls, st.include_usage) {
+                            st.queue.push_back(data(&ev));
+                        }
+                    }
                     if st.include_usage {
                         st.queue.push_back(data(&st.meta.usage_chunk(&usage)));
                     }

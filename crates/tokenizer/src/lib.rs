@@ -17,6 +17,7 @@ mod decoder;
 mod encode;
 mod load;
 mod pretokenize;
+mod pyjson;
 mod spm;
 mod strftime;
 mod template;
@@ -216,6 +217,26 @@ impl Tokenizer {
             }
         }
         tokens
+    }
+
+    /// Whether `text`, placed among a chat template's own text (which is tokenized with
+    /// control tokens parsed), could make a control token: it holds the text of one that
+    /// [`Self::encode_ordinary`] would not match, or it ends with the start of one or starts
+    /// with the end of one, which the template's text beside it could complete. Strings a
+    /// template renders as its own text (tool definitions, tool calls) must not.
+    pub fn could_form_control(&self, text: &str) -> bool {
+        self.specials
+            .iter()
+            .filter(|id| !self.user_defined.contains(id))
+            .map(|&id| self.texts[id as usize].as_str())
+            .filter(|needle| !needle.is_empty())
+            .any(|needle| {
+                text.contains(needle)
+                    || (1..needle.len()).any(|k| {
+                        needle.is_char_boundary(k)
+                            && (text.ends_with(&needle[..k]) || text.starts_with(&needle[k..]))
+                    })
+            })
     }
 
     pub fn is_control(&self, id: u32) -> bool {

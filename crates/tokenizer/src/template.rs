@@ -9,11 +9,23 @@ const TEMPLATE_NAME: &str = "chat";
 /// so it can be told apart from a broken template.
 const RAISE_MARKER: &str = "\u{1}raise_exception\u{1}";
 
-/// One chat turn.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// One chat turn, as Hugging Face's `apply_chat_template` receives it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {
     pub role: String,
+    /// The turn's text; an assistant turn that only calls tools renders it as `none`.
     pub content: String,
+    /// An assistant turn's calls: `[{"id", "type": "function", "function": {"name",
+    /// "arguments"}}]`, the arguments an object (as templates index them) where they parse
+    /// as one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool turn's answer: the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool turn's function name, or a participant's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -21,7 +33,31 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
+    }
+
+    /// The message as the template sees it.
+    fn to_value(&self) -> Value {
+        let mut pairs: Vec<(&str, Value)> = vec![("role", Value::from(self.role.clone()))];
+        let content = if self.content.is_empty() && self.tool_calls.is_some() {
+            Value::from(())
+        } else {
+            Value::from(self.content.clone())
+        };
+        pairs.push(("content", content));
+        if let Some(calls) = &self.tool_calls {
+            pairs.push(("tool_calls", Value::from(minijinja::value::Serde(calls))));
+        }
+        if let Some(id) = &self.tool_call_id {
+            pairs.push(("tool_call_id", Value::from(id.clone())));
+        }
+        if let Some(name) = &self.name {
+            pairs.push(("name", Value::from(name.clone())));
+        }
+        Value::from_pairs(pairs)
     }
 }
 
@@ -44,6 +80,7 @@ pub enum TemplateError {
 /// dropped — since templates are written against those settings.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -89,13 +126,20 @@ impl ChatTemplate {
                 .map(Value::from)
                 .map_err(|e| Error::new(ErrorKind::InvalidOperation, e))
         });
+        env.add_filter("tojson", crate::pyjson::tojson);
         env.add_template_owned(TEMPLATE_NAME, source.to_owned())
             .map_err(TemplateError::Compile)?;
         Ok(ChatTemplate {
             env,
+            source: source.to_owned(),
             bos_token: String::new(),
             eos_token: String::new(),
         })
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Pins the time every template's `strftime_now` renders (seconds since the Unix epoch,
@@ -122,22 +166,30 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
-        let messages: Value = messages
-            .iter()
-            .map(|m| {
-                Value::from_pairs([
-                    ("role", Value::from(m.role.clone())),
-                    ("content", Value::from(m.content.clone())),
-                ])
-            })
-            .collect();
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// As [`Self::render`], with the request's `tools` (OpenAI's `[{"type": "function",
+    /// "function": {...}}]`) as the template's `tools` variable; absent, it is undefined,
+    /// as it is for llama.cpp's and Hugging Face's renderers.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
+        let messages: Value = messages.iter().map(ChatMessage::to_value).collect();
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(TemplateError::Render)?;
+        let tools = tools.map_or(Value::UNDEFINED, |t| {
+            Value::from(minijinja::value::Serde(t))
+        });
         template
             .render(context! {
                 messages,
+                tools,
                 add_generation_prompt,
                 bos_token => self.bos_token.clone(),
                 eos_token => self.eos_token.clone(),

@@ -14,6 +14,7 @@ use engine::{Penalties, SamplingParams};
 
 use crate::error::ApiError;
 use crate::request::{ChatRequest, Common, CompletionRequest, Content, Message, Prompt, Stop};
+use crate::tools::{ToolCalling, ToolFormat};
 use crate::AppState;
 
 /// Most stop strings a request may give (OpenAI's limit).
@@ -35,6 +36,9 @@ pub struct ServedModel<'a> {
     pub vocab_size: usize,
     /// `None` when the model has no chat template: chat requests are then refused.
     pub template: Option<&'a Arc<ChatTemplate>>,
+    pub tool_format: ToolFormat,
+    /// The vocabulary's control token for the tool format's call marker, if it has one.
+    pub tool_marker: Option<u32>,
 }
 
 impl<'a> ServedModel<'a> {
@@ -44,6 +48,12 @@ impl<'a> ServedModel<'a> {
             max_context: app.backend.admission().max_context(),
             vocab_size: app.backend.admission().vocab_size(),
             template: app.template.as_ref(),
+            tool_format: app.tool_format,
+            tool_marker: app
+                .tool_format
+                .marker()
+                .and_then(|m| app.tokenizer.token_id(m))
+                .filter(|&id| app.tokenizer.is_control(id)),
         }
     }
 }
@@ -63,9 +73,11 @@ pub struct ValidChat {
     pub settings: Settings,
     /// How many alternatives per token, when logprobs are wanted.
     pub logprobs: Option<usize>,
-    /// Roles normalized, contents as text.
+    /// Roles normalized, contents as text, tool calls as templates take them.
     pub messages: Vec<ChatMessage>,
     pub template: Arc<ChatTemplate>,
+    /// The request's tools, when it declares some and may call them.
+    pub tools: Option<ToolCalling>,
 }
 
 /// `/v1/completions`: model, parameters, then the prompt.
@@ -87,7 +99,19 @@ pub fn completion(
 /// content, message by message), then the template.
 pub fn chat(req: &ChatRequest, model: &ServedModel) -> Result<ValidChat, ApiError> {
     check_model(model, &req.model)?;
-    let (settings, logprobs) = req.parameters(model.vocab_size)?;
+    let (mut settings, logprobs) = req.parameters(model.vocab_size)?;
+    let tools = crate::tools::requested(
+        req.tools.as_ref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls.as_ref(),
+        model.tool_format,
+    )?;
+    if let Some(grammar) = tools
+        .as_ref()
+        .and_then(|t| t.forced_grammar(model.tool_marker))
+    {
+        force_tool_call(&mut settings, grammar)?;
+    }
     if req.messages.is_empty() {
         return Err(ApiError::invalid(
             "invalid_value",
@@ -103,13 +127,45 @@ pub fn chat(req: &ChatRequest, model: &ServedModel) -> Result<ValidChat, ApiErro
                 "invalid_value",
                 Some(format!("messages[{i}].role")),
                 format!(
-                    "Unsupported role '{}' in messages[{i}]; use system, developer, user or assistant.",
+                    "Unsupported role '{}' in messages[{i}]; use system, developer, user, assistant or tool.",
                     m.role
                 ),
             )
         })?;
-        m.check_fields(i)?;
-        messages.push(ChatMessage::new(role, m.text(i)?));
+        m.check_fields(i, role)?;
+        let mut message = ChatMessage::new(role, m.text(i)?);
+        if let Some(calls) = m.tool_calls.as_ref().filter(|v| !v.is_null()) {
+            message.tool_calls = Some(crate::tools::history_calls(calls, i)?);
+        }
+        if role == "tool" {
+            message.tool_call_id = match m.tool_call_id.as_ref() {
+                None | Some(Value::Null) => None,
+                Some(Value::String(id)) => Some(id.clone()),
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        "invalid_value",
+                        Some(format!("messages[{i}].tool_call_id")),
+                        format!("'messages[{i}].tool_call_id' must be a string."),
+                    ))
+                }
+            };
+            message.name = m.name.clone();
+        }
+        messages.push(message);
+    }
+    if let Some(t) = tools
+        .as_ref()
+        .filter(|t| !t.format.template_renders_tools())
+    {
+        // The generic form: the template cannot show the tools, so a system message does.
+        let instructions = t.generic_instructions();
+        match messages.first_mut().filter(|m| m.role == "system") {
+            Some(system) => {
+                system.content.push_str("\n\n");
+                system.content.push_str(&instructions);
+            }
+            None => messages.insert(0, ChatMessage::new("system", instructions)),
+        }
     }
     let Some(template) = model.template.cloned() else {
         return Err(ApiError::invalid(
@@ -123,7 +179,47 @@ pub fn chat(req: &ChatRequest, model: &ServedModel) -> Result<ValidChat, ApiErro
         logprobs,
         messages,
         template,
+        tools,
     })
+}
+
+/// A `required` or named `tool_choice`: the answer is constrained to the call grammar,
+/// which no other constraint, stop string or ignore_eos may accompany.
+fn force_tool_call(settings: &mut Settings, grammar: String) -> Result<(), ApiError> {
+    if let Some(c) = &settings.constraint {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            param(c.param),
+            format!(
+                "'{}' cannot be combined with a required or named tool_choice, which constrains the answer to a call.",
+                c.param
+            ),
+        ));
+    }
+    if !settings.stops.is_empty() {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            param("stop"),
+            "stop cannot be combined with a required or named tool_choice: the answer ends when the call is complete.",
+        ));
+    }
+    if settings.ignore_eos {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            param("ignore_eos"),
+            "ignore_eos cannot be combined with a required or named tool_choice: the answer ends when the call is complete.",
+        ));
+    }
+    let requested = crate::structured::Requested {
+        spec: constraint::ConstraintSpec::Lark(grammar),
+        param: "tool_choice",
+    };
+    requested
+        .spec
+        .check_size()
+        .map_err(|e| crate::structured::compile_error("tools", &e))?;
+    settings.constraint = Some(requested);
+    Ok(())
 }
 
 fn check_model(served: &ServedModel, model: &str) -> Result<(), ApiError> {
@@ -141,6 +237,7 @@ pub fn normalize_role(role: &str) -> Option<&'static str> {
         "system" | "developer" => Some("system"),
         "user" => Some("user"),
         "assistant" => Some("assistant"),
+        "tool" => Some("tool"),
         _ => None,
     }
 }
@@ -524,17 +621,15 @@ pub enum PromptInput {
 impl ChatRequest {
     /// Returns the settings and, when logprobs are wanted, how many alternatives.
     fn parameters(&self, vocab_size: usize) -> Result<(Settings, Option<usize>), ApiError> {
+        // OpenAI's deprecated function calling; `tools` replaces it.
         for (name, v) in [
-            ("tools", &self.tools),
-            ("tool_choice", &self.tool_choice),
             ("functions", &self.functions),
             ("function_call", &self.function_call),
-            ("parallel_tool_calls", &self.parallel_tool_calls),
         ] {
             if v.as_ref().is_some_and(|v| !v.is_null()) {
                 return Err(ApiError::unsupported(
                     name,
-                    format!("{name} is not supported."),
+                    format!("{name} is deprecated and not supported; use tools and tool_choice."),
                 ));
             }
         }
@@ -566,18 +661,21 @@ impl ChatRequest {
 }
 
 impl Message {
-    /// Refuses what a message holds that kvwarden cannot render yet (tool calls and tool
-    /// results), rather than dropping it from the conversation.
-    fn check_fields(&self, index: usize) -> Result<(), ApiError> {
-        for (name, v) in [
-            ("tool_calls", &self.tool_calls),
-            ("tool_call_id", &self.tool_call_id),
-            ("function_call", &self.function_call),
+    /// Refuses what a message holds that its role cannot carry (calls outside an
+    /// assistant turn, a call id outside a tool turn, the deprecated `function_call`),
+    /// rather than dropping it from the conversation.
+    fn check_fields(&self, index: usize, role: &str) -> Result<(), ApiError> {
+        for (name, v, allowed) in [
+            ("tool_calls", &self.tool_calls, role == "assistant"),
+            ("tool_call_id", &self.tool_call_id, role == "tool"),
+            ("function_call", &self.function_call, false),
         ] {
-            if v.as_ref().is_some_and(|v| !v.is_null()) {
+            if !allowed && v.as_ref().is_some_and(|v| !v.is_null()) {
                 return Err(ApiError::unsupported(
                     &format!("messages[{index}].{name}"),
-                    format!("messages[{index}].{name}: tool calls are not supported."),
+                    format!(
+                        "messages[{index}].{name} is not supported on a message of role '{role}'."
+                    ),
                 ));
             }
         }

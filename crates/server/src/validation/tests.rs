@@ -93,8 +93,8 @@ fn chat_refusals() {
         Some("stop".into())
     );
     assert_eq!(
-        code(chat(&format!(r#"{{{M},"tools":[{{}}]}}"#))).1,
-        Some("tools".into())
+        code(chat(&format!(r#"{{{M},"functions":[{{}}]}}"#))).1,
+        Some("functions".into())
     );
     assert_eq!(
         code(chat(&format!(r#"{{{M},"presence_penalty":2.5}}"#))),
@@ -207,6 +207,8 @@ fn checks_run_in_order() {
         max_context: 3,
         vocab_size: VOCAB,
         template: Some(&template),
+        tool_format: crate::tools::ToolFormat::Hermes,
+        tool_marker: None,
     };
     let no_template = ServedModel {
         template: None,
@@ -385,10 +387,11 @@ fn unknown_fields_are_refused_by_name() {
     assert!(completion(r#"{"model":"m","prompt":"x","cache_prompt":true}"#).is_ok());
 }
 
-/// A message carrying tool calls or a tool's answer is refused, never shortened; an
-/// earlier answer's message sent back as OpenAI returns it (refusal null) is accepted.
+/// Tool calls belong to assistant turns and call ids to tool turns: elsewhere they are
+/// refused, never dropped; an earlier answer's message sent back as OpenAI returns it
+/// (refusal null) is accepted.
 #[test]
-fn tool_fields_of_a_message_are_refused_unless_null() {
+fn tool_fields_of_a_message_are_taken_only_where_their_role_carries_them() {
     let template =
         Arc::new(ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}").unwrap());
     let served = ServedModel {
@@ -396,15 +399,31 @@ fn tool_fields_of_a_message_are_refused_unless_null() {
         max_context: 100,
         vocab_size: VOCAB,
         template: Some(&template),
+        tool_format: crate::tools::ToolFormat::Hermes,
+        tool_marker: None,
     };
     let run = |body: &str| {
         let req: ChatRequest = decode(body.as_bytes()).unwrap();
         super::chat(&req, &served).map(|_| ())
     };
-    let e = run(r#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1"}]}]}"#).unwrap_err();
-    assert_eq!(e.param(), Some("messages[1].tool_calls"));
+    let e = run(r#"{"model":"m","messages":[{"role":"user","content":"hi","tool_calls":[]}]}"#)
+        .unwrap_err();
+    assert_eq!(e.param(), Some("messages[0].tool_calls"));
     assert_eq!(e.code(), "unsupported_parameter");
+    let e = run(r#"{"model":"m","messages":[{"role":"user","content":"hi","tool_call_id":"c1"}]}"#)
+        .unwrap_err();
+    assert_eq!(e.param(), Some("messages[0].tool_call_id"));
+    let e = run(r#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1"}]}]}"#).unwrap_err();
+    assert_eq!(e.param(), Some("messages[1].tool_calls[0].function"));
+    let e = run(r#"{"model":"m","messages":[{"role":"assistant","content":null,"function_call":{"name":"f"}}]}"#).unwrap_err();
+    assert_eq!(e.param(), Some("messages[0].function_call"));
     assert!(run(r#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo","refusal":null,"tool_calls":null}]}"#).is_ok());
-    let e = chat(&format!(r#"{{{M},"parallel_tool_calls":false}}"#)).unwrap_err();
-    assert_eq!(e.param(), Some("parallel_tool_calls"));
+    assert!(run(r#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{}"}}]},{"role":"tool","tool_call_id":"c1","content":"42"}]}"#).is_ok());
+    let e = run(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"required","stop":["x"]}"#).unwrap_err();
+    assert_eq!(e.param(), Some("stop"));
+    let e = run(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"required","response_format":{"type":"json_object"}}"#).unwrap_err();
+    assert_eq!(e.param(), Some("response_format"));
+    assert!(chat(&format!(r#"{{{M},"parallel_tool_calls":false}}"#)).is_ok());
+    let e = chat(&format!(r#"{{{M},"functions":[]}}"#)).unwrap_err();
+    assert_eq!(e.param(), Some("functions"));
 }
