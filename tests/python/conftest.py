@@ -216,7 +216,7 @@ class Node:
 ROUTER_FLAGS = {
     "--api-keys", "--max-body-bytes", "--max-context", "--max-connections", "--header-timeout",
     "--body-timeout", "--send-timeout", "--metrics-listen", "--tenant-max-requests",
-    "--tenant-max-tokens", "--max-connections-per-address",
+    "--tenant-max-tokens", "--max-connections-per-address", "--chat-template", "--tool-format",
 }
 ROUTER_AND_NODE_FLAGS = {"--max-context"}
 

@@ -170,6 +170,9 @@ HONOURED = {
     # Structured outputs (tests/python/test_structured.py).
     "grammar": 'root ::= "yes" | "no"', "json_schema": {"type": "object"},
     "response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a", "b"]},
+    # Tool calling (tests/python/test_tools.py).
+    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
+    "parallel_tool_calls": True,
     # Accepted without effect: the answer is the same either way.
     "cache_prompt": True, "user": "u1",
 }

@@ -13,7 +13,7 @@ const RAISE_MARKER: &str = "\u{1}raise_exception\u{1}";
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {
     pub role: String,
-    /// The turn's text; an assistant turn that only calls tools renders it as `none`.
+    /// The turn's text; empty for an assistant turn that only calls tools.
     pub content: String,
     /// An assistant turn's calls: `[{"id", "type": "function", "function": {"name",
     /// "arguments"}}]`, the arguments an object (as templates index them) where they parse
@@ -42,12 +42,9 @@ impl ChatMessage {
     /// The message as the template sees it.
     fn to_value(&self) -> Value {
         let mut pairs: Vec<(&str, Value)> = vec![("role", Value::from(self.role.clone()))];
-        let content = if self.content.is_empty() && self.tool_calls.is_some() {
-            Value::from(())
-        } else {
-            Value::from(self.content.clone())
-        };
-        pairs.push(("content", content));
+        // Always a string, empty for a turn that only calls tools: templates test it with
+        // `in` and `.split`, which fail on none (llama.cpp and vLLM pass "" too).
+        pairs.push(("content", Value::from(self.content.clone())));
         if let Some(calls) = &self.tool_calls {
             pairs.push(("tool_calls", Value::from(minijinja::value::Serde(calls))));
         }

@@ -212,7 +212,8 @@ fn force_tool_call(settings: &mut Settings, grammar: String) -> Result<(), ApiEr
     }
     let requested = crate::structured::Requested {
         spec: constraint::ConstraintSpec::Lark(grammar),
-        param: "tool_choice",
+        // The grammar is the tools' schemas: an error in one names them.
+        param: "tools",
     };
     requested
         .spec
