@@ -50,6 +50,8 @@ def test_audit_passes_against_kvwarden(audited_server, tmp_path):
     assert verdicts["capacity"] == verdicts["canaries"] == verdicts["status"] == "pass", out
     # Structured outputs: the schema enforced, streamed and whole the same.
     assert verdicts["structured"] == verdicts["stream_equality"] == "pass", out
+    # Tool calling: a required call names a declared function, its arguments validate.
+    assert verdicts["tool_calls"] == "pass", out
     # kvwarden is batch-invariant: every greedy answer is the same alone.
     d = rep["differential"]
     assert d["compared"] >= 3 and d["identical"] == d["compared"], d

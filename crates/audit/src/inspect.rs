@@ -115,6 +115,8 @@ pub(crate) fn status_problems(r: &Record, max_context: usize) -> Vec<(Severity, 
             format!("HTTP {status} without a finish_reason"),
         )),
         Some("stop") | Some("length") => {}
+        // OpenAI's reason for an answer that calls tools, when the answer made calls.
+        Some("tool_calls") if !ex.tool_calls.is_empty() => {}
         Some(other) => out.push((
             Severity::Warning,
             format!("unusual finish_reason {other:?}"),

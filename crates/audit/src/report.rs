@@ -32,7 +32,7 @@ pub enum Severity {
     Warning,
 }
 
-/// The seven checks, in the order they run.
+/// The eight checks, in the order they run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum CheckName {
@@ -43,10 +43,11 @@ pub enum CheckName {
     SideChannel,
     Structured,
     StreamEquality,
+    ToolCalls,
 }
 
 impl CheckName {
-    pub const ALL: [CheckName; 7] = [
+    pub const ALL: [CheckName; 8] = [
         CheckName::Capacity,
         CheckName::Canaries,
         CheckName::Differential,
@@ -54,6 +55,7 @@ impl CheckName {
         CheckName::SideChannel,
         CheckName::Structured,
         CheckName::StreamEquality,
+        CheckName::ToolCalls,
     ];
 
     pub fn title(self) -> &'static str {
@@ -65,6 +67,7 @@ impl CheckName {
             CheckName::SideChannel => "prefix-cache side channel",
             CheckName::Structured => "structured-output honesty",
             CheckName::StreamEquality => "stream = whole",
+            CheckName::ToolCalls => "tool-call validity",
         }
     }
 }
@@ -107,6 +110,7 @@ pub enum Kind {
     SideChannel,
     Structured,
     StreamPair,
+    ToolCall,
 }
 
 impl Kind {
@@ -128,6 +132,7 @@ impl Kind {
             Kind::Replay => "solo replay",
             Kind::Structured => "structured output",
             Kind::StreamPair => "stream = whole pair",
+            Kind::ToolCall => "tool call",
             Kind::SideChannel => "side channel",
         }
     }

@@ -50,6 +50,10 @@ impl Auditor {
             let result = self.stream_equality().await;
             results.push(result);
         }
+        if self.enabled(CheckName::ToolCalls) {
+            let result = self.tool_calls().await;
+            results.push(result);
+        }
         self.progress.finish();
         // Canary and status verdicts come last: they cover every request of the run,
         // replays and side-channel probes included.

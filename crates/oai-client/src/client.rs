@@ -78,6 +78,42 @@ pub struct StreamSeen {
 }
 
 /// Everything one call produced.
+/// One tool call of an answer: its function's name and its arguments' text.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ToolCallSeen {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// Merges a message's or a delta's `tool_calls` into `calls`: a whole message lists each
+/// call once; a stream's deltas name a call by `index` and add to its name and arguments.
+fn merge_tool_calls(calls: &mut Vec<ToolCallSeen>, message: Option<&Value>) {
+    let Some(list) = message
+        .and_then(|m| m.get("tool_calls"))
+        .and_then(Value::as_array)
+    else {
+        return;
+    };
+    for (position, tc) in list.iter().enumerate() {
+        let index = tc
+            .get("index")
+            .and_then(Value::as_u64)
+            .map_or(calls.len().max(position), |i| i as usize)
+            .min(1024);
+        if calls.len() <= index {
+            calls.resize(index + 1, ToolCallSeen::default());
+        }
+        let f = tc.get("function");
+        let part = |k: &str| {
+            f.and_then(|f| f.get(k))
+                .and_then(Value::as_str)
+                .unwrap_or("")
+        };
+        calls[index].name.push_str(part("name"));
+        calls[index].arguments.push_str(part("arguments"));
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct Exchange {
     pub status: Option<u16>,
@@ -90,6 +126,8 @@ pub struct Exchange {
     /// Token strings from `logprobs`, when asked for.
     pub logprob_tokens: Option<Vec<String>>,
     pub finish_reason: Option<String>,
+    /// A chat answer's tool calls (a stream's deltas joined by index).
+    pub tool_calls: Vec<ToolCallSeen>,
     pub usage: Option<UsageSeen>,
     pub stream: Option<StreamSeen>,
     /// `error.message` of an error body or error event.
@@ -409,6 +447,9 @@ fn stream_event(ex: &mut Exchange, api: Api, data: &str, start: Instant) {
     if let Some(t) = text {
         ex.content.push_str(&t);
     }
+    if api == Api::Chat {
+        merge_tool_calls(&mut ex.tool_calls, choice.get("delta"));
+    }
     if choice.get("logprobs").is_some_and(|l| !l.is_null()) {
         ex.logprob_tokens
             .get_or_insert_with(Vec::new)
@@ -434,6 +475,9 @@ fn whole_body(ex: &mut Exchange, api: Api) {
     if let Some(choice) = v.get("choices").and_then(|c| c.get(0)) {
         let (text, tokens) = choice_parts(api, choice);
         ex.content = text.unwrap_or_default();
+        if api == Api::Chat {
+            merge_tool_calls(&mut ex.tool_calls, choice.get("message"));
+        }
         if choice.get("logprobs").is_some_and(|l| !l.is_null()) {
             ex.logprob_tokens = Some(tokens);
         }
@@ -447,6 +491,43 @@ fn whole_body(ex: &mut Exchange, api: Api) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tool_calls_are_read_whole_and_joined_from_deltas() {
+        let start = Instant::now();
+        let mut streamed = Exchange {
+            status: Some(200),
+            ..Default::default()
+        };
+        for d in [
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"id":"a","type":"function","function":{"name":"f","arguments":""}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"x\":"}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":1,"id":"b","function":{"name":"g","arguments":"{}"}}]}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"1}"}}]}}]}"#,
+            r#"{"choices":[{"delta":{},"finish_reason":"tool_calls"}]}"#,
+        ] {
+            stream_event(&mut streamed, Api::Chat, d, start);
+        }
+        let mut whole = Exchange {
+            status: Some(200),
+            raw: r#"{"choices":[{"message":{"content":null,"tool_calls":[{"id":"a","type":"function","function":{"name":"f","arguments":"{\"x\":1}"}},{"id":"b","type":"function","function":{"name":"g","arguments":"{}"}}]},"finish_reason":"tool_calls"}]}"#.into(),
+            ..Default::default()
+        };
+        whole_body(&mut whole, Api::Chat);
+        let expected = vec![
+            ToolCallSeen {
+                name: "f".into(),
+                arguments: r#"{"x":1}"#.into(),
+            },
+            ToolCallSeen {
+                name: "g".into(),
+                arguments: "{}".into(),
+            },
+        ];
+        assert_eq!(streamed.tool_calls, expected);
+        assert_eq!(whole.tool_calls, expected);
+        assert_eq!(whole.finish_reason.as_deref(), Some("tool_calls"));
+    }
 
     #[test]
     fn stream_events_build_the_answer() {

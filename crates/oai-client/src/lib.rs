@@ -9,7 +9,7 @@ pub mod client;
 pub mod rng;
 pub mod sse;
 
-pub use client::{Api, Call, Client, Exchange, Prompt, StreamSeen, UsageSeen};
+pub use client::{Api, Call, Client, Exchange, Prompt, StreamSeen, ToolCallSeen, UsageSeen};
 pub use rng::Rng;
 
 /// Why a client could not be made.
