@@ -1,6 +1,6 @@
 //! Tool calling: a request's `tools`, `tool_choice` and `parallel_tool_calls` checked in
 //! full before any work ([`requested`]), the model family's call syntax and the grammar
-//! that forces a call ([`format`]), and the stream that holds call text back until it can
+//! that forces a call ([`mod@format`]), and the stream that holds call text back until it can
 //! be sent as OpenAI's `tool_calls` deltas ([`stream`]).
 //!
 //! Everything here is the request's own: its declared tools, its choice and the text its
