@@ -1,6 +1,9 @@
 //! Hostile message contents through the real vocabulary and chat template
 //! (`server::chat_prompt`). Whatever the contents, the prompt holds exactly the control
-//! tokens the template itself puts there, and plain-text tokenization round-trips.
+//! tokens the template itself puts there, and plain-text tokenization round-trips. With a
+//! tool definition and an earlier call holding hostile text, through a template that
+//! renders them as its own text, the prompt is refused or holds exactly the control tokens
+//! it holds with harmless text there.
 #![no_main]
 
 use libfuzzer_sys::arbitrary::{self, Arbitrary};
@@ -13,6 +16,28 @@ use tokenizer::ChatMessage;
 #[derive(Debug, Arbitrary)]
 struct Input {
     messages: Vec<(String, String)>,
+    tool_text: Option<String>,
+}
+
+/// A template in the style of Qwen 2.5's that renders tools and calls as its own text.
+const TOOL_TEMPLATE: &str = "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n";
+
+fn tool_template() -> &'static tokenizer::ChatTemplate {
+    static T: std::sync::OnceLock<tokenizer::ChatTemplate> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        tokenizer::ChatTemplate::new(TOOL_TEMPLATE).expect("the tool template compiles")
+    })
+}
+
+fn tools_with(text: &str) -> serde_json::Value {
+    serde_json::json!([{"type": "function", "function": {"name": "f", "description": text}}])
+}
+
+fn call_with(text: &str) -> ChatMessage {
+    let mut m = ChatMessage::new("assistant", "");
+    m.tool_calls = Some(serde_json::json!([{"id": "c", "type": "function",
+        "function": {"name": "f", "arguments": {"q": text, text: 1}}}]));
+    m
 }
 
 fuzz_target!(|input: Input| {
@@ -30,17 +55,36 @@ fuzz_target!(|input: Input| {
     if validation::check_message_count(messages.len(), 8192).is_err() {
         return;
     }
-    let Ok(tokens) =
-        chat_prompt::prompt_tokens(tok, template, &messages, &|_| Ok(()), &Cancel::never())
-    else {
+    let (template, tools, benign_tools) = match &input.tool_text {
+        None => (template, None, None),
+        Some(text) => {
+            messages.push(call_with(text));
+            (
+                tool_template(),
+                Some(tools_with(text)),
+                Some(tools_with("x")),
+            )
+        }
+    };
+    let Ok(tokens) = chat_prompt::prompt_tokens(
+        tok,
+        template,
+        &messages,
+        tools.as_ref(),
+        &|_| Ok(()),
+        &Cancel::never(),
+    ) else {
         return;
     };
     let benign: Vec<ChatMessage> = messages
         .iter()
-        .map(|m| ChatMessage::new(m.role.clone(), "x"))
+        .map(|m| match m.tool_calls {
+            Some(_) => call_with("x"),
+            None => ChatMessage::new(m.role.clone(), "x"),
+        })
         .collect();
     let skeleton = template
-        .render(&benign, true)
+        .render_with_tools(&benign, benign_tools.as_ref(), true)
         .unwrap_or_else(|e| panic!("the template renders plain messages: {e}"));
     let controls = |ids: &[u32]| -> Vec<u32> {
         ids.iter()

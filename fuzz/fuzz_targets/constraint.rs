@@ -17,7 +17,14 @@ struct Input {
     picks: Vec<u16>,
 }
 
-const KINDS: [&str; 6] = ["json_object", "json_schema", "regex", "choice", "lark", "gbnf"];
+const KINDS: [&str; 6] = [
+    "json_object",
+    "json_schema",
+    "regex",
+    "choice",
+    "lark",
+    "gbnf",
+];
 
 fuzz_target!(|input: Input| {
     let kind = KINDS[input.kind as usize % KINDS.len()];

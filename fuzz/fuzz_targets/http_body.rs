@@ -26,6 +26,8 @@ fuzz_target!(|data: &[u8]| {
                 max_context: 8192,
                 vocab_size: 49152,
                 template: None,
+                tool_format: server::tools::ToolFormat::Hermes,
+                tool_marker: None,
             };
             if let Err(e) = validation::chat(&req, &served) {
                 client_error(&e);
@@ -40,6 +42,8 @@ fuzz_target!(|data: &[u8]| {
                 max_context: 8192,
                 vocab_size: 49152,
                 template: None,
+                tool_format: server::tools::ToolFormat::Hermes,
+                tool_marker: None,
             };
             if let Err(e) = validation::completion(&req, &served) {
                 client_error(&e);

@@ -54,7 +54,10 @@ fuzz_target!(|input: Input| {
     let whole = format.parse(&input.answer, &calling.tools);
     for call in &whole.calls {
         assert!(calling.tools.iter().any(|t| t.name == call.name));
-        assert!(matches!(serde_json::from_str::<Value>(&call.arguments), Ok(Value::Object(_))));
+        assert!(matches!(
+            serde_json::from_str::<Value>(&call.arguments),
+            Ok(Value::Object(_))
+        ));
     }
     let mut stream = ToolStream::new(Arc::new(calling));
     let chars: Vec<char> = input.answer.chars().collect();

@@ -50,6 +50,10 @@ const TTFT_BUCKETS: &[f64] = &[
 const ITL_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5,
 ];
+/// A constraint compiles in microseconds to about 20 ms (llguidance's compile fuel).
+const COMPILE_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+];
 
 #[derive(Debug)]
 pub struct ServerMetrics {
@@ -57,6 +61,8 @@ pub struct ServerMetrics {
     rejections: Mutex<BTreeMap<&'static str, u64>>,
     pub ttft: Histogram,
     pub itl: Histogram,
+    /// Structured outputs' and forced tool calls' compile times, on the prompt workers.
+    pub constraint_compile: Histogram,
 }
 
 impl Default for ServerMetrics {
@@ -66,6 +72,7 @@ impl Default for ServerMetrics {
             rejections: Mutex::default(),
             ttft: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
+            constraint_compile: Histogram::new(COMPILE_BUCKETS),
         }
     }
 }
@@ -126,6 +133,11 @@ impl ServerMetrics {
             &mut out,
             "kvwarden_inter_token_latency_seconds",
             "Between consecutive tokens of a request.",
+        );
+        self.constraint_compile.render(
+            &mut out,
+            "kvwarden_constraint_compile_seconds",
+            "Compiling a request's structured output or forced tool call (each request compiles its own).",
         );
 
         backend.render_metrics(&mut out);

@@ -282,10 +282,13 @@ async fn compile_constraint(
         return Ok(None);
     };
     let vocabulary = app.vocabulary.clone();
+    let metrics = app.metrics.clone();
     app.prompt_workers
         .run(tenant.tenant_name(), move |_| {
-            vocabulary
-                .compile(&requested.spec)
+            let started = Instant::now();
+            let compiled = vocabulary.compile(&requested.spec);
+            metrics.constraint_compile.observe(started.elapsed());
+            compiled
                 .map(Some)
                 .map_err(|e| crate::structured::compile_error(requested.param, &e))
         })
