@@ -68,7 +68,7 @@ def assert_error(r, status, code, param=None):
             "invalid_value",
             "messages[0].role",
         ),
-        (CHAT, json.dumps({"model": MODEL_NAME, "messages": HELLO, "n": 2}), 400, "unsupported_parameter", "n"),
+        (CHAT, json.dumps({"model": MODEL_NAME, "messages": HELLO, "n": 17}), 400, "invalid_value", "n"),
         (
             CHAT,
             json.dumps({"model": MODEL_NAME, "messages": HELLO, "top_logprobs": 3}),
@@ -112,7 +112,7 @@ def assert_error(r, status, code, param=None):
             "tools[0].function",
         ),
         (COMPLETIONS, json.dumps({"model": MODEL_NAME, "prompt": "x", "echo": True}), 400, "unsupported_parameter", "echo"),
-        (COMPLETIONS, json.dumps({"model": MODEL_NAME, "prompt": "x", "n": 3}), 400, "unsupported_parameter", "n"),
+        (COMPLETIONS, json.dumps({"model": MODEL_NAME, "prompt": "x", "n": 17}), 400, "invalid_value", "n"),
         (COMPLETIONS, json.dumps({"model": MODEL_NAME, "prompt": "x", "best_of": 2}), 400, "unsupported_parameter", "best_of"),
         (COMPLETIONS, json.dumps({"model": MODEL_NAME, "prompt": ["a", "b"]}), 400, "unsupported_parameter", "prompt"),
         (COMPLETIONS, json.dumps({"model": MODEL_NAME, "prompt": {"a": 1}}), 400, "invalid_type", "prompt"),
@@ -168,8 +168,8 @@ def test_unknown_model_through_the_client(server):
 
 def test_n_through_the_client(server):
     with pytest.raises(openai.BadRequestError) as e:
-        server.client.chat.completions.create(model=MODEL_NAME, messages=HELLO, n=2)
-    assert e.value.code == "unsupported_parameter"
+        server.client.chat.completions.create(model=MODEL_NAME, messages=HELLO, n=17)
+    assert e.value.code == "invalid_value"
 
 
 def test_unknown_route_is_json_404(server):

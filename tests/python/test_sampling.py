@@ -170,6 +170,8 @@ HONOURED = {
     # Structured outputs (tests/python/test_structured.py).
     "grammar": 'root ::= "yes" | "no"', "json_schema": {"type": "object"},
     "response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a", "b"]},
+    # Several choices (tests/python/test_choices.py).
+    "n": 2,
     # Tool calling (tests/python/test_tools.py).
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
     "parallel_tool_calls": True,

@@ -142,13 +142,13 @@ impl ResponseMeta {
         m
     }
 
-    /// The id of the answer's `index`th call: derived from the response's id, so it is as
-    /// opaque; Mistral's templates take only ids of 9 letters and digits.
-    fn call_id(&self, index: usize) -> String {
+    /// The id of choice `choice`'s `index`th call: derived from the response's id, so it
+    /// is as opaque; Mistral's templates take only ids of 9 letters and digits.
+    fn call_id(&self, choice: usize, index: usize) -> String {
         use std::hash::{Hash, Hasher};
         const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        (&self.id, index).hash(&mut h);
+        (&self.id, choice, index).hash(&mut h);
         let mut bits =
             u128::from(h.finish()) << 64 | u128::from(h.finish().rotate_left(17) ^ index as u64);
         let len = match self.tools.as_ref().map(|t| t.format) {
@@ -166,59 +166,68 @@ impl ResponseMeta {
         }
     }
 
-    fn call_json(&self, index: usize, call: &Call) -> Value {
+    fn call_json(&self, choice: usize, index: usize, call: &Call) -> Value {
         json!({
-            "id": self.call_id(index),
+            "id": self.call_id(choice, index),
             "type": "function",
             "function": { "name": call.name, "arguments": call.arguments },
         })
     }
 
-    /// The whole non-streamed response.
-    pub fn response(&self, output: &Chunk, reason: FinishReason, usage: &Usage) -> Value {
+    /// The whole non-streamed response: one choice per output, in order.
+    pub fn response(&self, outputs: &[(Chunk, FinishReason)], usage: &Usage) -> Value {
+        let choices = outputs
+            .iter()
+            .enumerate()
+            .map(|(i, (output, reason))| self.choice(i, output, *reason))
+            .collect();
+        let mut m = self.envelope(false, choices);
+        m.insert("usage".into(), usage_json(usage));
+        Value::Object(m)
+    }
+
+    /// Choice `index` of the whole response.
+    fn choice(&self, index: usize, output: &Chunk, reason: FinishReason) -> Value {
         let parsed = match (&self.tools, self.api, reason) {
             (Some(t), Api::Chat, FinishReason::Stop) => {
                 Some(t.format.parse(&output.text, &t.tools)).filter(|p| !p.calls.is_empty())
             }
             _ => None,
         };
-        let choice = match (self.api, parsed) {
+        match (self.api, parsed) {
             (Api::Chat, Some(parsed)) => {
                 let calls: Vec<Value> = parsed
                     .calls
                     .iter()
                     .enumerate()
-                    .map(|(i, c)| self.call_json(i, c))
+                    .map(|(i, c)| self.call_json(index, i, c))
                     .collect();
                 json!({
-                    "index": 0,
+                    "index": index,
                     "message": { "role": "assistant", "content": parsed.content, "tool_calls": calls },
                     "logprobs": self.logprobs_json(&output.tokens),
                     "finish_reason": "tool_calls",
                 })
             }
             (Api::Chat, None) => json!({
-                "index": 0,
+                "index": index,
                 "message": { "role": "assistant", "content": output.text },
                 "logprobs": self.logprobs_json(&output.tokens),
                 "finish_reason": finish_reason(reason),
             }),
             (Api::Completion, _) => json!({
-                "index": 0,
+                "index": index,
                 "text": output.text,
                 "logprobs": self.logprobs_json(&output.tokens),
                 "finish_reason": finish_reason(reason),
             }),
-        };
-        let mut m = self.envelope(false, vec![choice]);
-        m.insert("usage".into(), usage_json(usage));
-        Value::Object(m)
+        }
     }
 
-    /// The opening chunk of a chat stream, which names the role.
-    pub fn role_chunk(&self, include_usage: bool) -> Value {
+    /// The opening chunk of a chat stream's choice `index`, which names the role.
+    pub fn role_chunk(&self, index: usize, include_usage: bool) -> Value {
         let choice = json!({
-            "index": 0,
+            "index": index,
             "delta": { "role": "assistant", "content": "" },
             "logprobs": Value::Null,
             "finish_reason": Value::Null,
@@ -226,9 +235,11 @@ impl ResponseMeta {
         self.stream_chunk(vec![choice], include_usage)
     }
 
-    /// A stream chunk with `chunk`'s text, and the finish reason on the last one.
+    /// A stream chunk of choice `index` with `chunk`'s text, and the finish reason on its
+    /// last one.
     pub fn delta_chunk(
         &self,
+        index: usize,
         chunk: &Chunk,
         finish: Option<FinishReason>,
         include_usage: bool,
@@ -242,14 +253,14 @@ impl ResponseMeta {
                     json!({ "content": chunk.text })
                 };
                 json!({
-                    "index": 0,
+                    "index": index,
                     "delta": delta,
                     "logprobs": self.logprobs_json(&chunk.tokens),
                     "finish_reason": reason,
                 })
             }
             Api::Completion => json!({
-                "index": 0,
+                "index": index,
                 "text": chunk.text,
                 "logprobs": self.logprobs_json(&chunk.tokens),
                 "finish_reason": reason,
@@ -261,16 +272,21 @@ impl ResponseMeta {
     /// A streamed answer's calls as OpenAI's deltas: per call, one chunk that opens it (its
     /// index, id and name, empty arguments) and one with its arguments; then the last chunk,
     /// whose finish reason is `tool_calls`.
-    pub fn tool_call_chunks(&self, calls: &[Call], include_usage: bool) -> Vec<Value> {
+    pub fn tool_call_chunks(
+        &self,
+        choice: usize,
+        calls: &[Call],
+        include_usage: bool,
+    ) -> Vec<Value> {
         let mut out = Vec::with_capacity(2 * calls.len() + 1);
         let chunk = |delta: Value, finish: Value| {
-            let choice = json!({ "index": 0, "delta": delta, "logprobs": Value::Null, "finish_reason": finish });
+            let choice = json!({ "index": choice, "delta": delta, "logprobs": Value::Null, "finish_reason": finish });
             self.stream_chunk(vec![choice], include_usage)
         };
         for (i, c) in calls.iter().enumerate() {
             let opening = json!({ "tool_calls": [{
                 "index": i,
-                "id": self.call_id(i),
+                "id": self.call_id(choice, i),
                 "type": "function",
                 "function": { "name": c.name, "arguments": "" },
             }]});

@@ -11,7 +11,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use engine::{GenerateRequest, IsolationDomain};
+use engine::{FinishReason, GenerateRequest, IsolationDomain, Usage};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
@@ -58,9 +58,11 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// A request that passed every check and is in the engine.
+/// A request that passed every check and is in the engine: one generation per choice.
 struct Started {
-    generation: Generation,
+    generations: Vec<Generation>,
+    /// Choice 0's first step, taken before the other choices were submitted.
+    first_step: Option<Step>,
     meta: ResponseMeta,
     settings: Settings,
     /// The request's place in its tenant's limits, held until the response ends.
@@ -244,6 +246,26 @@ async fn start_chat(
     .await
 }
 
+/// Hands one admitted choice to the backend: a refusal is the request's error status.
+async fn submit(
+    app: &Arc<AppState>,
+    admitted: engine::Admitted,
+    input_param: &'static str,
+) -> Result<engine::RequestHandle, ApiError> {
+    // A client that leaves while a cluster places its request was still cancelled: once
+    // the future resolves, the generation (or the refusal) records the outcome instead.
+    let leaving = CancelledWhileSubmitting(Some(app.metrics.clone()));
+    let submitted = app.backend.clone().submit(admitted).await;
+    leaving.disarm();
+    submitted.map_err(|e| match e {
+        crate::SubmitError::Rejected(rejection) => ApiError::Rejected {
+            rejection,
+            input_param,
+        },
+        crate::SubmitError::Failed(e) => e,
+    })
+}
+
 /// Records a cancelled request when dropped armed.
 struct CancelledWhileSubmitting(Option<Arc<crate::metrics::ServerMetrics>>);
 
@@ -321,50 +343,76 @@ async fn start(
     let max_tokens = settings
         .max_tokens
         .unwrap_or_else(|| admission.default_max_tokens(prompt_tokens));
-    let request = GenerateRequest {
-        domain: domain_for(tenant, &settings),
-        prompt,
-        max_tokens,
-        sampling: settings.sampling.clone(),
-        ignore_eos: settings.ignore_eos,
-        logprobs,
-        constraint,
-    };
-    let admitted = admission
-        .admit(request)
-        .map_err(|rejection| ApiError::Rejected {
-            rejection,
-            input_param,
-        })?;
-    // The tokens it may occupy, once admission has counted them, before the backend sees it.
-    permit.add_tokens(prompt_tokens.saturating_add(max_tokens))?;
+    let domain = domain_for(tenant, &settings);
+    let mut admitted = Vec::with_capacity(settings.n);
+    for choice in 0..settings.n {
+        let mut sampling = settings.sampling.clone();
+        sampling.seed = validation::choice_seed(sampling.seed, choice);
+        let request = GenerateRequest {
+            domain: domain.clone(),
+            prompt: prompt.clone(),
+            max_tokens,
+            sampling,
+            ignore_eos: settings.ignore_eos,
+            logprobs,
+            // A deep copy: each choice's parser advances by its own tokens only.
+            constraint: constraint.clone(),
+        };
+        admitted.push(
+            admission
+                .admit(request)
+                .map_err(|rejection| ApiError::Rejected {
+                    rejection,
+                    input_param,
+                })?,
+        );
+    }
+    // The tokens they may occupy, once admission has counted them, before the backend
+    // sees them.
+    permit.add_tokens(
+        prompt_tokens
+            .saturating_add(max_tokens)
+            .saturating_mul(settings.n),
+    )?;
     let admitted_at = Instant::now();
-    // A client that leaves while a cluster places its request was still cancelled: once
-    // the future resolves, the generation (or the refusal) records the outcome instead.
-    let leaving = CancelledWhileSubmitting(Some(app.metrics.clone()));
-    let submitted = app.backend.clone().submit(admitted).await;
-    leaving.disarm();
-    let handle = submitted.map_err(|e| match e {
-        crate::SubmitError::Rejected(rejection) => ApiError::Rejected {
-            rejection,
-            input_param,
-        },
-        crate::SubmitError::Failed(e) => e,
-    })?;
+    let mut admitted = admitted.into_iter();
+    let Some(first) = admitted.next() else {
+        return Err(ApiError::Internal("a request with no choices".into()));
+    };
+    let handle = submit(app, first, input_param).await?;
     let id = match api {
         Api::Chat => app.response_id("chatcmpl", handle.id),
         Api::Completion => app.response_id("cmpl", handle.id),
     };
-    let generation = Generation::new(
-        handle,
-        app.tokenizer.clone(),
-        settings.stops.clone(),
-        prompt_tokens,
-        admitted_at,
-        app.metrics.clone(),
-    );
+    let generation = |handle| {
+        Generation::new(
+            handle,
+            app.tokenizer.clone(),
+            settings.stops.clone(),
+            prompt_tokens,
+            admitted_at,
+            app.metrics.clone(),
+        )
+    };
+    let mut generations = vec![generation(handle)];
+    let mut first_step = None;
+    if settings.n > 1 {
+        // The other choices start once the first has its prompt in KV (its first step
+        // comes after that), so they take its full prompt pages from the domain's prefix
+        // cache, shared read-only, instead of computing them again; each computes only its
+        // prompt's last, partly filled page into pages of its own.
+        match generations[0].next().await {
+            Some(Step::Failed(e)) => return Err(e),
+            step => first_step = step,
+        }
+        for a in admitted {
+            let handle = submit(app, a, input_param).await?;
+            generations.push(generation(handle));
+        }
+    }
     Ok(Started {
-        generation,
+        generations,
+        first_step,
         meta: ResponseMeta {
             api,
             id,
@@ -387,11 +435,103 @@ async fn respond(started: Started, control: Control) -> Response {
     }
 }
 
-/// Waits for the whole output. A failure at any point answers with its error status,
-/// never a 200 with partial text.
-async fn collect(mut started: Started) -> Response {
-    let mut output = Chunk::default();
-    while let Some(step) = started.generation.next().await {
+/// One request's choices, stepped together: the next step of whichever is ready.
+struct Choices {
+    generations: Vec<Generation>,
+    ended: Vec<bool>,
+    /// Choice 0's first step, taken before the others were submitted.
+    first_step: Option<Step>,
+}
+
+impl Choices {
+    fn new(generations: Vec<Generation>, first_step: Option<Step>) -> Self {
+        let ended = vec![false; generations.len()];
+        Self {
+            generations,
+            ended,
+            first_step,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.generations.len()
+    }
+
+    /// Events the backend produced that no client has taken yet, over every choice.
+    fn backlog(&self) -> usize {
+        self.generations.iter().map(Generation::backlog).sum()
+    }
+
+    fn note(&mut self, i: usize, step: &Step) {
+        if matches!(step, Step::Done { .. } | Step::Failed(_)) {
+            self.ended[i] = true;
+        }
+    }
+
+    /// The next step of a choice still running, with its index; `None` once all ended.
+    async fn next(&mut self) -> Option<(usize, Step)> {
+        if let Some(step) = self.first_step.take() {
+            self.note(0, &step);
+            return Some((0, step));
+        }
+        loop {
+            let live: Vec<_> = self
+                .generations
+                .iter_mut()
+                .zip(&self.ended)
+                .enumerate()
+                .filter(|(_, (_, &ended))| !ended)
+                .map(|(i, (g, _))| Box::pin(async move { (i, g.next().await) }))
+                .collect();
+            if live.is_empty() {
+                return None;
+            }
+            // `Generation::next` only awaits its event channel, so the futures not chosen
+            // are dropped without losing anything.
+            let ((i, step), _, rest) = futures_util::future::select_all(live).await;
+            drop(rest);
+            match step {
+                Some(step) => {
+                    self.note(i, &step);
+                    return Some((i, step));
+                }
+                None => self.ended[i] = true,
+            }
+        }
+    }
+}
+
+/// The usage of a request's choices: its prompt once (as choice 0 saw it), the completion
+/// tokens of all.
+fn add_usage(total: &mut Usage, choice: usize, usage: &Usage) {
+    if choice == 0 {
+        total.prompt_tokens = usage.prompt_tokens;
+        total.cached_tokens = usage.cached_tokens;
+    }
+    total.completion_tokens += usage.completion_tokens;
+}
+
+const NO_USAGE: Usage = Usage {
+    prompt_tokens: 0,
+    completion_tokens: 0,
+    cached_tokens: 0,
+};
+
+/// Waits for the whole output of every choice. A failure at any point answers with its
+/// error status, never a 200 with partial text.
+async fn collect(started: Started) -> Response {
+    let Started {
+        generations,
+        first_step,
+        meta,
+        permit: _permit,
+        ..
+    } = started;
+    let mut choices = Choices::new(generations, first_step);
+    let mut outputs: Vec<(Chunk, Option<FinishReason>)> = vec![Default::default(); choices.len()];
+    let mut usage = NO_USAGE;
+    while let Some((i, step)) = choices.next().await {
+        let (output, end) = &mut outputs[i];
         match step {
             Step::Chunk(c) => {
                 output.text.push_str(&c.text);
@@ -400,22 +540,32 @@ async fn collect(mut started: Started) -> Response {
             Step::Done {
                 tail,
                 reason,
-                usage,
+                usage: u,
             } => {
                 output.text.push_str(&tail.text);
                 output.tokens.extend(tail.tokens);
-                return Json(started.meta.response(&output, reason, &usage)).into_response();
+                *end = Some(reason);
+                add_usage(&mut usage, i, &u);
             }
             Step::Failed(e) => return e.into_response(),
         }
     }
-    ApiError::Internal("generation ended without a result".into()).into_response()
+    let Some(done) = outputs
+        .into_iter()
+        .map(|(c, r)| r.map(|r| (c, r)))
+        .collect::<Option<Vec<_>>>()
+    else {
+        return ApiError::Internal("generation ended without a result".into()).into_response();
+    };
+    Json(meta.response(&done, &usage)).into_response()
 }
 
 struct StreamState {
-    generation: Generation,
-    /// Holds back text that may be a tool call, when the request declared tools.
-    tool_stream: Option<ToolStream>,
+    choices: Choices,
+    /// Per choice, holds back text that may be a tool call, when the request declared
+    /// tools.
+    tool_streams: Vec<Option<ToolStream>>,
+    usage: Usage,
     meta: ResponseMeta,
     include_usage: bool,
     /// Events ready for hyper, with their sizes on the wire.
@@ -451,7 +601,7 @@ impl StreamState {
         let unsent = self
             .handed
             .saturating_sub(control.bytes_sent().saturating_sub(self.sent_before));
-        if self.generation.backlog() < BEHIND_EVENTS && unsent < BEHIND_BYTES {
+        if self.choices.backlog() < BEHIND_EVENTS && unsent < BEHIND_BYTES {
             self.behind_since = None;
             return false;
         }
@@ -478,20 +628,26 @@ fn stream(
     control: Option<ConnectionControl>,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, std::io::Error>>> {
     let include_usage = started.settings.include_usage;
+    let choices = Choices::new(started.generations, started.first_step);
     let mut queue = VecDeque::new();
     if started.meta.api == Api::Chat {
-        queue.push_back(data(&started.meta.role_chunk(include_usage)));
+        for i in 0..choices.len() {
+            queue.push_back(data(&started.meta.role_chunk(i, include_usage)));
+        }
     }
     let sent_before = control.as_ref().map_or(0, ConnectionControl::bytes_sent);
-    let tool_stream = started
+    let tools = started
         .meta
         .tools
         .clone()
-        .filter(|_| started.meta.api == Api::Chat)
-        .map(ToolStream::new);
+        .filter(|_| started.meta.api == Api::Chat);
+    let tool_streams = (0..choices.len())
+        .map(|_| tools.clone().map(ToolStream::new))
+        .collect();
     let state = StreamState {
-        tool_stream,
-        generation: started.generation,
+        tool_streams,
+        choices,
+        usage: NO_USAGE,
         meta: started.meta,
         include_usage,
         queue,
@@ -521,24 +677,35 @@ fn stream(
                 st.finished = true;
                 return Some((Err(slow), st));
             }
-            match st.generation.next().await {
-                None => st.finished = true,
-                Some(Step::Chunk(mut c)) => {
-                    if let Some(tools) = &mut st.tool_stream {
+            match st.choices.next().await {
+                None => {
+                    // Every choice has ended.
+                    if st.include_usage {
+                        st.queue.push_back(data(&st.meta.usage_chunk(&st.usage)));
+                    }
+                    st.queue.push_back((SseEvent::default().data("[DONE]"), 14));
+                    st.finished = true;
+                }
+                Some((i, Step::Chunk(mut c))) => {
+                    if let Some(tools) = &mut st.tool_streams[i] {
                         c.text = tools.push(&c.text);
                         if c.text.is_empty() && !st.meta.logprobs {
                             continue;
                         }
                     }
                     st.queue
-                        .push_back(data(&st.meta.delta_chunk(&c, None, st.include_usage)));
+                        .push_back(data(&st.meta.delta_chunk(i, &c, None, st.include_usage)));
                 }
-                Some(Step::Done {
-                    mut tail,
-                    reason,
-                    usage,
-                }) => {
-                    let calls = match &mut st.tool_stream {
+                Some((
+                    i,
+                    Step::Done {
+                        mut tail,
+                        reason,
+                        usage,
+                    },
+                )) => {
+                    add_usage(&mut st.usage, i, &usage);
+                    let calls = match &mut st.tool_streams[i] {
                         Some(tools) => {
                             let (rest, calls) =
                                 tools.finish(&tail.text, reason == engine::FinishReason::Stop);
@@ -549,6 +716,7 @@ fn stream(
                     };
                     if calls.is_empty() {
                         st.queue.push_back(data(&st.meta.delta_chunk(
+                            i,
                             &tail,
                             Some(reason),
                             st.include_usage,
@@ -556,22 +724,18 @@ fn stream(
                     } else {
                         if !tail.text.is_empty() || st.meta.logprobs {
                             st.queue.push_back(data(&st.meta.delta_chunk(
+                                i,
                                 &tail,
                                 None,
                                 st.include_usage,
                             )));
                         }
-                        for ev in st.meta.tool_call_chunks(&calls, st.include_usage) {
+                        for ev in st.meta.tool_call_chunks(i, &calls, st.include_usage) {
                             st.queue.push_back(data(&ev));
                         }
                     }
-                    if st.include_usage {
-                        st.queue.push_back(data(&st.meta.usage_chunk(&usage)));
-                    }
-                    st.queue.push_back((SseEvent::default().data("[DONE]"), 14));
-                    st.finished = true;
                 }
-                Some(Step::Failed(e)) => {
+                Some((_, Step::Failed(e))) => {
                     // One error event, and no [DONE]: the client must not mistake a
                     // failed stream for a complete answer.
                     st.queue.push_back(data(&e.body()));

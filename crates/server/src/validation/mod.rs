@@ -27,6 +27,9 @@ pub const MAX_STOP_BYTES: usize = 1024;
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// Most tokens one request may bias: each costs an addition per generated token.
 pub const MAX_LOGIT_BIAS: usize = 1024;
+/// Most choices (`n`) one request may ask for: each is a sequence of its own in the engine,
+/// counted against the tenant's limits like a request.
+pub const MAX_CHOICES: u64 = 16;
 
 /// What a request is checked against: the model this server serves.
 #[derive(Debug, Clone, Copy)]
@@ -263,6 +266,8 @@ pub fn check_message_count(messages: usize, max_context: usize) -> Result<(), Ap
 /// A request's generation settings after validation.
 #[derive(Debug, Clone)]
 pub struct Settings {
+    /// How many choices: each a sequence of its own over the one prompt.
+    pub n: usize,
     pub max_tokens: Option<usize>,
     pub sampling: SamplingParams,
     pub stops: Vec<String>,
@@ -323,15 +328,17 @@ impl Common<'_> {
     /// Validates everything but the prompt. `max_tokens` is the value the endpoint settled
     /// on (chat prefers `max_completion_tokens`).
     fn settings(&self, max_tokens: Option<u64>, vocab_size: usize) -> Result<Settings, ApiError> {
-        match self.n {
-            None | Some(1) => {}
+        let n = match self.n {
+            None => 1,
+            Some(n) if (1..=MAX_CHOICES).contains(&n) => n as usize,
             Some(n) => {
-                return Err(ApiError::unsupported(
-                    "n",
-                    format!("n = {n} is not supported; only n = 1."),
+                return Err(ApiError::invalid(
+                    "invalid_value",
+                    param("n"),
+                    format!("n = {n} is out of range: 1 to {MAX_CHOICES}."),
                 ))
             }
-        }
+        };
         check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, false)?;
         check_range(
             "frequency_penalty",
@@ -463,6 +470,7 @@ impl Common<'_> {
             }
         }
         Ok(Settings {
+            n,
             max_tokens,
             sampling: SamplingParams {
                 // OpenAI's default temperature is 1.
@@ -548,6 +556,19 @@ fn logit_bias(
         ));
     }
     Ok(out.into())
+}
+
+/// Choice `choice`'s seed of a request seeded `seed`: the first keeps the request's own (so
+/// `n = 1` samples as it always did), the others a SplitMix64 step away from it, so every
+/// choice is reproducible from the one seed, alone or batched.
+pub fn choice_seed(seed: u64, choice: usize) -> u64 {
+    if choice == 0 {
+        return seed;
+    }
+    let mut z = seed.wrapping_add((choice as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// A seed for requests that give none: different per request, like OpenAI's sampling.

@@ -46,8 +46,8 @@ fn chat_settings() {
 #[test]
 fn chat_refusals() {
     assert_eq!(
-        code(chat(&format!(r#"{{{M},"n":2}}"#))),
-        ("unsupported_parameter", Some("n".into()))
+        code(chat(&format!(r#"{{{M},"n":17}}"#))),
+        ("invalid_value", Some("n".into()))
     );
     assert_eq!(
         code(chat(&format!(r#"{{{M},"top_logprobs":2}}"#))).0,
@@ -226,7 +226,7 @@ fn checks_run_in_order() {
     };
     // The model name before the parameters.
     assert_eq!(
-        chat_err(&served, r#"{"model":"x","messages":[],"n":2}"#),
+        chat_err(&served, r#"{"model":"x","messages":[],"n":17}"#),
         (404, "model_not_found", Some("model".into()))
     );
     assert_eq!(
@@ -243,7 +243,7 @@ fn checks_run_in_order() {
         Some("prompt".into())
     );
     assert_eq!(
-        chat_err(&served, r#"{"model":"m","messages":[],"n":2}"#).2,
+        chat_err(&served, r#"{"model":"m","messages":[],"n":17}"#).2,
         Some("n".into())
     );
     assert_eq!(
