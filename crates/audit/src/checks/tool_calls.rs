@@ -4,7 +4,8 @@
 //! it must answer, both ways, with calls (finish reason `tool_calls`) that each name a
 //! declared function and whose arguments validate against that function's schema, and the
 //! streamed deltas joined must equal the whole answer's calls. Accepting `required` and
-//! answering with text, or with a call the schema refuses, is a failure.
+//! answering with text (whole, or run to max_tokens without anything a call could begin
+//! with), or with a call the schema refuses, is a failure.
 
 use oai_client::{Api, Prompt, ToolCallSeen};
 use serde_json::{json, Value};
@@ -76,6 +77,14 @@ fn invalid(call: &ToolCallSeen) -> Option<String> {
             call.name
         )
     })
+}
+
+/// Whether text cut at max_tokens could be the start of a call in some family's syntax (a
+/// JSON object, a Hermes tag, a Mistral or Llama marker).
+fn could_hold_a_call(text: &str) -> bool {
+    ["{", "<tool_call>", "[TOOL_CALLS]", "<|python_tag|>"]
+        .iter()
+        .any(|m| text.contains(m))
 }
 
 impl Auditor {
@@ -150,6 +159,20 @@ fn judge(sent: &[Record]) -> (CheckResult, Vec<(Severity, usize, String)>) {
             continue;
         }
         match r.ex.finish_reason.as_deref() {
+            // A call that began and was cut cannot be judged; prose with nothing a call
+            // could start with shows the choice was ignored.
+            Some("length") if r.ex.tool_calls.is_empty() && !could_hold_a_call(&r.ex.content) => {
+                judged += 1;
+                failures += 1;
+                find(
+                    Severity::Failure,
+                    r.id,
+                    format!(
+                        "tool_choice \"required\" was accepted but the {how} answer ran to max_tokens without beginning a call: {}",
+                        clip(&r.ex.content, 160)
+                    ),
+                );
+            }
             Some("length") => find(
                 Severity::Warning,
                 r.id,
@@ -290,6 +313,14 @@ mod tests {
             ok("<tool_call>{", "length", 160),
         ));
         assert_eq!(r.verdict, Verdict::Warn);
+        let prose = "Paris, the City of Light, is known for its mild weather";
+        let (r, f) = judge(&pair(ok(prose, "length", 160), ok(prose, "length", 160)));
+        assert_eq!(r.verdict, Verdict::Fail);
+        assert!(
+            f.iter()
+                .any(|(_, _, m)| m.contains("without beginning a call")),
+            "{f:?}"
+        );
     }
 
     #[test]
