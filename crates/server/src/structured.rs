@@ -16,7 +16,8 @@ pub struct Requested {
     pub param: &'static str,
 }
 
-fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+/// A 400 `invalid_value` naming `param`.
+pub(crate) fn invalid(param: &str, message: impl Into<String>) -> ApiError {
     ApiError::invalid("invalid_value", Some(param.to_owned()), message)
 }
 
@@ -25,8 +26,8 @@ fn object<'a>(v: &'a Value, param: &str) -> Result<&'a Map<String, Value>, ApiEr
         .ok_or_else(|| invalid(param, format!("'{param}' must be an object.")))
 }
 
-/// Refuses any key of `obj` outside `known`.
-fn only(obj: &Map<String, Value>, param: &str, known: &[&str]) -> Result<(), ApiError> {
+/// Refuses any key of `obj` outside `known`, naming it.
+pub(crate) fn only(obj: &Map<String, Value>, param: &str, known: &[&str]) -> Result<(), ApiError> {
     match obj.keys().find(|k| !known.contains(&k.as_str())) {
         None => Ok(()),
         Some(k) => Err(ApiError::unsupported(

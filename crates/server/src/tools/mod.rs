@@ -10,9 +10,10 @@
 pub mod format;
 pub mod stream;
 
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use crate::error::ApiError;
+use crate::structured::{invalid, only};
 pub use format::{Call, Parsed, ToolFormat};
 
 /// Most tools one request may declare (OpenAI's limit).
@@ -48,20 +49,6 @@ pub struct ToolCalling {
     pub choice: Choice,
     pub parallel: bool,
     pub format: ToolFormat,
-}
-
-fn invalid(param: &str, message: impl Into<String>) -> ApiError {
-    ApiError::invalid("invalid_value", Some(param.to_owned()), message)
-}
-
-fn only(obj: &Map<String, Value>, param: &str, known: &[&str]) -> Result<(), ApiError> {
-    match obj.keys().find(|k| !known.contains(&k.as_str())) {
-        None => Ok(()),
-        Some(k) => Err(ApiError::unsupported(
-            &format!("{param}.{k}"),
-            format!("'{param}.{k}' is not supported."),
-        )),
-    }
 }
 
 /// A function name as OpenAI allows it.
