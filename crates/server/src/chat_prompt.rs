@@ -11,7 +11,7 @@
 //! own text (templates index their fields, compare their types, count an id's length, so
 //! they cannot be swapped for markers): every string in them, keys included, is refused if
 //! it holds control-token text or could complete one beside the template's text
-//! ([`Tokenizer::could_form_control`]). A tool's answer is a message's content, marked like
+//! ([`tokenizer::ControlTexts::could_form`]). A tool's answer is a message's content, marked like
 //! any other.
 
 use serde_json::Value;
@@ -101,19 +101,21 @@ fn check_template_text(
             format!("'{param}' contains text that this model's chat template would read as a control token."),
         ))
     };
-    if let Some(tools) = tools {
-        if json_strings_could_form_control(tok, tools) {
-            return refuse("tools".into());
-        }
+    let controls = tok.control_texts();
+    if tools.is_some_and(|t| unsafe_literals(&controls, json_strings(t))) {
+        return refuse("tools".into());
     }
     for (i, m) in messages.iter().enumerate() {
-        if let Some(calls) = &m.tool_calls {
-            if json_strings_could_form_control(tok, calls) {
-                return refuse(format!("messages[{i}].tool_calls"));
-            }
+        if m.tool_calls
+            .as_ref()
+            .is_some_and(|calls| unsafe_literals(&controls, json_strings(calls)))
+        {
+            return refuse(format!("messages[{i}].tool_calls"));
         }
         for (field, v) in [("tool_call_id", &m.tool_call_id), ("name", &m.name)] {
-            if v.as_deref().is_some_and(|s| unsafe_literal(tok, s)) {
+            if v.as_deref()
+                .is_some_and(|s| unsafe_literals(&controls, vec![s]))
+            {
                 return refuse(format!("messages[{i}].{field}"));
             }
         }
@@ -123,21 +125,31 @@ fn check_template_text(
 
 /// Control-token text, or our marker characters, which the skeleton must hold only where
 /// a content was.
-fn unsafe_literal(tok: &Tokenizer, s: &str) -> bool {
-    s.contains(OPEN) || s.contains(CLOSE) || tok.could_form_control(s)
+fn unsafe_literals(controls: &tokenizer::ControlTexts<'_>, strings: Vec<&str>) -> bool {
+    strings
+        .iter()
+        .any(|s| s.contains(OPEN) || s.contains(CLOSE))
+        || controls.could_form(strings)
 }
 
-fn json_strings_could_form_control(tok: &Tokenizer, v: &Value) -> bool {
-    match v {
-        Value::String(s) => unsafe_literal(tok, s),
-        Value::Array(items) => items
-            .iter()
-            .any(|i| json_strings_could_form_control(tok, i)),
-        Value::Object(map) => map
-            .iter()
-            .any(|(k, v)| unsafe_literal(tok, k) || json_strings_could_form_control(tok, v)),
-        _ => false,
+/// Every string of a JSON value, object keys included.
+fn json_strings(v: &Value) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut stack = vec![v];
+    while let Some(v) = stack.pop() {
+        match v {
+            Value::String(s) => out.push(s.as_str()),
+            Value::Array(items) => stack.extend(items),
+            Value::Object(map) => {
+                for (k, v) in map {
+                    out.push(k.as_str());
+                    stack.push(v);
+                }
+            }
+            _ => {}
+        }
     }
+    out
 }
 
 /// The message a marker names, and the marker's length after its `OPEN`, if `after_open`

@@ -475,6 +475,19 @@ impl Choices {
             return Some((0, step));
         }
         loop {
+            // One choice (the common case, every token of it): its next step, with no
+            // futures to build.
+            if let [only] = self.generations.as_mut_slice() {
+                if self.ended[0] {
+                    return None;
+                }
+                let step = only.next().await;
+                match &step {
+                    Some(step) => self.note(0, step),
+                    None => self.ended[0] = true,
+                }
+                return step.map(|step| (0, step));
+            }
             let live: Vec<_> = self
                 .generations
                 .iter_mut()

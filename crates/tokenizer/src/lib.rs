@@ -22,7 +22,7 @@ mod spm;
 mod strftime;
 mod template;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 pub use decoder::IncrementalDecoder;
 pub use pretokenize::PreTokenizer;
@@ -102,6 +102,40 @@ enum Model {
 struct Strip {
     left: bool,
     right: bool,
+}
+
+/// The control tokens' texts, to tell whether strings placed among a chat template's own
+/// text (which is tokenized with control tokens parsed) could make one
+/// ([`Tokenizer::control_texts`]).
+pub struct ControlTexts<'a> {
+    needles: Vec<&'a str>,
+    /// Every proper start and end of a needle.
+    starts: HashSet<&'a str>,
+    ends: HashSet<&'a str>,
+    longest: usize,
+}
+
+impl ControlTexts<'_> {
+    /// Whether any of `texts` holds a control token's text, or ends with the start of one
+    /// or starts with the end of one (which the template's text beside it could complete).
+    /// Linear in the texts' length: each text's ends are looked up in the tables, and the
+    /// texts, joined by NUL (which no control token holds), are searched once per token.
+    pub fn could_form<'s>(&self, texts: impl IntoIterator<Item = &'s str>) -> bool {
+        let mut joined = String::new();
+        for t in texts {
+            for k in 1..self.longest.min(t.len() + 1) {
+                let tail = t.len() - k;
+                if (t.is_char_boundary(tail) && self.starts.contains(&t[tail..]))
+                    || (t.is_char_boundary(k) && self.ends.contains(&t[..k]))
+                {
+                    return true;
+                }
+            }
+            joined.push_str(t);
+            joined.push('\0');
+        }
+        self.needles.iter().any(|n| joined.contains(n))
+    }
 }
 
 /// A tokenizer loaded from GGUF metadata. Immutable after loading, so it can be shared
@@ -219,24 +253,31 @@ impl Tokenizer {
         tokens
     }
 
-    /// Whether `text`, placed among a chat template's own text (which is tokenized with
-    /// control tokens parsed), could make a control token: it holds the text of one that
-    /// [`Self::encode_ordinary`] would not match, or it ends with the start of one or starts
-    /// with the end of one, which the template's text beside it could complete. Strings a
-    /// template renders as its own text (tool definitions, tool calls) must not.
-    pub fn could_form_control(&self, text: &str) -> bool {
-        self.specials
+    /// The texts of the special tokens that [`Self::encode_ordinary`] would not match, with
+    /// their proper starts and ends, to check strings a chat template renders as its own
+    /// text ([`ControlTexts::could_form`]). Built once per prompt: a few thousand entries.
+    pub fn control_texts(&self) -> ControlTexts<'_> {
+        let needles: Vec<&str> = self
+            .specials
             .iter()
             .filter(|id| !self.user_defined.contains(id))
             .map(|&id| self.texts[id as usize].as_str())
             .filter(|needle| !needle.is_empty())
-            .any(|needle| {
-                text.contains(needle)
-                    || (1..needle.len()).any(|k| {
-                        needle.is_char_boundary(k)
-                            && (text.ends_with(&needle[..k]) || text.starts_with(&needle[k..]))
-                    })
-            })
+            .collect();
+        let (mut starts, mut ends) = (HashSet::new(), HashSet::new());
+        for needle in &needles {
+            for k in (1..needle.len()).filter(|&k| needle.is_char_boundary(k)) {
+                starts.insert(&needle[..k]);
+                ends.insert(&needle[k..]);
+            }
+        }
+        let longest = needles.iter().map(|n| n.len()).max().unwrap_or(0);
+        ControlTexts {
+            needles,
+            starts,
+            ends,
+            longest,
+        }
     }
 
     pub fn is_control(&self, id: u32) -> bool {
