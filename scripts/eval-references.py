@@ -93,17 +93,38 @@ def perplexity_binary():
                           text=True).stdout.strip()
 
 
+# What every finished llama-perplexity run prints last: the final estimate of a plain run,
+# the summary of a --kl-divergence one.
+FINISHED = re.compile(r"Final estimate: PPL = [0-9.]+|Mean PPL\(Q\)\s*:\s*[0-9.]+")
+# A run that exits 0 without its summary has returned early or printed NaN (once in CI, on
+# an AMX Xeon whose default llama.cpp path also crashes): it is run again this many times,
+# saying so, before the recording fails with the log's end.
+RERUNS = 2
+
+
+def tail(text, lines=25):
+    return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+
 def run_llama(binary, model, flags, env, extra, log):
     cmd = [binary, "-m", str(model), "-f", str(TEXT), *flags, *extra]
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
-    log.write_text(" ".join(cmd) + "\n\n" + p.stdout + p.stderr)
+    for attempt in range(RERUNS + 1):
+        p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+        output = p.stdout + p.stderr
+        log.write_text(" ".join(cmd) + "\n\n" + output)
+        if p.returncode != 0 or FINISHED.search(output):
+            break
+        print(f"eval-references: llama-perplexity exited 0 without its summary (attempt "
+              f"{attempt + 1} of {RERUNS + 1}); its output ends:\n{tail(output)}",
+              file=sys.stderr)
     return p, cmd
 
 
 def printed(pattern, text, what, log):
     m = re.search(pattern, text)
     if not m:
-        sys.exit(f"eval-references: no {what} in llama-perplexity's output; see {log}")
+        sys.exit(f"eval-references: no {what} in llama-perplexity's output ({log}), which "
+                 f"ends:\n{tail(text)}")
     return float(m.group(1))
 
 
