@@ -164,14 +164,14 @@ def parse_metrics(text: str) -> dict:
 class Node:
     """One `kvwarden serve --role prefill|decode`: internal API address and metrics URL."""
 
-    def __init__(self, role, args, certs: Path, name: str, log_path: Path, threads=1, port=0):
+    def __init__(self, role, args, certs: Path, name: str, log_path: Path, threads=1, port=0, model=None):
         require_binary()
         self.role = role
         self.log_path = log_path
         self.log = open(log_path, "wb")
         cmd = [
             str(BIN), "--threads", str(threads), "serve", "--role", role,
-            "--model", str(MODEL), "--port", str(port), "--metrics-port", "0",
+            "--model", str(model or MODEL), "--port", str(port), "--metrics-port", "0",
             "--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / f"{name}.pem"),
             "--tls-key", str(certs / f"{name}.key"),
             *[str(a) for a in args],
@@ -237,7 +237,7 @@ class Cluster(Server):
 
     def __init__(
         self, args, dir: Path, api_key="unused", prefill=1, decode=1, router_args=(),
-        prefill_args=(), decode_args=(), nofile=None,
+        prefill_args=(), decode_args=(), nofile=None, model=None,
     ):
         require_binary()
         names = ["router"] + [f"prefill{i}" for i in range(prefill)] + [f"decode{i}" for i in range(decode)]
@@ -253,17 +253,19 @@ class Cluster(Server):
             else:
                 node.append(a)
         self.nodes = [
-            Node("prefill", node + list(prefill_args), self.certs, f"prefill{i}", dir / f"prefill{i}.log")
+            Node("prefill", node + list(prefill_args), self.certs, f"prefill{i}", dir / f"prefill{i}.log",
+                 model=model)
             for i in range(prefill)
         ]
         self.nodes += [
-            Node("decode", node + list(decode_args), self.certs, f"decode{i}", dir / f"decode{i}.log")
+            Node("decode", node + list(decode_args), self.certs, f"decode{i}", dir / f"decode{i}.log",
+                 model=model)
             for i in range(decode)
         ]
         self.log_path = dir / "router.log"
         self.log = open(self.log_path, "wb")
         cmd = [
-            str(BIN), "router", "--model", str(MODEL), "--port", "0", "--served-model-name", MODEL_NAME,
+            str(BIN), "router", "--model", str(model or MODEL), "--port", "0", "--served-model-name", MODEL_NAME,
             "--tls-ca", str(self.certs / "ca.pem"), "--tls-cert", str(self.certs / "router.pem"),
             "--tls-key", str(self.certs / "router.key"),
             *[a for n in self.nodes for a in (f"--{n.role}", n.addr)],
@@ -334,12 +336,12 @@ class Cluster(Server):
 def make_server(tmp_path_factory):
     started = []
 
-    def make(*args, api_key="unused", name="server", nofile=None, binary=None):
+    def make(*args, api_key="unused", name="server", nofile=None, binary=None, model=None):
         if DEPLOYMENT == "cluster" and binary is None:
-            s = Cluster(args, tmp_path_factory.mktemp(name), api_key=api_key, nofile=nofile)
+            s = Cluster(args, tmp_path_factory.mktemp(name), api_key=api_key, nofile=nofile, model=model)
         else:
             log = tmp_path_factory.mktemp(name) / "stderr.log"
-            s = Server(args, log, api_key=api_key, nofile=nofile, binary=binary)
+            s = Server(args, log, api_key=api_key, nofile=nofile, binary=binary, model=model)
         started.append(s)
         return s
 
