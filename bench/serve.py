@@ -19,6 +19,12 @@ token-id prompts, ignore_eos):
       llama.cpp's `json_schema` field; its story runs past 64 tokens, so every answer is
       64 tokens, as with ignore_eos): output tok/s, and for each server (d) / (b), what
       structured outputs cost it;
+  (e) 8 clients, 32 chat requests (/v1/chat/completions) of 200 random words + 64 out,
+      ignore_eos: output tok/s;
+  (f) (e) with every request declaring bench/story-tool.json's function with
+      `tool_choice: "required"` (`--tools`; its story runs past 64 tokens, so every answer
+      is 64 tokens of a forced call): output tok/s, and (f) / (e), what a forced tool call
+      costs;
 
 plus each server's peak RSS (VmHWM just before it is stopped) and the kernels' pp512/tg128
 (kvwarden's `cargo bench -p model --bench throughput`, llama.cpp's llama-bench). The order of
@@ -62,8 +68,11 @@ WORKLOADS = {
     "b_8_clients": (8, 32, 200, 64),
     "c_32_clients": (32, 64, 200, 64),
     "d_8_clients_schema": (8, 32, 200, 64),
+    "e_8_clients_chat": (8, 32, 200, 64),
+    "f_8_clients_tool": (8, 32, 200, 64),
 }
 SCHEMA = ROOT / "bench" / "story-schema.json"
+TOOLS = ROOT / "bench" / "story-tool.json"
 KERNEL = (512, 128)
 if QUICK:
     WORKLOADS = {
@@ -71,6 +80,8 @@ if QUICK:
         "b_8_clients": (2, 4, 16, 8),
         "c_32_clients": (4, 8, 16, 8),
         "d_8_clients_schema": (2, 4, 16, 8),
+        "e_8_clients_chat": (2, 4, 16, 8),
+        "f_8_clients_tool": (2, 4, 16, 8),
     }
     KERNEL = (32, 8)
 
@@ -86,6 +97,10 @@ METRICS = [
     ("(d) 8 clients, JSON schema: output tok/s", lambda r: r["d_8_clients_schema"]["output_tok_s"], True),
     ("(d) / (b): schema / none, output tok/s",
      lambda r: r["d_8_clients_schema"]["output_tok_s"] / r["b_8_clients"]["output_tok_s"], True),
+    ("(e) 8 clients, chat: output tok/s", lambda r: r["e_8_clients_chat"]["output_tok_s"], True),
+    ("(f) 8 clients, forced tool call: output tok/s", lambda r: r["f_8_clients_tool"]["output_tok_s"], True),
+    ("(f) / (e): tool call / none, output tok/s",
+     lambda r: r["f_8_clients_tool"]["output_tok_s"] / r["e_8_clients_chat"]["output_tok_s"], True),
     ("peak RSS, MiB", lambda r: r["peak_rss_kib"] / 1024.0, False),
     (f"kernel {PP} tok/s", lambda r: r["kernel"][PP], True),
     (f"kernel {TG} tok/s", lambda r: r["kernel"][TG], True),
@@ -182,14 +197,24 @@ def server_commands(llama_server, port):
     return {"kvwarden": kvwarden, "llama.cpp": llama}
 
 
-def bench_serve(url, clients, requests, prompt, out, seed, tmp, schema=None):
+def bench_serve(url, clients, requests, prompt, out, seed, tmp, workload=""):
     path = Path(tmp) / f"report-{seed}.json"
-    # A schema's answers end where it says (this one runs past max_tokens), not at EOS.
-    ending = ["--json-schema", schema] if schema else ["--ignore-eos"]
+    # A schema's or a forced call's answers end where it says (these run past max_tokens),
+    # not at EOS.
+    if workload.endswith("_schema"):
+        shape = ["--json-schema", SCHEMA]
+    elif workload.endswith("_tool"):
+        shape = ["--tools", TOOLS, "--tool-choice", "required"]
+    else:
+        shape = ["--ignore-eos"]
+    if workload.endswith(("_chat", "_tool")):
+        prompts = ["--chat", "--prompt-words", prompt]
+    else:
+        prompts = ["--prompt-tokens", prompt, "--token-id-range", TOKEN_ID_RANGE]
     run([
         BIN, "bench", "serve", "--base-url", url, "--concurrency", clients,
-        "--num-requests", requests, "--prompt-tokens", prompt, "--max-tokens", out,
-        *ending, "--token-id-range", TOKEN_ID_RANGE, "--seed", seed, "--json", path,
+        "--num-requests", requests, *prompts, "--max-tokens", out,
+        *shape, "--seed", seed, "--json", path,
     ])
     return json.loads(path.read_text())
 
@@ -225,10 +250,11 @@ def one_round(index, llama_server, llama_bench, tmp):
             bench_serve(server.url, 1, 1, 8, 4, 999, tmp)
             r = {}
             for seed, (w, (clients, requests, prompt, out)) in enumerate(WORKLOADS.items()):
-                schema = SCHEMA if w.endswith("_schema") else None
-                # (d) sends (b)'s prompts: the schema is the only difference.
-                same = list(WORKLOADS).index("b_8_clients") if schema else seed
-                r[w] = bench_serve(server.url, clients, requests, prompt, out, same, tmp, schema)
+                # (d) sends (b)'s prompts and (f) (e)'s: the schema or the tool is the only
+                # difference.
+                twin = {"d_8_clients_schema": "b_8_clients", "f_8_clients_tool": "e_8_clients_chat"}
+                same = list(WORKLOADS).index(twin[w]) if w in twin else seed
+                r[w] = bench_serve(server.url, clients, requests, prompt, out, same, tmp, w)
             r["peak_rss_kib"] = peak_rss_kib(server.proc.pid)
         finally:
             server.stop()

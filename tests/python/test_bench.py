@@ -4,6 +4,8 @@ Timings are never asserted, only their consistency."""
 import json
 import subprocess
 
+import pytest
+
 from conftest import BIN, ROOT
 
 
@@ -87,3 +89,57 @@ def test_a_wrong_key_is_a_clear_error_before_any_load(tenant_server):
     code, r, err = bench(WrongKey, "--num-requests", 1)
     assert code != 0 and r is None
     assert "refused the request with HTTP 401" in err and "panicked" not in err
+
+
+WEATHER_TOOL = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 12},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}]
+
+
+def test_tool_requests_go_to_chat_and_their_calls_are_counted(server, tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(WEATHER_TOOL))
+    requests = 4
+    code, r, err = bench(
+        server, "--chat", "--prompt-words", 12, "--tools", tools, "--tool-choice", "get_weather",
+        "--num-requests", requests, "--concurrency", 2, "--max-tokens", 64,
+    )
+    assert code == 0, err
+    w = r["workload"]
+    assert (w["endpoint"], w["tools"], w["tool_choice"]) == ("chat", str(tools), "get_weather")
+    assert (r["completed"], r["failed"]) == (requests, 0)
+    # A named function is one call, whose arguments are bounded well inside 64 tokens.
+    assert r["tool_calls"] == requests, r
+    assert r["output_counted_by"] == "usage"
+    # A call's deltas are output: every request has a first-token time.
+    assert r["ttft_ms"]["samples"] == requests
+    assert 0 < r["output_tokens"] < requests * 64
+
+
+def test_the_whole_story_tool_runs_to_max_tokens(server):
+    # bench/serve.py's (f): the forced call of bench/story-tool.json never ends before
+    # max_tokens, so every answer costs max_tokens of constrained decoding.
+    code, r, err = bench(
+        server, "--chat", "--prompt-words", 12, "--tools", ROOT / "bench" / "story-tool.json",
+        "--num-requests", 2, "--max-tokens", 24,
+    )
+    assert code == 0, err
+    assert r["workload"]["tool_choice"] == "required"
+    assert (r["completed"], r["output_tokens"], r["tool_calls"]) == (2, 48, 0)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--chat", "--num-requests", 1], "--chat sends text: give --prompt-words"),
+    (["--chat", "--prompt-words", 3, "--tools", "{tools}", "--tool-choice", "nope"],
+     "--tool-choice nope: no such function"),
+    (["--chat", "--prompt-words", 3, "--tools", "{empty}"], "not a non-empty JSON array of tools"),
+])
+def test_bad_tool_arguments_are_clear_errors(server, tmp_path, args, message):
+    (tmp_path / "tools.json").write_text(json.dumps(WEATHER_TOOL))
+    (tmp_path / "empty.json").write_text("[]")
+    args = [str(a).format(tools=tmp_path / "tools.json", empty=tmp_path / "empty.json") for a in args]
+    code, r, err = bench(server, *args)
+    assert code != 0 and r is None
+    assert message in err and "panicked" not in err

@@ -6,6 +6,8 @@
 //! loop). It reports time to first token, time per output token, inter-token and
 //! end-to-end latency (mean, p50, p90, p99), and output and total tokens per second over
 //! the wall time. HTTP only: the same numbers for kvwarden, llama.cpp's server or vLLM.
+//! `--chat` sends the text prompts to `/v1/chat/completions` instead, and `--tools` makes
+//! every request a tool-calling one (tool calls' deltas count as generated output).
 
 #![forbid(unsafe_code)]
 
@@ -84,6 +86,19 @@ pub struct ServeArgs {
     /// schema whose answers run past --max-tokens to keep every answer max_tokens long.
     #[arg(long, value_name = "FILE", conflicts_with = "ignore_eos")]
     pub json_schema: Option<PathBuf>,
+    /// Send the prompts as a user message to /v1/chat/completions (text prompts only:
+    /// give --prompt-words).
+    #[arg(long)]
+    pub chat: bool,
+    /// Every chat request declares the tools in FILE (a JSON array of OpenAI tool objects)
+    /// with --tool-choice, to measure what tool calling costs. With `required` or a named
+    /// function, give a function whose arguments run past --max-tokens to keep every
+    /// answer max_tokens long.
+    #[arg(long, value_name = "FILE", requires = "chat", conflicts_with_all = ["ignore_eos", "json_schema"])]
+    pub tools: Option<PathBuf>,
+    /// `auto`, `none`, `required`, or the name of one of the tools' functions.
+    #[arg(long, default_value = "required", requires = "tools")]
+    pub tool_choice: String,
     /// Write the report as JSON to PATH ("-": print it on stdout instead of the table).
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
@@ -123,7 +138,51 @@ fn check(args: &ServeArgs) -> Result<(), BenchError> {
     if args.prompt_tokens == Some(0) || args.prompt_words == Some(0) {
         return bad("a prompt must have at least one token or word");
     }
+    if args.chat && args.prompt_words.is_none() {
+        return bad("--chat sends text: give --prompt-words");
+    }
     Ok(())
+}
+
+/// The body fields a request gets beside its prompt: a schema, or tools and a tool choice.
+fn extra_fields(args: &ServeArgs) -> Result<serde_json::Map<String, Value>, BenchError> {
+    let read_json = |path: &PathBuf| -> Result<Value, BenchError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| BenchError::Usage(format!("reading {}: {e}", path.display())))?;
+        serde_json::from_str(&text)
+            .map_err(|e| BenchError::Usage(format!("{}: not JSON: {e}", path.display())))
+    };
+    let mut extra = serde_json::Map::new();
+    if let Some(path) = &args.json_schema {
+        extra.insert("json_schema".into(), read_json(path)?);
+    }
+    if let Some(path) = &args.tools {
+        let tools = read_json(path)?;
+        let Some(list) = tools.as_array().filter(|l| !l.is_empty()) else {
+            return Err(BenchError::Usage(format!(
+                "{}: not a non-empty JSON array of tools",
+                path.display()
+            )));
+        };
+        let choice = match args.tool_choice.as_str() {
+            c @ ("auto" | "none" | "required") => Value::from(c),
+            name => {
+                let declared = list
+                    .iter()
+                    .any(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(name));
+                if !declared {
+                    return Err(BenchError::Usage(format!(
+                        "--tool-choice {name}: no such function in {}",
+                        path.display()
+                    )));
+                }
+                serde_json::json!({"type": "function", "function": {"name": name}})
+            }
+        };
+        extra.insert("tools".into(), tools);
+        extra.insert("tool_choice".into(), choice);
+    }
+    Ok(extra)
 }
 
 async fn serve(args: ServeArgs) -> Result<(), BenchError> {
@@ -140,18 +199,16 @@ async fn serve(args: ServeArgs) -> Result<(), BenchError> {
             ids: args.token_id_range.clone(),
         },
     };
-    let mut extra = serde_json::Map::new();
-    if let Some(path) = &args.json_schema {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| BenchError::Usage(format!("reading {}: {e}", path.display())))?;
-        let schema: Value = serde_json::from_str(&text)
-            .map_err(|e| BenchError::Usage(format!("{}: not JSON: {e}", path.display())))?;
-        extra.insert("json_schema".into(), schema);
-    }
+    let extra = extra_fields(&args)?;
+    let api = if args.chat {
+        Api::Chat
+    } else {
+        Api::Completions
+    };
     let calls: Vec<Call> = workload::prompts(&spec, args.num_requests, args.seed)
         .into_iter()
         .map(|prompt| Call {
-            api: Api::Completions,
+            api,
             prompt,
             max_tokens: args.max_tokens,
             temperature: args.temperature,
@@ -190,6 +247,9 @@ async fn serve(args: ServeArgs) -> Result<(), BenchError> {
         request_rate: args.request_rate,
         seed: args.seed,
         json_schema: args.json_schema.as_ref().map(|p| p.display().to_string()),
+        endpoint: if args.chat { "chat" } else { "completions" }.into(),
+        tools: args.tools.as_ref().map(|p| p.display().to_string()),
+        tool_choice: args.tools.as_ref().map(|_| args.tool_choice.clone()),
     };
     let report = Report::new(
         client.base.clone(),

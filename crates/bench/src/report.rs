@@ -24,6 +24,18 @@ pub struct Workload {
     /// The JSON schema file every answer was constrained to, if any.
     #[serde(default)]
     pub json_schema: Option<String>,
+    /// "completions" or "chat".
+    #[serde(default = "completions")]
+    pub endpoint: String,
+    /// The tools file every chat request declared, if any, and its tool choice.
+    #[serde(default)]
+    pub tools: Option<String>,
+    #[serde(default)]
+    pub tool_choice: Option<String>,
+}
+
+fn completions() -> String {
+    "completions".into()
 }
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -41,6 +53,9 @@ pub struct Report {
     /// Over completed requests only.
     pub prompt_tokens: u64,
     pub output_tokens: u64,
+    /// Tool calls the completed answers made.
+    #[serde(default)]
+    pub tool_calls: usize,
     /// How output tokens were counted: "usage" (the server's final usage chunk), "chunks"
     /// (content chunks, when it sent none), or "mixed".
     pub output_counted_by: String,
@@ -87,7 +102,7 @@ impl Report {
         let mut first_errors = BTreeMap::new();
         let (mut ttft, mut tpot, mut itl, mut e2e) = (vec![], vec![], vec![], vec![]);
         let (mut prompt_tokens, mut output_tokens) = (0u64, 0u64);
-        let (mut by_usage, mut by_chunks) = (0usize, 0usize);
+        let (mut by_usage, mut by_chunks, mut tool_calls) = (0usize, 0usize, 0usize);
         for ex in exchanges {
             if !ex.succeeded() {
                 let kind = failure_kind(ex);
@@ -109,6 +124,7 @@ impl Report {
                 }
             };
             output_tokens += out;
+            tool_calls += ex.tool_calls.len();
             prompt_tokens += usage.prompt_tokens.or(known_prompt_tokens).unwrap_or(0);
             e2e.push(ex.total);
             if let Some(t) = ex.ttft {
@@ -135,6 +151,7 @@ impl Report {
             wall_s: wall.as_secs_f64(),
             prompt_tokens,
             output_tokens,
+            tool_calls,
             output_counted_by: match (by_usage, by_chunks) {
                 (_, 0) => "usage",
                 (0, _) => "chunks",
@@ -166,12 +183,21 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "workload: {} requests, {} prompt {} + {} out{}, {load}, seed {}",
+            "workload: {} requests to /v1/{}, {} prompt {} + {} out{}{}, {load}, seed {}",
             w.num_requests,
+            if w.endpoint == "chat" {
+                "chat/completions"
+            } else {
+                "completions"
+            },
             w.prompt_len,
             w.prompt,
             w.max_tokens,
             if w.ignore_eos { " (ignore_eos)" } else { "" },
+            match (&w.tools, &w.tool_choice) {
+                (Some(t), Some(c)) => format!(", tools {t} (tool_choice {c})"),
+                _ => String::new(),
+            },
             w.seed
         );
         let _ = writeln!(s);
@@ -199,6 +225,9 @@ impl Report {
                 self.output_tokens, self.output_counted_by
             ),
         );
+        if w.tools.is_some() {
+            row("tool calls", self.tool_calls.to_string());
+        }
         row("requests/s", format!("{:.2}", self.requests_per_s));
         row("output tok/s", format!("{:.1}", self.output_tok_s));
         row("total tok/s", format!("{:.1}", self.total_tok_s));
@@ -269,6 +298,9 @@ mod tests {
             request_rate: None,
             seed: 0,
             json_schema: None,
+            endpoint: completions(),
+            tools: None,
+            tool_choice: None,
         }
     }
 

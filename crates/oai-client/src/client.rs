@@ -436,7 +436,13 @@ fn stream_event(ex: &mut Exchange, api: Api, data: &str, start: Instant) {
         .get("finish_reason")
         .and_then(Value::as_str)
         .map(str::to_owned);
-    let has_text = text.as_deref().is_some_and(|t| !t.is_empty());
+    // A tool call's deltas are generated output as much as content is.
+    let has_text = text.as_deref().is_some_and(|t| !t.is_empty())
+        || choice
+            .get("delta")
+            .and_then(|d| d.get("tool_calls"))
+            .and_then(Value::as_array)
+            .is_some_and(|calls| !calls.is_empty());
     let now = start.elapsed();
     if ex.ttft.is_none() && (has_text || finish.is_some() || !tokens.is_empty()) {
         ex.ttft = Some(now);
