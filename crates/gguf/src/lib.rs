@@ -5,14 +5,17 @@
 //! that remain before anything is allocated for it, so a malicious header cannot make the
 //! process allocate more than the file's own size.
 
-// Memory safety here rests on the compiler alone: the only unsafe code in the workspace is
-// the SIMD kernels of the `model` crate, each with its own safety argument and test.
-#![forbid(unsafe_code)]
+// Memory safety here rests on the compiler alone but for `mapping`, which maps the model
+// file (its safety argument and tests are there); the only other unsafe code in the
+// workspace is the SIMD kernels of the `model` crate.
+#![deny(unsafe_code)]
 
 mod float;
 mod iq4_nl;
 mod legacy;
 mod low_kquants;
+#[allow(unsafe_code)]
+mod mapping;
 mod quants;
 mod reader;
 mod types;
@@ -21,7 +24,7 @@ mod writer;
 pub use iq4_nl::KVALUES_IQ4NL;
 pub use low_kquants::{q2_bits, q3_high_bit, q3_k_scales};
 pub use quants::{k4_scale_min, q6_at, QK_K};
-pub use reader::{GgufFile, TensorInfo};
+pub use reader::{GgufFile, Load, TensorData, TensorInfo};
 pub use types::{ggml_type_name, GgmlType, MetaValue};
 pub use writer::GgufWriter;
 

@@ -1,6 +1,8 @@
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
+use crate::mapping::Mapping;
 use crate::{GgmlType, GgufError, MetaValue, Result};
 
 const MAGIC: u32 = 0x4655_4747; // "GGUF" read as little-endian u32
@@ -25,13 +27,92 @@ impl TensorInfo {
     }
 }
 
-/// A parsed GGUF file, held in memory.
+/// A file's bytes: read into memory, or mapped (see `mapping`).
+enum FileBytes {
+    Read(Vec<u8>),
+    Mapped(Mapping),
+}
+
+impl std::ops::Deref for FileBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            FileBytes::Read(v) => v,
+            FileBytes::Mapped(m) => m,
+        }
+    }
+}
+
+/// How [`GgufFile::open_with`] brings a file's bytes into memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Load {
+    /// Mapped read-only, every page read in at once (the default for serving): no copy,
+    /// the page cache shared between processes.
+    Map,
+    /// Mapped, pages read when first touched: for a process that reads the metadata and
+    /// the vocabulary only (the router, `tokenize`).
+    MapLazily,
+    /// Read into memory the process owns (`--no-mmap`).
+    Read,
+}
+
+/// One tensor's bytes, which can outlive the [`GgufFile`] they came from: a mapped file's
+/// weights are used where they lie, so the matrices hold the mapping.
+#[derive(Clone)]
+pub struct TensorData {
+    file: Arc<FileBytes>,
+    start: usize,
+    len: usize,
+}
+
+impl TensorData {
+    /// Bytes of no file (tests, and matrices made in memory).
+    pub fn from_vec(bytes: Vec<u8>) -> Self {
+        let len = bytes.len();
+        TensorData {
+            file: Arc::new(FileBytes::Read(bytes)),
+            start: 0,
+            len,
+        }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.file[self.start..self.start + self.len]
+    }
+
+    /// Tells the kernel a mapped tensor's pages are not needed again (its weights were
+    /// copied into another form): they leave this process's resident memory, and a later
+    /// read would fetch them from the file again. Nothing for bytes read into memory.
+    pub fn release(&self) {
+        if let FileBytes::Mapped(m) = &*self.file {
+            m.release(self.start, self.len);
+        }
+    }
+
+    /// Whether the bytes are the file's mapping (holding them holds no memory of its own).
+    pub fn is_mapped(&self) -> bool {
+        matches!(*self.file, FileBytes::Mapped(_))
+    }
+}
+
+impl std::fmt::Debug for TensorData {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorData")
+            .field("start", &self.start)
+            .field("len", &self.len)
+            .field("mapped", &self.is_mapped())
+            .finish()
+    }
+}
+
+/// A parsed GGUF file, mapped or held in memory.
 pub struct GgufFile {
     pub version: u32,
     metadata: HashMap<String, MetaValue>,
     tensors: Vec<TensorInfo>,
     by_name: HashMap<String, usize>,
-    bytes: Vec<u8>,
+    bytes: Arc<FileBytes>,
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -157,16 +238,30 @@ fn min_value_bytes(ty: u32) -> Option<u64> {
 }
 
 impl GgufFile {
+    /// The file at `path`, mapped.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open_with(path, Load::Map)
+    }
+
+    pub fn open_with(path: impl AsRef<Path>, load: Load) -> Result<Self> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| GgufError::Io {
+        let io = |source| GgufError::Io {
             path: path.display().to_string(),
             source,
-        })?;
-        Self::parse(bytes)
+        };
+        let bytes = match load {
+            Load::Map => FileBytes::Mapped(Mapping::open(path, true).map_err(io)?),
+            Load::MapLazily => FileBytes::Mapped(Mapping::open(path, false).map_err(io)?),
+            Load::Read => FileBytes::Read(std::fs::read(path).map_err(io)?),
+        };
+        Self::parse_bytes(bytes)
     }
 
     pub fn parse(bytes: Vec<u8>) -> Result<Self> {
+        Self::parse_bytes(FileBytes::Read(bytes))
+    }
+
+    fn parse_bytes(bytes: FileBytes) -> Result<Self> {
         let mut c = Cursor {
             bytes: &bytes,
             pos: 0,
@@ -294,7 +389,7 @@ impl GgufFile {
             metadata,
             tensors,
             by_name,
-            bytes,
+            bytes: Arc::new(bytes),
         })
     }
 
@@ -348,6 +443,20 @@ impl GgufFile {
     /// The raw bytes of a tensor; the range was validated when the file was parsed.
     pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
         &self.bytes[info.start..info.start + info.len]
+    }
+
+    /// A tensor's bytes as a handle that can outlive this file.
+    pub fn tensor_data(&self, info: &TensorInfo) -> TensorData {
+        TensorData {
+            file: Arc::clone(&self.bytes),
+            start: info.start,
+            len: info.len,
+        }
+    }
+
+    /// Whether the file is mapped rather than read into memory.
+    pub fn is_mapped(&self) -> bool {
+        matches!(*self.bytes, FileBytes::Mapped(_))
     }
 
     /// Dequantizes a whole tensor to f32.

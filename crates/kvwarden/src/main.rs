@@ -1,7 +1,8 @@
 //! The `kvwarden` command line.
 
 // Memory safety here rests on the compiler alone: the only unsafe code in the workspace is
-// the SIMD kernels of the `model` crate, each with its own safety argument and test.
+// the SIMD kernels of the `model` crate and `gguf`'s mapping of the model file, each with
+// its own safety argument and test.
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
@@ -162,7 +163,7 @@ fn run(cli: Cli) -> Result<()> {
     }
     match cli.command {
         Command::Tokenize { model, text } => {
-            let file = open_model(&model)?;
+            let file = open_model(&model, gguf::Load::MapLazily)?;
             let tok = tokenizer::Tokenizer::from_gguf(&file)?;
             println!("{}", serde_json::json!({ "tokens": tok.encode(&text) }));
             Ok(())
@@ -183,18 +184,18 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-fn open_model(path: &PathBuf) -> Result<gguf::GgufFile> {
+fn open_model(path: &PathBuf, load: gguf::Load) -> Result<gguf::GgufFile> {
     if !path.exists() {
         bail!(
             "model file {} not found (the default model is fetched by scripts/fetch-model.sh)",
             path.display()
         );
     }
-    gguf::GgufFile::open(path).with_context(|| format!("loading {}", path.display()))
+    gguf::GgufFile::open_with(path, load).with_context(|| format!("loading {}", path.display()))
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
-    let file = open_model(&args.model)?;
+    let file = open_model(&args.model, gguf::Load::Map)?;
     let tok = tokenizer::Tokenizer::from_gguf(&file)?;
     let model = model::Model::load(&file)?;
     drop(file);

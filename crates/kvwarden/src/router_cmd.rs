@@ -40,7 +40,8 @@ pub struct RouterArgs {
 pub fn run(args: RouterArgs) -> Result<()> {
     let auth = args.edge.auth()?;
     let tls = args.tls.load()?;
-    let file = open_model(&args.model)?;
+    // The router reads the vocabulary and the shape, never the weights.
+    let file = open_model(&args.model, gguf::Load::MapLazily)?;
     let tok = tokenizer::Tokenizer::from_gguf(&file)?;
     let template = args.edge.chat_template(&tok)?;
     let vocab_size = model::LlamaConfig::from_gguf(&file)?.vocab_size;

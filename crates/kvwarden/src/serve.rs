@@ -13,7 +13,12 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
     #[cfg(feature = "fault-injection")]
     crate::fault::apply(&mut args);
     let auth = args.edge.auth()?;
-    let file = open_model(&args.model)?;
+    let load = if args.no_mmap {
+        gguf::Load::Read
+    } else {
+        gguf::Load::Map
+    };
+    let file = open_model(&args.model, load)?;
     let tok = tokenizer::Tokenizer::from_gguf(&file)?;
     let template = args.edge.chat_template(&tok)?;
     let public_prefixes = match &args.public_prefixes {

@@ -14,6 +14,11 @@ pub struct ServeArgs {
     pub(crate) edge: crate::edge::EdgeArgs,
     #[arg(long, default_value = DEFAULT_MODEL)]
     pub(crate) model: PathBuf,
+    /// Read the model file into memory of this process's own instead of mapping it (by
+    /// default the weights kept as stored are used from the mapped file, shared with every
+    /// process serving it; replace a served file by renaming a new one over it).
+    #[arg(long)]
+    pub(crate) no_mmap: bool,
     /// The model id clients must send (default: the model file's name without .gguf).
     #[arg(long)]
     pub(crate) served_model_name: Option<String>,

@@ -58,14 +58,19 @@ impl Matrix {
                 reason: format!("rows of {cols} are not whole {:?} blocks", info.ty),
             });
         }
-        let bytes = file.tensor_bytes(info);
-        let m = crate::quant::table::matrix(info.ty, rows, cols, bytes).ok_or_else(|| {
+        let data = file.tensor_data(info);
+        let m = crate::quant::table::matrix(info.ty, rows, cols, &data).ok_or_else(|| {
             ModelError::Tensor {
                 name: info.name.clone(),
                 reason: format!("ggml type {:?} has no kernel", info.ty),
             }
         })?;
         Ok(Matrix(m))
+    }
+
+    /// Whether the matrix is read from the mapped file where it lies (not copied).
+    pub fn is_mapped(&self) -> bool {
+        self.0.is_mapped()
     }
 
     /// Row `r` dequantized to f32 (used for embedding lookups).

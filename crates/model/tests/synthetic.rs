@@ -591,3 +591,74 @@ fn linear_rope_scaling_divides_the_angles() {
     }
     assert!(worst_diff(&got[v..], &unscaled[v..]) > 1e-3);
 }
+
+/// A mapped file's matrices are used where they lie, for the formats stored as in the file,
+/// and give the bits of the same file read into memory.
+#[test]
+fn a_mapped_model_computes_what_the_read_one_does() {
+    for (ty, layers_mapped) in [
+        (GgmlType::Q6_K, true),
+        (GgmlType::Q4_K, true),
+        (GgmlType::Q4_1, false),
+    ] {
+        let mut spec = spec(256, 4, 2, ty);
+        spec.vocab = 512;
+        let path = std::env::temp_dir().join(format!(
+            "kvwarden-mapped-{}-{:?}.gguf",
+            std::process::id(),
+            ty
+        ));
+        std::fs::write(&path, spec.build_arch(SynthArch::Qwen3).unwrap().to_bytes()).unwrap();
+        let run = |load: gguf::Load| {
+            let file = GgufFile::open_with(&path, load).unwrap();
+            assert_eq!(file.is_mapped(), load != gguf::Load::Read);
+            let model = Model::load(&file).unwrap();
+            // The matrices hold what they need of the file: it can go.
+            drop(file);
+            let pool = pool(&model, KvDtype::F16);
+            let toks = tokens(21, 5);
+            let mut s = seq(&pool, 1, toks.len());
+            let logits = model
+                .forward(&mut [BatchItem {
+                    kv: &mut s,
+                    tokens: &toks,
+                    logits: LogitsWanted::All,
+                }])
+                .pop()
+                .unwrap()
+                .unwrap();
+            (model.mapped_matrices(), logits.to_vec())
+        };
+        let ((mapped, all), from_map) = run(gguf::Load::Map);
+        let ((read_mapped, _), from_read) = run(gguf::Load::Read);
+        let (_, lazily) = run(gguf::Load::MapLazily);
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(
+            read_mapped, 0,
+            "{ty:?}: a file read into memory maps nothing"
+        );
+        // The 7 matrices of each of the 2 layers are of the spec's type (the embedding is
+        // the writer's choice).
+        let layer_matrices = 7 * spec.layers;
+        assert_eq!(
+            mapped >= layer_matrices,
+            layers_mapped,
+            "{ty:?}: {mapped} of {all} mapped"
+        );
+        assert!(
+            mapped <= all - usize::from(!layers_mapped) * layer_matrices,
+            "{ty:?}: {mapped} of {all}"
+        );
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&from_map),
+            bits(&from_read),
+            "{ty:?}: mapped and read differ"
+        );
+        assert_eq!(
+            bits(&lazily),
+            bits(&from_read),
+            "{ty:?}: lazily mapped and read differ"
+        );
+    }
+}

@@ -8,7 +8,8 @@
 //! every vocabulary llama.cpp ships.
 
 // Memory safety here rests on the compiler alone: the only unsafe code in the workspace is
-// the SIMD kernels of the `model` crate, each with its own safety argument and test.
+// the SIMD kernels of the `model` crate and `gguf`'s mapping of the model file, each with
+// its own safety argument and test.
 #![forbid(unsafe_code)]
 
 mod bpe;

@@ -60,6 +60,21 @@ pub struct Model {
 }
 
 impl Model {
+    /// How many of the weight matrices are read from the mapped file where they lie, of
+    /// how many (the others were widened into memory of their own at load).
+    pub fn mapped_matrices(&self) -> (usize, usize) {
+        let matrices = std::iter::once(&self.embed)
+            .chain(self.output.as_ref())
+            .chain(
+                self.layers
+                    .iter()
+                    .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]),
+            );
+        matrices.fold((0, 0), |(mapped, all), m| {
+            (mapped + usize::from(m.is_mapped()), all + 1)
+        })
+    }
+
     pub fn kv_layout(&self, page_tokens: usize, dtype: kv::KvDtype) -> kv::KvLayout {
         kv::KvLayout {
             n_layers: self.config.n_layers,

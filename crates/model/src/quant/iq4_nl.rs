@@ -5,7 +5,7 @@
 
 use gguf::{GgmlType, KVALUES_IQ4NL};
 
-use super::{byte_blocks, QuantFormat};
+use super::{byte_blocks, byte_view, QuantFormat};
 use crate::blocks::{f16_at, hsum8, BlockQ8_1};
 
 /// Bytes of one block.
@@ -69,6 +69,10 @@ impl QuantFormat for IQ4NL {
 
     fn load(_: GgmlType, bytes: &[u8]) -> Vec<[u8; BYTES]> {
         byte_blocks(bytes)
+    }
+
+    fn view(bytes: &[u8]) -> Option<&[[u8; BYTES]]> {
+        Some(byte_view(bytes))
     }
 
     fn dequantize(w: &[[u8; BYTES]], out: &mut [f32]) {

@@ -5,7 +5,7 @@
 
 use gguf::GgmlType;
 
-use super::{byte_blocks, QuantFormat};
+use super::{byte_blocks, byte_view, QuantFormat};
 #[cfg(target_arch = "x86_64")]
 use crate::blocks::TILE;
 use crate::blocks::{f16_at, hsum8, BlockQ8K};
@@ -106,6 +106,10 @@ impl QuantFormat for Q4K {
 
     fn load(_: GgmlType, bytes: &[u8]) -> Vec<[u8; 144]> {
         byte_blocks(bytes)
+    }
+
+    fn view(bytes: &[u8]) -> Option<&[[u8; 144]]> {
+        Some(byte_view(bytes))
     }
 
     fn dequantize(w: &[[u8; 144]], out: &mut [f32]) {
@@ -212,6 +216,10 @@ impl QuantFormat for Q5K {
         byte_blocks(bytes)
     }
 
+    fn view(bytes: &[u8]) -> Option<&[[u8; 176]]> {
+        Some(byte_view(bytes))
+    }
+
     fn dequantize(w: &[[u8; 176]], out: &mut [f32]) {
         Self::TYPE.dequantize(w.as_flattened(), out);
     }
@@ -288,6 +296,10 @@ impl QuantFormat for Q6K {
 
     fn load(_: GgmlType, bytes: &[u8]) -> Vec<[u8; 210]> {
         byte_blocks(bytes)
+    }
+
+    fn view(bytes: &[u8]) -> Option<&[[u8; 210]]> {
+        Some(byte_view(bytes))
     }
 
     fn dequantize(w: &[[u8; 210]], out: &mut [f32]) {

@@ -10,7 +10,7 @@
 
 use gguf::{GgmlType, QK_K};
 
-use super::{byte_blocks, QuantFormat};
+use super::{byte_blocks, byte_view, QuantFormat};
 use crate::blocks::{f16_at, hsum8, BlockQ8K};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::{avx2_low_kquants as simd, cpu, x86_512_low_kquants};
@@ -90,6 +90,10 @@ impl QuantFormat for Q2K {
 
     fn load(_: GgmlType, bytes: &[u8]) -> Vec<[u8; 84]> {
         byte_blocks(bytes)
+    }
+
+    fn view(bytes: &[u8]) -> Option<&[[u8; 84]]> {
+        Some(byte_view(bytes))
     }
 
     fn dequantize(w: &[[u8; 84]], out: &mut [f32]) {
@@ -190,6 +194,10 @@ impl QuantFormat for Q3K {
 
     fn load(_: GgmlType, bytes: &[u8]) -> Vec<[u8; 110]> {
         byte_blocks(bytes)
+    }
+
+    fn view(bytes: &[u8]) -> Option<&[[u8; 110]]> {
+        Some(byte_view(bytes))
     }
 
     fn dequantize(w: &[[u8; 110]], out: &mut [f32]) {

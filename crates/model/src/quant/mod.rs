@@ -24,7 +24,7 @@ pub mod q8_0;
 mod simd;
 pub mod table;
 
-use gguf::GgmlType;
+use gguf::{GgmlType, TensorData};
 
 use crate::blocks::{Acts, BlockQ8K, BlockQ8_1, TILE};
 use crate::kernels::{ActKind, WeightRows};
@@ -75,6 +75,13 @@ pub trait QuantFormat: Send + Sync + Sized + 'static {
     const TILE_SCALES: bool = false;
     /// A tensor of ggml type `ty` (its bytes, whole blocks) as stored blocks.
     fn load(ty: GgmlType, bytes: &[u8]) -> Vec<Self::Block>;
+    /// The file's bytes as stored blocks where they are stored as they lie in the file
+    /// (then a mapped file's tensor is used in place, never copied); `None` for the formats
+    /// that widen their blocks at load.
+    fn view(bytes: &[u8]) -> Option<&[Self::Block]> {
+        let _ = bytes;
+        None
+    }
     /// The reference dequantization of whole blocks into `out`.
     fn dequantize(w: &[Self::Block], out: &mut [f32]);
     /// One weight row against one activation row.
@@ -166,7 +173,12 @@ pub(crate) fn tokens_by_tiles<F: QuantFormat>(
 
 /// ggml's bytes as `N`-byte blocks (the stored form of the formats kept as in the file).
 pub(crate) fn byte_blocks<const N: usize>(bytes: &[u8]) -> Vec<[u8; N]> {
-    bytes.as_chunks::<N>().0.to_vec()
+    byte_view(bytes).to_vec()
+}
+
+/// The same blocks, borrowed.
+pub(crate) fn byte_view<const N: usize>(bytes: &[u8]) -> &[[u8; N]] {
+    bytes.as_chunks::<N>().0
 }
 
 /// What [`crate::weights::Matrix`] holds: a matrix of some format, behind one virtual call
@@ -176,6 +188,14 @@ pub trait WeightMatrix: WeightRows {
     fn ty(&self) -> GgmlType;
     /// Row `r` dequantized (embedding lookups).
     fn row_f32(&self, r: usize, out: &mut [f32]);
+    /// Whether the blocks are read from the mapped file.
+    fn is_mapped(&self) -> bool;
+}
+
+/// Where a matrix's blocks are: in the mapped file, or widened into memory of its own.
+enum Blocks<B> {
+    Owned(Vec<B>),
+    Mapped(TensorData),
 }
 
 /// A matrix of format `F`, its blocks row after row.
@@ -183,22 +203,45 @@ pub struct QuantMatrix<F: QuantFormat> {
     ty: GgmlType,
     rows: usize,
     cols: usize,
-    data: Vec<F::Block>,
+    blocks: Blocks<F::Block>,
 }
 
 impl<F: QuantFormat> QuantMatrix<F> {
-    /// `bytes` must hold `rows` rows of `cols` elements of type `ty` (the GGUF reader
-    /// checked the size; `cols` is a whole number of blocks).
-    pub fn new(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Self {
+    /// `data` must hold `rows` rows of `cols` elements of type `ty` (the GGUF reader
+    /// checked the size; `cols` is a whole number of blocks). A mapped tensor whose format
+    /// keeps the file's blocks is used in place; any other is loaded into memory (and a
+    /// mapped one's pages then released).
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &TensorData) -> Self {
         debug_assert_eq!(F::TYPE.block_elems(), F::Act::ELEMS);
         debug_assert_eq!(cols % F::Act::ELEMS, 0);
-        let data = F::load(ty, bytes);
-        debug_assert_eq!(data.len(), rows * cols / F::Act::ELEMS);
-        QuantMatrix {
+        let blocks = if data.is_mapped() && F::view(data.bytes()).is_some() {
+            Blocks::Mapped(data.clone())
+        } else {
+            let owned = F::load(ty, data.bytes());
+            data.release();
+            Blocks::Owned(owned)
+        };
+        let m = QuantMatrix {
             ty,
             rows,
             cols,
-            data,
+            blocks,
+        };
+        debug_assert_eq!(m.data().len(), rows * cols / F::Act::ELEMS);
+        m
+    }
+
+    /// Whether the blocks are read from the mapped file.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.blocks, Blocks::Mapped(_))
+    }
+
+    fn data(&self) -> &[F::Block] {
+        match &self.blocks {
+            Blocks::Owned(v) => v,
+            // `view` is a pure function of the bytes, which gave `Some` when the matrix
+            // was made; an empty slice is unreachable.
+            Blocks::Mapped(d) => F::view(d.bytes()).unwrap_or_default(),
         }
     }
 
@@ -227,7 +270,7 @@ impl<F: QuantFormat> WeightRows for QuantMatrix<F> {
 
     fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
         let nb = self.nb();
-        F::product(&self.data[r0 * nb..(r0 + nr) * nb], nb, acts, n, out);
+        F::product(&self.data()[r0 * nb..(r0 + nr) * nb], nb, acts, n, out);
     }
 
     fn rows_token_major(
@@ -240,7 +283,7 @@ impl<F: QuantFormat> WeightRows for QuantMatrix<F> {
         ld: usize,
     ) -> bool {
         let nb = self.nb();
-        let w = &self.data[r0 * nb..(r0 + nr) * nb];
+        let w = &self.data()[r0 * nb..(r0 + nr) * nb];
         F::rows_token_major(w, nb, F::Act::pick(acts), n, out, ld)
     }
 }
@@ -252,7 +295,11 @@ impl<F: QuantFormat> WeightMatrix for QuantMatrix<F> {
 
     fn row_f32(&self, r: usize, out: &mut [f32]) {
         let nb = self.nb();
-        F::dequantize(&self.data[r * nb..(r + 1) * nb], out);
+        F::dequantize(&self.data()[r * nb..(r + 1) * nb], out);
+    }
+
+    fn is_mapped(&self) -> bool {
+        QuantMatrix::is_mapped(self)
     }
 }
 

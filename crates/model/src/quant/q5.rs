@@ -5,7 +5,7 @@
 
 use gguf::GgmlType;
 
-use super::{byte_blocks, QuantFormat};
+use super::{byte_blocks, byte_view, QuantFormat};
 #[cfg(target_arch = "x86_64")]
 use crate::blocks::TILE;
 use crate::blocks::{f16_at, hsum8, BlockQ8_1};
@@ -104,6 +104,10 @@ impl QuantFormat for Q5_0 {
         byte_blocks(bytes)
     }
 
+    fn view(bytes: &[u8]) -> Option<&[[u8; 22]]> {
+        Some(byte_view(bytes))
+    }
+
     fn dequantize(w: &[[u8; 22]], out: &mut [f32]) {
         Self::TYPE.dequantize(w.as_flattened(), out);
     }
@@ -194,6 +198,10 @@ impl QuantFormat for Q5_1 {
 
     fn load(_: GgmlType, bytes: &[u8]) -> Vec<[u8; 24]> {
         byte_blocks(bytes)
+    }
+
+    fn view(bytes: &[u8]) -> Option<&[[u8; 24]]> {
+        Some(byte_view(bytes))
     }
 
     fn dequantize(w: &[[u8; 24]], out: &mut [f32]) {

@@ -2,20 +2,20 @@
 //! here (and its file). The command-line names of the types (`q4_k`) come from the same
 //! table, as gguf names them.
 
-use gguf::GgmlType;
+use gguf::{GgmlType, TensorData};
 
 use super::*;
 
 /// Builds a matrix of `rows` × `cols` from a tensor's type and bytes.
-type Constructor = fn(GgmlType, usize, usize, &[u8]) -> Box<dyn WeightMatrix>;
+type Constructor = fn(GgmlType, usize, usize, &TensorData) -> Box<dyn WeightMatrix>;
 
 fn boxed<F: QuantFormat>(
     ty: GgmlType,
     rows: usize,
     cols: usize,
-    bytes: &[u8],
+    data: &TensorData,
 ) -> Box<dyn WeightMatrix> {
-    Box::new(QuantMatrix::<F>::new(ty, rows, cols, bytes))
+    Box::new(QuantMatrix::<F>::new(ty, rows, cols, data))
 }
 
 /// Every GGUF type a matrix can be loaded from, and the format that multiplies it.
@@ -36,16 +36,16 @@ const FORMATS: &[(GgmlType, Constructor)] = &[
     (GgmlType::IQ4_NL, boxed::<iq4_nl::IQ4NL>),
 ];
 
-/// A matrix of GGUF type `ty` (`bytes`: `rows` rows of `cols` elements, `cols` whole
+/// A matrix of GGUF type `ty` (`data`: `rows` rows of `cols` elements, `cols` whole
 /// blocks), or `None` if no format here multiplies it.
 pub fn matrix(
     ty: GgmlType,
     rows: usize,
     cols: usize,
-    bytes: &[u8],
+    data: &TensorData,
 ) -> Option<Box<dyn WeightMatrix>> {
     let (_, make) = FORMATS.iter().find(|(t, _)| *t == ty)?;
-    Some(make(ty, rows, cols, bytes))
+    Some(make(ty, rows, cols, data))
 }
 
 /// The types a matrix can be loaded from, in the table's order.

@@ -1,7 +1,7 @@
 //! Tests of the formats: each against the reference dequantization, SIMD against the
 //! portable definitions.
 
-use gguf::QK_K;
+use gguf::{TensorData, QK_K};
 
 use super::kquants::{Q4K, Q5K, Q6K};
 use super::low_kquants::{Q2K, Q3K};
@@ -586,7 +586,8 @@ fn wide_k_quant_token_major_matches_row_major_bit_for_bit() {
         let (rows, nb) = (5, 2);
         let cols = nb * QK_K;
         let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s) * 3.0).collect();
-        let m = table::matrix(ty, rows, cols, &ty.quantize(&vals)).expect("a supported type");
+        let m = table::matrix(ty, rows, cols, &TensorData::from_vec(ty.quantize(&vals)))
+            .expect("a supported type");
         for n in [12, 4, 6] {
             let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 5.0).collect();
             let mut xk = vec![BlockQ8K::default(); n * nb];
@@ -708,7 +709,8 @@ fn iq4_nl_products_match_the_definition_and_the_reference() {
         for (row, o) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(nb)) {
             quantize_row_q8_1(row, o);
         }
-        let m = table::matrix(ty, rows, cols, &w).expect("IQ4_NL loads");
+        let m =
+            table::matrix(ty, rows, cols, &TensorData::from_vec(w.clone())).expect("IQ4_NL loads");
         let acts = Acts {
             f32: &x,
             q8_1: &xq,
