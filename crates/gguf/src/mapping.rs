@@ -12,14 +12,12 @@ use std::path::Path;
 pub(crate) struct Mapping(memmap2::Mmap);
 
 impl Mapping {
-    /// `populate`: read every page in now (so a server's first request does not wait for
-    /// page faults on the weights), as llama.cpp's mapping does.
-    pub(crate) fn open(path: &Path, populate: bool) -> std::io::Result<Self> {
+    /// Pages are read when first touched: the weights used in place are touched once at
+    /// load (`TensorData::prefault`), so a server's first request does not wait for page
+    /// faults, and the ones widened into memory are read once and released, so they are
+    /// never resident twice.
+    pub(crate) fn open(path: &Path) -> std::io::Result<Self> {
         let file = File::open(path)?;
-        let mut options = memmap2::MmapOptions::new();
-        if populate {
-            options.populate();
-        }
         // SAFETY: memmap2's one requirement is that the mapped bytes not change while they
         // are borrowed. The file is opened read-only and the mapping is private (no write
         // through it reaches the file, and no write of ours is possible: `Mmap` only
@@ -28,7 +26,7 @@ impl Mapping {
         // it would for llama.cpp's mapping: the README says to replace a served file by
         // renaming a new one over it (which leaves this inode, and so these bytes, intact),
         // never by writing into it, and `--no-mmap` reads the file into memory instead.
-        let map = unsafe { options.map_copy_read_only(&file)? };
+        let map = unsafe { memmap2::MmapOptions::new().map_copy_read_only(&file)? };
         Ok(Mapping(map))
     }
 }
@@ -75,8 +73,7 @@ mod tests {
             .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
             .collect();
         std::fs::write(&path, &bytes).unwrap();
-        let map = Mapping::open(&path, true).unwrap();
-        assert_eq!(&Mapping::open(&path, false).unwrap()[..], &bytes[..]);
+        let map = Mapping::open(&path).unwrap();
         assert_eq!(&map[..], &bytes[..]);
         // Released pages read back as the file's bytes.
         map.release(5_000, 60_000);
@@ -93,6 +90,6 @@ mod tests {
 
     #[test]
     fn a_missing_file_is_an_error_not_a_mapping() {
-        assert!(Mapping::open(Path::new("/nonexistent/model.gguf"), true).is_err());
+        assert!(Mapping::open(Path::new("/nonexistent/model.gguf")).is_err());
     }
 }

@@ -47,12 +47,9 @@ impl std::ops::Deref for FileBytes {
 /// How [`GgufFile::open_with`] brings a file's bytes into memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Load {
-    /// Mapped read-only, every page read in at once (the default for serving): no copy,
-    /// the page cache shared between processes.
+    /// Mapped read-only (the default): no copy, the page cache shared between processes,
+    /// and a process that reads only the metadata (the router) reads only those pages.
     Map,
-    /// Mapped, pages read when first touched: for a process that reads the metadata and
-    /// the vocabulary only (the router, `tokenize`).
-    MapLazily,
     /// Read into memory the process owns (`--no-mmap`).
     Read,
 }
@@ -81,12 +78,27 @@ impl TensorData {
         &self.file[self.start..self.start + self.len]
     }
 
+    /// Reads one byte of every page of a mapped tensor, so its pages are in this process's
+    /// page tables before the first request needs them. Nothing for bytes read into memory.
+    pub fn prefault(&self) {
+        if self.is_mapped() {
+            let touched = self.bytes().iter().step_by(4096).fold(0u8, |a, &b| a ^ b);
+            std::hint::black_box(touched);
+        }
+    }
+
     /// Tells the kernel a mapped tensor's pages are not needed again (its weights were
     /// copied into another form): they leave this process's resident memory, and a later
     /// read would fetch them from the file again. Nothing for bytes read into memory.
     pub fn release(&self) {
+        self.release_part(0, self.len);
+    }
+
+    /// [`Self::release`] for the bytes `[offset, offset + len)` of this tensor only.
+    pub fn release_part(&self, offset: usize, len: usize) {
         if let FileBytes::Mapped(m) = &*self.file {
-            m.release(self.start, self.len);
+            let len = len.min(self.len.saturating_sub(offset));
+            m.release(self.start + offset.min(self.len), len);
         }
     }
 
@@ -250,8 +262,7 @@ impl GgufFile {
             source,
         };
         let bytes = match load {
-            Load::Map => FileBytes::Mapped(Mapping::open(path, true).map_err(io)?),
-            Load::MapLazily => FileBytes::Mapped(Mapping::open(path, false).map_err(io)?),
+            Load::Map => FileBytes::Mapped(Mapping::open(path).map_err(io)?),
             Load::Read => FileBytes::Read(std::fs::read(path).map_err(io)?),
         };
         Self::parse_bytes(bytes)

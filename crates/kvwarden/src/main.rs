@@ -163,7 +163,7 @@ fn run(cli: Cli) -> Result<()> {
     }
     match cli.command {
         Command::Tokenize { model, text } => {
-            let file = open_model(&model, gguf::Load::MapLazily)?;
+            let file = open_model(&model, gguf::Load::Map)?;
             let tok = tokenizer::Tokenizer::from_gguf(&file)?;
             println!("{}", serde_json::json!({ "tokens": tok.encode(&text) }));
             Ok(())

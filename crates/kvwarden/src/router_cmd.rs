@@ -41,7 +41,7 @@ pub fn run(args: RouterArgs) -> Result<()> {
     let auth = args.edge.auth()?;
     let tls = args.tls.load()?;
     // The router reads the vocabulary and the shape, never the weights.
-    let file = open_model(&args.model, gguf::Load::MapLazily)?;
+    let file = open_model(&args.model, gguf::Load::Map)?;
     let tok = tokenizer::Tokenizer::from_gguf(&file)?;
     let template = args.edge.chat_template(&tok)?;
     let vocab_size = model::LlamaConfig::from_gguf(&file)?.vocab_size;

@@ -593,7 +593,9 @@ fn linear_rope_scaling_divides_the_angles() {
 }
 
 /// A mapped file's matrices are used where they lie, for the formats stored as in the file,
-/// and give the bits of the same file read into memory.
+/// and give the bits of the same file read into memory. (A tensor widened in several slices,
+/// the default model's 30 MB Q8_0 embedding, is checked bit for bit by golden_completions,
+/// which maps its file.)
 #[test]
 fn a_mapped_model_computes_what_the_read_one_does() {
     for (ty, layers_mapped) in [
@@ -631,7 +633,6 @@ fn a_mapped_model_computes_what_the_read_one_does() {
         };
         let ((mapped, all), from_map) = run(gguf::Load::Map);
         let ((read_mapped, _), from_read) = run(gguf::Load::Read);
-        let (_, lazily) = run(gguf::Load::MapLazily);
         std::fs::remove_file(&path).unwrap();
         assert_eq!(
             read_mapped, 0,
@@ -654,11 +655,6 @@ fn a_mapped_model_computes_what_the_read_one_does() {
             bits(&from_map),
             bits(&from_read),
             "{ty:?}: mapped and read differ"
-        );
-        assert_eq!(
-            bits(&lazily),
-            bits(&from_read),
-            "{ty:?}: lazily mapped and read differ"
         );
     }
 }
