@@ -34,7 +34,9 @@ reports, to bench/results/serve-<time>.json (git-ignored).
 
 Environment: THREADS, MODEL, ROUNDS, QUICK=1, TOKEN_ID_RANGE (ids the prompts are drawn
 from, default 1000..10000, clear of special tokens), KVWARDEN_ARGS and LLAMA_ARGS (extra
-flags for each server, split on spaces). Timings here are never pass/fail tests.
+flags for each server, split on spaces). Where llama.cpp's default (repacked) path crashes,
+as on some AMX Xeons, it runs with --no-repack / --repack 0 and the results say so.
+Timings here are never pass/fail tests.
 """
 
 import json
@@ -147,6 +149,16 @@ def peak_rss_kib(pid):
     sys.exit(f"bench/serve: no VmHWM in /proc/{pid}/status")
 
 
+class Crashed(Exception):
+    """A server died by a signal while starting."""
+
+
+# On some Xeons llama.cpp's repacked (AMX) kernels crash (SIGILL or SIGSEGV): its default
+# path cannot run there, so after such a crash llama-server runs with --no-repack and
+# llama-bench with --repack 0, for the rest of the run, and the results say so.
+LLAMA_FALLBACK = []
+
+
 class Server:
     """One server process, started directly (so its pid is the server's own)."""
 
@@ -159,6 +171,8 @@ class Server:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self.proc.returncode < 0:
+                    raise Crashed(f"{self.name} died by signal {-self.proc.returncode} while starting")
                 self.fail(f"exited with {self.proc.returncode} while starting")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
@@ -228,10 +242,16 @@ def kernels(name, llama_bench):
         line = run(["cargo", "bench", "-q", "-p", "model", "--bench", "throughput"], env=env).strip().splitlines()[-1]
         fields = dict(f.split("=") for f in line.split()[1:])
         return {PP: float(fields[PP]), TG: float(fields[TG])}
-    rows = json.loads(run([
-        llama_bench, "-m", MODEL, "-t", THREADS, "-fa", "on", "-p", pp, "-n", tg,
-        "-r", 1 if QUICK else 5, "-o", "json",
-    ]))
+    cmd = [llama_bench, "-m", MODEL, "-t", THREADS, "-fa", "on", "-p", pp, "-n", tg,
+           "-r", 1 if QUICK else 5, "-o", "json"]
+    if LLAMA_FALLBACK:
+        cmd += ["--repack", "0"]
+    r = subprocess.run([str(c) for c in cmd], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode < 0 and not LLAMA_FALLBACK:
+        LLAMA_FALLBACK.append(f"llama-bench died by signal {-r.returncode}")
+        log(f"{LLAMA_FALLBACK[-1]}: llama.cpp runs without repacking from here (--repack 0, --no-repack)")
+        return kernels(name, llama_bench)
+    rows = json.loads(run(cmd))
     speed = {(r["n_prompt"], r["n_gen"]): r["avg_ts"] for r in rows}
     return {PP: speed[(pp, 0)], TG: speed[(0, tg)]}
 
@@ -242,19 +262,29 @@ def one_round(index, llama_server, llama_bench, tmp):
     for name in order:
         port = free_port()
         cmd = server_commands(llama_server, port)[name]
+        if name == "llama.cpp" and LLAMA_FALLBACK:
+            cmd += ["--no-repack"]
         commands[name] = " ".join(map(str, cmd))
         log(f"round {index + 1}: {name}")
-        server = Server(name, cmd, port, tmp)
+        try:
+            server = Server(name, cmd, port, tmp)
+        except Crashed as e:
+            if name != "llama.cpp" or LLAMA_FALLBACK:
+                sys.exit(f"bench/serve: {e}")
+            LLAMA_FALLBACK.append(str(e))
+            log(f"{e}: llama.cpp runs without repacking from here (--no-repack, --repack 0)")
+            cmd += ["--no-repack"]
+            commands[name] = " ".join(map(str, cmd))
+            server = Server(name, cmd, port, tmp)
         try:
             # Warm-up, not recorded: the first request may pay for lazy set-up.
             bench_serve(server.url, 1, 1, 8, 4, 999, tmp)
             r = {}
             for seed, (w, (clients, requests, prompt, out)) in enumerate(WORKLOADS.items()):
-                # (d) sends (b)'s prompts and (f) (e)'s: the schema or the tool is the only
-                # difference.
-                twin = {"d_8_clients_schema": "b_8_clients", "f_8_clients_tool": "e_8_clients_chat"}
-                same = list(WORKLOADS).index(twin[w]) if w in twin else seed
-                r[w] = bench_serve(server.url, clients, requests, prompt, out, same, tmp, w)
+                # (d) sends prompts of (b)'s shape and (f) of (e)'s, each under a seed of its
+                # own: the same prompts again would be served from the prefix cache, which
+                # would flatter the constrained run.
+                r[w] = bench_serve(server.url, clients, requests, prompt, out, seed, tmp, w)
             r["peak_rss_kib"] = peak_rss_kib(server.proc.pid)
         finally:
             server.stop()
@@ -303,13 +333,15 @@ def main():
     rows = summarize(rounds)
     print(f"kvwarden vs llama.cpp {PEER_VERSION}: {MODEL.name}, {THREADS} threads, {SLOTS} slots, "
           f"{KV_TOKENS}-token KV, {ROUNDS} rounds{' (QUICK: tiny workloads, figures meaningless)' if QUICK else ''}")
+    if LLAMA_FALLBACK:
+        print(f"llama.cpp without repacking ({LLAMA_FALLBACK[0]} on its default path)")
     print(table(rows))
     out = ROOT / "bench" / "results" / time.strftime("serve-%Y%m%dT%H%M%SZ.json", time.gmtime())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "model": str(MODEL), "threads": THREADS, "slots": SLOTS, "kv_tokens": KV_TOKENS,
         "quick": QUICK, "workloads": WORKLOADS, "kernel": {"pp": KERNEL[0], "tg": KERNEL[1]},
-        "commands": commands, "summary": rows, "rounds": rounds,
+        "commands": commands, "summary": rows, "rounds": rounds, "llama_cpp_fallback": LLAMA_FALLBACK,
     }, indent=2) + "\n")
     print(f"written to {out.relative_to(ROOT)}")
 
