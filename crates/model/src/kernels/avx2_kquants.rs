@@ -5,6 +5,7 @@
 
 use std::arch::x86_64::*;
 
+use super::x86::prefetch_ahead;
 use crate::blocks::{BlockQ8_1, TILE};
 
 /// 32 bytes from `b[at..at + 32]`.
@@ -33,6 +34,7 @@ pub fn q4_k_lanes(qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> [i32; 8] {
 #[target_feature(enable = "avx2")]
 pub fn q4_k_lanes_n<const N: usize>(qs: &[u8], a: [&[i8; 256]; N], sc: &[u8; 8]) -> [[i32; 8]; N] {
     assert!(qs.len() >= 128);
+    prefetch_ahead(&qs[0]);
     let mask = _mm256_set1_epi8(0x0f);
     let mut acc = [_mm256_setzero_si256(); N];
     for c in 0..4 {
@@ -60,6 +62,9 @@ pub fn q4_k_lanes_n<const N: usize>(qs: &[u8], a: [&[i8; 256]; N], sc: &[u8; 8])
 #[target_feature(enable = "avx2")]
 pub fn q5_k_lanes(qh: &[u8], qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> [i32; 8] {
     assert!(qh.len() >= 32 && qs.len() >= 128);
+    // The 176-byte block from its high bits on: four lines.
+    prefetch_ahead(&qh[0]);
+    prefetch_ahead(&qs[64]);
     let mask = _mm256_set1_epi8(0x0f);
     let five = _mm256_set1_epi8(0x10);
     let h = load(qh, 0);
@@ -108,6 +113,9 @@ pub fn q6_k_lanes_n<const N: usize>(
     sc: &[i8; 16],
 ) -> [[i32; 8]; N] {
     assert!(ql.len() >= 128 && qh.len() >= 64);
+    // The 210-byte block: four lines from its low nibbles on.
+    prefetch_ahead(&ql[0]);
+    prefetch_ahead(&qh[0]);
     let m4 = _mm256_set1_epi8(0x0f);
     let m2 = _mm256_set1_epi8(0x03);
     let mut acc = [_mm256_setzero_si256(); N];

@@ -36,6 +36,28 @@ pub(super) fn unpack_nibbles(qs: &[u8; 16]) -> __m256i {
     _mm256_set_m128i(hi, lo)
 }
 
+/// Bytes ahead of the weights being read that [`prefetch_ahead`] asks for (2 KiB: on a
+/// 2-core Xeon 0.5 KiB gave 16.6 decode tokens/s on a Llama-3.2-1B-shaped Q4_K file, 1 to
+/// 4 KiB 18.3 to 19.1, none 11.3).
+const PREFETCH_DISTANCE: usize = 2048;
+
+/// Asks for the weights [`PREFETCH_DISTANCE`] bytes past `at` (the row's next blocks,
+/// then the next rows', which follow in memory): a decode step streams every weight once,
+/// and with the hardware prefetcher alone each core waited on its loads.
+#[inline(always)]
+pub(super) fn prefetch_ahead<T>(at: &T) {
+    let ahead = (at as *const T)
+        .cast::<i8>()
+        .wrapping_add(PREFETCH_DISTANCE);
+    // SAFETY: a prefetch is a hint: it never faults and makes nothing visible to the
+    // program, whatever the address (`wrapping_add` forms it without claiming it is in
+    // bounds). The second line covers the rest of a block longer than 64 bytes.
+    unsafe {
+        _mm_prefetch::<_MM_HINT_T0>(ahead);
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+    }
+}
+
 /// The quantized dot-product kernels, compiled once per instruction set. Only the
 /// byte-product step differs (`maddubs` + `madd` on AVX2, one `dpbusd` with VNNI); both
 /// give the same exact i32 sums, so the two builds agree bit for bit.
@@ -45,7 +67,7 @@ macro_rules! quant_kernels {
         pub mod $module {
             use std::arch::x86_64::*;
 
-            use super::{hsum, load_act, unpack_nibbles};
+            use super::{hsum, load_act, prefetch_ahead, unpack_nibbles};
             use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
 
             /// Sums of products of 32 unsigned bytes (0..=128) with 32 signed bytes, as
@@ -64,6 +86,7 @@ macro_rules! quant_kernels {
                 let mut acc = [_mm256_setzero_ps(); N];
                 let mut summs = [0f32; N];
                 for (i, wb) in w.iter().enumerate() {
+                    prefetch_ahead(wb);
                     let wq = unpack_nibbles(&wb.qs);
                     for t in 0..N {
                         let ab = &acts[t][i];
@@ -83,6 +106,7 @@ macro_rules! quant_kernels {
                 let mut acc = [_mm256_setzero_ps(); N];
                 let eight = _mm256_set1_epi8(8);
                 for (i, wb) in w.iter().enumerate() {
+                    prefetch_ahead(wb);
                     let wq = _mm256_sub_epi8(unpack_nibbles(&wb.qs), eight);
                     let wabs = _mm256_sign_epi8(wq, wq);
                     for t in 0..N {
@@ -101,6 +125,7 @@ macro_rules! quant_kernels {
             fn q8_0_n<const N: usize>(w: &[BlockQ8_0], acts: [&[BlockQ8_1]; N], out: &mut [f32]) {
                 let mut acc = [_mm256_setzero_ps(); N];
                 for (i, wb) in w.iter().enumerate() {
+                    prefetch_ahead(wb);
                     // SAFETY: `qs` is 32 readable bytes; `loadu` has no alignment
                     // requirement.
                     let wq = unsafe { _mm256_loadu_si256(wb.qs.as_ptr() as *const __m256i) };
