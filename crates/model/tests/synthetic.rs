@@ -246,18 +246,8 @@ fn odd_shapes_match_the_f32_definition() {
         let spec = spec(dim, heads, kv_heads, GgmlType::F32);
         let (file, model) = load(&spec);
         assert_eq!(model.config.context_length, 1 << 20);
-        let pool = pool(&model, KvDtype::F32);
         let toks = tokens(37, dim as u32);
-        let mut s = seq(&pool, 1, toks.len());
-        let got = model
-            .forward(&mut [BatchItem {
-                kv: &mut s,
-                tokens: &toks,
-                logits: LogitsWanted::All,
-            }])
-            .pop()
-            .unwrap()
-            .unwrap();
+        let got = all_logits(&model, KvDtype::F32, &toks);
         let want = reference(&file, &spec, SynthArch::Llama, &toks);
         for (pos, row) in want.iter().enumerate() {
             let ours = &got[pos * spec.vocab..(pos + 1) * spec.vocab];
@@ -617,19 +607,8 @@ fn a_mapped_model_computes_what_the_read_one_does() {
             let model = Model::load(&file).unwrap();
             // The matrices hold what they need of the file: it can go.
             drop(file);
-            let pool = pool(&model, KvDtype::F16);
-            let toks = tokens(21, 5);
-            let mut s = seq(&pool, 1, toks.len());
-            let logits = model
-                .forward(&mut [BatchItem {
-                    kv: &mut s,
-                    tokens: &toks,
-                    logits: LogitsWanted::All,
-                }])
-                .pop()
-                .unwrap()
-                .unwrap();
-            (model.mapped_matrices(), logits.to_vec())
+            let logits = all_logits(&model, KvDtype::F16, &tokens(21, 5));
+            (model.mapped_matrices(), logits)
         };
         let ((mapped, all), from_map) = run(gguf::Load::Map);
         let ((read_mapped, _), from_read) = run(gguf::Load::Read);
