@@ -6,7 +6,7 @@
 use std::arch::x86_64::*;
 
 use super::x86::prefetch_ahead;
-use crate::blocks::{BlockQ8_1, TILE};
+use crate::blocks::{f16_at, hsum8, BlockQ8K, BlockQ8_1, TILE};
 
 /// 32 bytes from `b[at..at + 32]`.
 #[target_feature(enable = "avx2")]
@@ -17,19 +17,47 @@ fn load<T: Copy>(b: &[T], at: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
 }
 
-/// The lanes of `Σ_j sc[j] · Σ_l q[32j + l] · a[32j + l]` (see `Q4K::dot_scalar`) for one
-/// Q4_K super-block: `qs` its 128
-/// bytes of nibbles (sub-block 2c in the low nibbles of bytes 32c.., 2c + 1 in the high
-/// ones), `a` the Q8_K quants. Products are at most 15 · 127, so the pairwise i16 sums
-/// of `maddubs` never saturate.
-#[target_feature(enable = "avx2")]
-pub fn q4_k_lanes(qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> [i32; 8] {
-    let [lanes] = q4_k_lanes_n(qs, [a], sc);
-    lanes
+/// One Q4_K weight row against one activation row, all of `Q4K::dot_with`'s float part in
+/// registers: the same products, the same fused multiply-adds into the same eight lanes
+/// (converted from the same exact `i32` lanes) and four min lanes, in the same
+/// super-block order, and the same final sums, so the bits of `Q4K::dot_scalar`. A decode
+/// step spends most of its time here; kept in scalar code, the float part's shuffles and
+/// the scales unpacked twice cost more than the integer lanes.
+#[target_feature(enable = "avx2,fma")]
+pub fn q4_k_dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    let mut acc_m = [0f32; 4];
+    for (wb, ab) in w.chunks_exact(144).zip(a) {
+        let d = ab.d * f16_at(wb, 0);
+        let dmin = -ab.d * f16_at(wb, 2);
+        let mut sc = [0u8; 8];
+        let mut m = [0u8; 8];
+        for j in 0..8 {
+            (sc[j], m[j]) = gguf::k4_scale_min(j, &wb[4..16]);
+        }
+        let sums = |j: usize| i32::from(ab.bsums[2 * j]) + i32::from(ab.bsums[2 * j + 1]);
+        for (k, acc) in acc_m.iter_mut().enumerate() {
+            let prod =
+                i32::from(m[2 * k]) * sums(2 * k) + i32::from(m[2 * k + 1]) * sums(2 * k + 1);
+            *acc = dmin.mul_add(prod as f32, *acc);
+        }
+        let [lanes] = q4_k_lanes_n(&wb[16..144], [&ab.qs], &sc);
+        // SAFETY: `lanes` is 32 readable bytes; the load is unaligned.
+        let lanes = unsafe { _mm256_loadu_si256(lanes.as_ptr().cast()) };
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: `lanes` is 32 writable bytes; the store is unaligned.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    hsum8(lanes) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]))
 }
 
-/// [`q4_k_lanes`] for `N` activation rows: the nibbles unpacked and the scale vectors
-/// built once for all of them (each row's lanes are exact, so `q4_k_lanes`' own).
+/// The lanes of `Σ_j sc[j] · Σ_l q[32j + l] · a[32j + l]` (see `Q4K::dot_scalar`) for one
+/// Q4_K super-block and each of `N` activation rows: `qs` its 128 bytes of nibbles
+/// (sub-block 2c in the low nibbles of bytes 32c.., 2c + 1 in the high ones), `a` the Q8_K
+/// quants. Products are at most 15 · 127, so the pairwise i16 sums of `maddubs` never
+/// saturate. The nibbles are unpacked and the scale vectors built once for all rows (each
+/// row's lanes are exact, so the same as alone).
 #[inline]
 #[target_feature(enable = "avx2")]
 pub fn q4_k_lanes_n<const N: usize>(qs: &[u8], a: [&[i8; 256]; N], sc: &[u8; 8]) -> [[i32; 8]; N] {
@@ -57,7 +85,7 @@ pub fn q4_k_lanes_n<const N: usize>(qs: &[u8], a: [&[i8; 256]; N], sc: &[u8; 8])
     })
 }
 
-/// As [`q4_k_lanes`] for Q5_K: the fifth bit of sub-block `j`'s element `l` is bit `j` of
+/// As [`q4_k_lanes_n`] for one row of Q5_K: the fifth bit of sub-block `j`'s element `l` is bit `j` of
 /// `qh[l]`. Products are at most 31 · 127, so `maddubs` never saturates.
 #[target_feature(enable = "avx2")]
 pub fn q5_k_lanes(qh: &[u8], qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> [i32; 8] {
