@@ -121,17 +121,46 @@ pub fn q5_k_lanes(qh: &[u8], qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> [i32; 8]
     lanes
 }
 
-/// The eight lane sums of one Q6_K super-block as llama.cpp's AVX2 kernel forms them
+/// One Q6_K weight row against one activation row, `Q6K::dot_with`'s float part in
+/// registers (as [`q4_k_dot`] for Q4_K): each lane's offset `Σ bsums · sc` over its two
+/// groups is one `madd` of the same exact `i32`s, subtracted shifted by 5 from the same
+/// lanes, converted and fused-multiply-added into the same eight lanes in the same order,
+/// then summed as there: the bits of `Q6K::dot_scalar`.
+#[target_feature(enable = "avx2,fma")]
+pub fn q6_k_dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for (wb, ab) in w.chunks_exact(210).zip(a) {
+        let mut sc = [0i8; 16];
+        for (s, &b) in sc.iter_mut().zip(&wb[192..208]) {
+            *s = b as i8;
+        }
+        let d = ab.d * f16_at(wb, 208);
+        let [lanes] = q6_k_lanes_n(&wb[..128], &wb[128..192], [&ab.qs], &sc);
+        // SAFETY: `lanes` is 32 readable bytes, `bsums` 16 i16 (32 bytes), `sc` 16 bytes;
+        // the loads are unaligned.
+        let (lanes, bsums, scales) = unsafe {
+            (
+                _mm256_loadu_si256(lanes.as_ptr().cast()),
+                _mm256_loadu_si256(ab.bsums.as_ptr().cast()),
+                _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.as_ptr().cast())),
+            )
+        };
+        // |bsums| ≤ 16 · 128 and |sc| ≤ 128: each product and pair sum is an exact i32.
+        let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, scales));
+        let value = _mm256_cvtepi32_ps(_mm256_sub_epi32(lanes, offset));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), value, acc);
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: `lanes` is 32 writable bytes; the store is unaligned.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    hsum8(lanes)
+}
+
+/// The eight lane sums of one Q6_K super-block, for each of `N` activation rows (unpacked
+/// once), as llama.cpp's AVX2 kernel forms them
 /// (see `Q6K::dot_scalar`), with the 6-bit values taken unsigned (0..63; the caller
 /// subtracts the offset of 32): `ql` 128 bytes of low nibbles, `qh` 64 bytes of high bit
 /// pairs, groups of 16. Products are at most 63 · 127, so `maddubs` never saturates.
-#[target_feature(enable = "avx2")]
-pub fn q6_k_lanes(ql: &[u8], qh: &[u8], a: &[i8; 256], sc: &[i8; 16]) -> [i32; 8] {
-    let [lanes] = q6_k_lanes_n(ql, qh, [a], sc);
-    lanes
-}
-
-/// [`q6_k_lanes`] for `N` activation rows, unpacking once (exact lanes, so its own).
 #[inline]
 #[target_feature(enable = "avx2")]
 pub fn q6_k_lanes_n<const N: usize>(

@@ -366,12 +366,10 @@ impl QuantFormat for Q6K {
     fn dot(w: &[Self::Block], a: &[BlockQ8K]) -> f32 {
         let w = w.as_flattened();
         #[cfg(target_arch = "x86_64")]
-        if cpu::avx2_detected() {
-            // SAFETY: AVX2 is present (checked above), the only requirement of the
-            // target-feature function; it checks the slice lengths it reads.
-            return Self::dot_with(w, a, |_, wb, ab, sc| unsafe {
-                simd::q6_k_lanes(&wb[..128], &wb[128..192], &ab.qs, sc)
-            });
+        if cpu::avx2_fma_f16c_detected() {
+            // SAFETY: AVX2 and FMA are present (checked above), the only requirements of
+            // the target-feature function; it checks the slice lengths it reads.
+            return unsafe { simd::q6_k_dot(w, a) };
         }
         Self::dot_scalar(w, a)
     }
