@@ -60,6 +60,9 @@ fi
 cp target/debug/kvwarden target/debug/kvwarden.normal
 cargo build -p kvwarden --features fault-injection
 mkdir -p target/fault/debug
+# When the fault build was already up to date, cargo links the binary it moved here last
+# time back into target/debug: the same file, which mv refuses to move onto itself.
+rm -f target/fault/debug/kvwarden
 mv -f target/debug/kvwarden target/fault/debug/kvwarden
 mv -f target/debug/kvwarden.normal target/debug/kvwarden
 if ! target/fault/debug/kvwarden serve --help | grep -q -- --inject-fault; then
