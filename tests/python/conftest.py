@@ -138,6 +138,27 @@ class Server:
         return self.proc.returncode
 
 
+_OWN_GREEDY = {}
+
+
+def own_greedy(prompt_tokens, max_tokens: int, model: Path = MODEL) -> str:
+    """kvwarden's greedy answer to token ids, from `kvwarden generate` in a process of its
+    own: what every server and deployment must answer exactly (the arithmetic is the same
+    in every process, CPU path, batch and split). The golden files hold llama.cpp's answers,
+    which kvwarden's meet only over the prefix llama.cpp was sure of (its attention
+    arithmetic is not kvwarden's; crates/model/tests/llama_references.rs)."""
+    key = (tuple(prompt_tokens), max_tokens, str(model))
+    if key not in _OWN_GREEDY:
+        out = subprocess.run(
+            [str(BIN), "--threads", "2", "generate", "--model", str(model), "--prompt-tokens",
+             ",".join(map(str, prompt_tokens)), "--max-tokens", str(max_tokens),
+             "--temperature", "0", "--json"],
+            check=True, capture_output=True, text=True,
+        ).stdout
+        _OWN_GREEDY[key] = json.loads(out)["text"]
+    return _OWN_GREEDY[key]
+
+
 def wait_for_line(proc, log_path: Path, pattern: str, what: str) -> str:
     """The first group of `pattern` in a process's stderr log, once it appears."""
     deadline = time.monotonic() + STARTUP_TIMEOUT

@@ -36,9 +36,19 @@ fn main() {
     for t in &types {
         if t == "attention" {
             let only: Option<usize> = std::env::var("ATT_HEADS").ok().and_then(|v| v.parse().ok());
-            for heads in (1..=6).filter(|h| only.is_none_or(|o| o == *h)) {
-                let ns = attention_ns_per_head_key(heads, 256);
-                println!("attention, {heads} heads, 256 keys: {ns:.2} ns per head and key");
+            let keys: usize = std::env::var("ATT_KEYS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(256);
+            for hd in [64, 256] {
+                for rows in [1, 16] {
+                    for heads in (1..=6).filter(|h| only.is_none_or(|o| o == *h)) {
+                        let ns = attention_ns_per_head_key(hd, heads, rows, keys);
+                        println!(
+                            "attention, head size {hd}, {heads} heads, {rows} rows at {keys} keys: {ns:.2} ns per head and key"
+                        );
+                    }
+                }
             }
             continue;
         }
@@ -67,11 +77,11 @@ fn main() {
     }
 }
 
-/// Attention of `heads` query heads sharing one KV head over `keys` f16 rows of 64.
-pub fn attention_ns_per_head_key(heads: usize, keys: usize) -> f64 {
+/// Attention of `rows` query rows (the last `rows` positions of `keys`) × `heads` query
+/// heads sharing one KV head over f16 rows of `hd`: nanoseconds per query head and key seen.
+pub fn attention_ns_per_head_key(hd: usize, heads: usize, rows: usize, keys: usize) -> f64 {
     use half::f16;
-    use model::kernels::KvElem;
-    let hd = 64;
+    use model::kernels::{attend_rows, RowsShape};
     let mut seed = 3u64;
     let mut rnd = || {
         seed = seed
@@ -83,22 +93,28 @@ pub fn attention_ns_per_head_key(heads: usize, keys: usize) -> f64 {
     let (kd, vd) = kv.split_at(keys * hd);
     let k: Vec<&[f16]> = kd.chunks_exact(hd).collect();
     let v: Vec<&[f16]> = vd.chunks_exact(hd).collect();
-    let q: Vec<f32> = (0..heads * hd)
+    let q: Vec<f32> = (0..rows * heads * hd)
         .map(|_| f16::from_f32(rnd()).to_f32())
         .collect();
-    let qs: Vec<&[f32]> = q.chunks_exact(hd).collect();
-    let mut out = vec![0f32; heads * hd];
-    let mut acc = vec![f16::ZERO; hd];
+    let shape = RowsShape {
+        heads,
+        hd,
+        first: keys - rows,
+        base: 0,
+        scale: 1.0 / (hd as f32).sqrt(),
+        window: None,
+    };
+    let mut out = vec![0f32; q.len()];
     let mut best = f64::MAX;
     let reps: usize = std::env::var("ATT_REPS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(200);
     for _ in 0..reps {
-        let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(hd).collect();
         let t0 = Instant::now();
-        f16::attend_heads(&qs, &k, &v, 0.125, &mut acc, &mut outs);
+        attend_rows(&q, &shape, &k, &v, &mut out);
         best = best.min(t0.elapsed().as_secs_f64());
     }
-    best * 1e9 / (heads * keys) as f64
+    let seen: usize = (0..rows).map(|r| keys - rows + r + 1).sum();
+    best * 1e9 / (heads * seen) as f64
 }

@@ -6,7 +6,7 @@ use kv::{KvRun, KvSlice};
 use rayon::prelude::*;
 
 use crate::batch::BatchItem;
-use crate::kernels::KvElem;
+use crate::kernels::{attend_rows, KvElem, RowsShape};
 use crate::{LlamaConfig, ModelError};
 
 /// Causal attention of each item's new rows over its own KV view (pages leased to it and
@@ -156,7 +156,7 @@ struct HeadShape {
 }
 
 /// Causal attention of query heads `shape.heads` of KV head `shape.g`, for each of the new
-/// rows in `q_rows` (which sit at the end of the cached positions).
+/// rows in `q_rows` (which sit at the end of the cached positions), all at once.
 /// `q_rows` are consecutive new rows, the first at sequence position `first`.
 fn attend_group<T: KvElem>(
     runs: &[(&[T], &[T], usize)],
@@ -174,39 +174,40 @@ fn attend_group<T: KvElem>(
         scale,
         window,
     } = *shape;
+    let n_new = q_rows.len() / dim;
+    let rows = RowsShape {
+        heads: heads.len(),
+        hd,
+        first,
+        base: 0,
+        scale,
+        window,
+    };
+    // A sliding window's rows see nothing before the first row's window: those pages were
+    // read (and checked) through `SequenceKv::runs` like any other layer's, but their rows
+    // are not even gathered, so the work is O(window) per row at any depth.
+    let base = rows.from(first);
     let mut k_rows: Vec<&[T]> = Vec::new();
     let mut v_rows: Vec<&[T]> = Vec::new();
+    let mut at_pos = 0;
     for (k, v, n) in runs {
-        for j in 0..*n {
-            let at = j * kv_dim + g * hd;
-            k_rows.push(&k[at..at + hd]);
-            v_rows.push(&v[at..at + hd]);
+        if at_pos + n > base {
+            for j in base.saturating_sub(at_pos)..*n {
+                let at = j * kv_dim + g * hd;
+                k_rows.push(&k[at..at + hd]);
+                v_rows.push(&v[at..at + hd]);
+            }
         }
+        at_pos += n;
     }
-    let n_new = q_rows.len() / dim;
     let width = heads.len() * hd;
-    let mut out = vec![0f32; n_new * width];
-    let mut acc = vec![T::Acc::default(); hd];
-    let mut q_heads = vec![0f32; width];
-    for (t, out) in out.chunks_exact_mut(width).enumerate() {
-        let visible = first + t + 1;
-        // Every slot was read (and checked) through `SequenceKv::runs` like any other
-        // layer's; the window only leaves the older ones out of the sum.
-        let from = window.map_or(0, |w| visible.saturating_sub(w));
+    // llama.cpp converts Q to the cache's element type before the product.
+    let mut qs = vec![0f32; n_new * width];
+    for (t, q) in qs.chunks_exact_mut(width).enumerate() {
         let at = t * dim + (g * group + heads.start) * hd;
-        let row = &q_rows[at..at + width];
-        // llama.cpp converts Q to the cache's element type before the product.
-        T::round_queries(row, &mut q_heads);
-        let qs: Vec<&[f32]> = q_heads.chunks_exact(hd).collect();
-        let mut outs: Vec<&mut [f32]> = out.chunks_exact_mut(hd).collect();
-        T::attend_heads(
-            &qs,
-            &k_rows[from..visible],
-            &v_rows[from..visible],
-            scale,
-            &mut acc,
-            &mut outs,
-        );
+        T::round_queries(&q_rows[at..at + width], q);
     }
+    let mut out = vec![0f32; n_new * width];
+    attend_rows(&qs, &RowsShape { base, ..rows }, &k_rows, &v_rows, &mut out);
     out
 }

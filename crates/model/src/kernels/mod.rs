@@ -35,30 +35,28 @@
 //! - `quantize.rs`: Q8_1 and Q8_K activation quantization on vector lanes, the definition's
 //!   first maximum and rounding lane for lane.
 //! - `rope.rs`: the RoPE rotation compiled with FMA.
-//! - `attention/`: the f16 flash attention, 256- and 512-bit, up to four query heads of one
-//!   KV head interleaved with their accumulators in registers, each block of 32 keys scored
-//!   and exponentiated ahead of its V updates (the 512-bit path computes the next block's
-//!   K·Q products inside the current block's V loop, so FMA-bound and conversion-bound work
-//!   overlap, reduces 16 keys' lane trees at once by transposing shuffles, the same additions
-//!   per key, and takes a block's running maximum as a prefix maximum across lanes).
+//! - `attention/`: attention's one arithmetic (f32 online softmax over key blocks aligned to
+//!   absolute positions) compiled for 256 and 512 bits; tiles of up to sixteen query rows ×
+//!   one KV head's query heads per load of a key block, 16 keys' lane trees reduced at once
+//!   by transposing shuffles on 512 bits.
 //! - `libm_expf.rs`: the C library's `expf` on vector lanes, which llama.cpp calls once per
 //!   key; compared with the linked C library's on every non-positive f32 by a test, and on a
 //!   sample at run time, falling back to the library call if they ever differ.
 //!
-//! # The arithmetic is llama.cpp's
+//! # The arithmetic and llama.cpp's
 //!
-//! The forward pass reproduces llama.cpp's CPU arithmetic (its plain `vec_dot` kernels):
-//! flash attention with an f16 accumulator and the C library's `expf`, ggml's `expf` in
-//! SwiGLU, its rounding of Q8_1 scales and its RoPE contractions; each format's float order
-//! is said in `crate::quant`. So the golden tests match llama.cpp token for token, and
-//! `tests/llama_references.rs` matches its logits on real files. llama.cpp itself switches
-//! kernels by batch size (a tiled f32 flash attention from 64 prompt rows, a tiled K-quant
-//! matmul from 8, a split-KV decode once its KV view reaches 512 cells); its references are
-//! recorded with `-ub 32` and `GGML_CPU_TILED_MM=0`, where its arithmetic is the one-row
-//! arithmetic kvwarden reproduces whatever the batch. The synthetic files' decode steps past
-//! 512 cells, where llama.cpp splits one query's keys across its threads, are compared
-//! within 0.15 nats.
-//!
+//! The weight products reproduce llama.cpp's CPU arithmetic (its plain `vec_dot` kernels):
+//! ggml's `expf` in SwiGLU, its rounding of Q8_1 scales and its RoPE contractions; each
+//! format's float order is said in `crate::quant`. Attention does not: llama.cpp's one-row
+//! flash attention (an f16 accumulator rounded after every key) cannot take a tile of query
+//! rows, so attention has an arithmetic of its own (`attention/`), an f32 online softmax
+//! whose order depends only on positions, and agreement with llama.cpp is a stated tolerance
+//! (`tests/llama_references.rs`, `kvwarden eval`) plus greedy equality over the decisive
+//! prefix (the golden tests). llama.cpp itself switches kernels by batch size (a tiled f32
+//! flash attention from 64 prompt rows, a tiled K-quant matmul from 8, a split-KV decode
+//! once its KV view reaches 512 cells); its references are recorded with `-ub 32` and
+//! `GGML_CPU_TILED_MM=0`, its one-row arithmetic.
+
 //! Measured slower and left out: several weight rows against one token (decode) in one
 //! register or in interleaved streams (the rows' separate streams defeat the prefetcher; a
 //! repacked, row-interleaved weight layout is what would make that pay), a two-phase Q4_0
@@ -90,7 +88,9 @@ pub(crate) mod x86_512_kquants;
 pub(crate) mod x86_512_low_kquants;
 
 pub use activation::{ggml_expf, silu, swiglu, table_glu};
-pub use attention::{dot_f16_ggml, KvElem};
+pub use attention::{
+    attend_rows, attend_rows_portable, dot_f16_ggml, KvElem, RowsShape, KEY_BLOCK,
+};
 #[cfg(target_arch = "x86_64")]
 pub use cpu::{path_name as cpu_path, wide_available, CpuPath};
 

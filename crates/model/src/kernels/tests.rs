@@ -1,6 +1,6 @@
 use super::attention::{reduce16, tail_f64};
 #[cfg(target_arch = "x86_64")]
-use super::cpu::{has_avx2, has_f16c, has_vnni, wide_available};
+use super::cpu::{has_avx2, has_vnni, wide_available};
 use super::matmul::{tile_scales, ROW_BLOCK, TOKEN_BLOCK, TOKEN_SPLIT_MIN};
 use super::*;
 use crate::blocks::{Acts, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, QK, TILE};
@@ -110,10 +110,10 @@ fn kernels_match_reference(rows: usize, cols: usize, n: usize) {
     }
 }
 
-/// The SIMD attention kernels agree bit for bit with the scalar definitions (which
-/// mirror ggml's order), for lengths with and without a partial 64-element step.
+/// The SIMD K·Q product agrees bit for bit with the scalar definition (ggml's order), for
+/// lengths with and without a partial 64-element step.
 #[test]
-fn f16_attention_kernels_match_scalar_bit_for_bit() {
+fn f16_dot_matches_scalar_bit_for_bit() {
     use half::f16;
     let mut s = 11u64;
     for n in [64usize, 128, 72, 32, 8] {
@@ -137,9 +137,10 @@ fn f16_attention_kernels_match_scalar_bit_for_bit() {
             *o = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
         }
         let head = if np > 0 { reduce16(&v) } else { 0.0 };
+        let k_tail: Vec<f32> = k[np..].iter().map(|x| x.to_f32()).collect();
         assert_eq!(
             got.to_bits(),
-            tail_f64(head, &q[np..], &k[np..]).to_bits(),
+            tail_f64(head, &q[np..], &k_tail).to_bits(),
             "n={n}"
         );
         let exact: f64 = q
@@ -151,15 +152,6 @@ fn f16_attention_kernels_match_scalar_bit_for_bit() {
             (got as f64 - exact).abs() < 1e-4 * (1.0 + exact.abs()),
             "n={n}: {got} vs {exact}"
         );
-
-        let mut acc_simd: Vec<f16> = (0..n).map(|_| f16::from_f32(lcg(&mut s))).collect();
-        let mut acc_scalar = acc_simd.clone();
-        let w = lcg(&mut s);
-        <f16 as KvElem>::acc_mad(&mut acc_simd, &k, w);
-        for (a, x) in acc_scalar.iter_mut().zip(&k) {
-            *a = f16::from_f32(x.to_f32().mul_add(w, a.to_f32()));
-        }
-        assert_eq!(acc_simd, acc_scalar, "n={n}");
     }
 }
 
@@ -431,74 +423,315 @@ fn wide_q8_0_and_q4_0_tiles_match_the_256_bit_kernels_bit_for_bit() {
     }
 }
 
-/// The fused f16 attention (several heads at once, 512-bit where the CPU has it, and the
-/// 256-bit one as well) against the portable one head at a time, bit for bit: heads of 64,
-/// 128 and 256, one to five heads (so also a second pass), key counts below, at and across
-/// key blocks, scores that rise (rescaling the accumulator) and fall, values large enough
-/// that f16 rounding matters.
-#[test]
-fn fused_f16_attention_matches_the_portable_path_bit_for_bit() {
+/// Random attention inputs: `rows` query rows of `heads` heads (f16-valued), and `keys`
+/// K/V rows, K scaled so that scores rise and fall across blocks.
+struct AttentionCase {
+    q: Vec<f32>,
+    k: Vec<Vec<half::f16>>,
+    v: Vec<Vec<half::f16>>,
+}
+
+fn attention_case(s: &mut u64, hd: usize, heads: usize, rows: usize, keys: usize) -> AttentionCase {
     use half::f16;
+    let q = (0..rows * heads * hd)
+        .map(|i| f16::from_f32(lcg(s) * (1.0 + (i / hd % heads) as f32)).to_f32())
+        .collect();
+    let mk = |s: &mut u64, amp: f32| -> Vec<Vec<f16>> {
+        (0..keys)
+            .map(|j| {
+                let wave = 1.0 + (j as f32 * 0.37).sin() * 0.8;
+                (0..hd)
+                    .map(|_| f16::from_f32(lcg(s) * amp * wave))
+                    .collect()
+            })
+            .collect()
+    };
+    let k = mk(s, 1.5);
+    let v = mk(s, 40.0);
+    AttentionCase { q, k, v }
+}
+
+/// Output bits, every NaN as one pattern (NaN payloads are not part of the arithmetic).
+fn attention_bits(x: &[f32]) -> Vec<u32> {
+    x.iter()
+        .map(|v| if v.is_nan() { u32::MAX } else { v.to_bits() })
+        .collect()
+}
+
+/// The shapes the attention tests cover: head sizes of the supported models and odd ones,
+/// starting positions before, at and across block boundaries, windows.
+fn attention_shapes() -> Vec<(usize, usize, usize, usize, Option<usize>)> {
+    let mut v = Vec::new();
+    for hd in [64usize, 128, 256, 80, 32] {
+        for (heads, first, rows, window) in [
+            (1, 0, 1, None),
+            (3, 0, 16, None),
+            (2, 31, 3, None),
+            (4, 45, 16, None),
+            (5, 64, 7, None),
+            (1, 200, 1, None),
+            (3, 90, 16, Some(40)),
+            (2, 300, 1, Some(33)),
+            (4, 17, 5, Some(1)),
+        ] {
+            v.push((hd, heads, first, rows, window));
+        }
+    }
+    v
+}
+
+fn shape_of(hd: usize, heads: usize, first: usize, window: Option<usize>) -> RowsShape {
+    RowsShape {
+        heads,
+        hd,
+        first,
+        base: 0,
+        scale: 1.0 / (hd as f32).sqrt(),
+        window,
+    }
+}
+
+fn rows_of(rows: &[Vec<half::f16>]) -> Vec<&[half::f16]> {
+    rows.iter().map(|r| r.as_slice()).collect()
+}
+
+/// The 256-bit build of the attention arithmetic gives the portable build's bits, on every
+/// shape of [`attention_shapes`] (tiles of 1 to 16 rows, 1 to 5 heads, windows).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn attention_256_bit_build_gives_the_portable_bits() {
+    assert!(has_avx2(), "this test needs AVX2, FMA and F16C");
     let mut s = 41u64;
-    for hd in [64usize, 128, 256] {
-        for positions in [1usize, 7, 16, 17, 32, 33, 50, 70] {
-            for heads in 1..=5usize {
-                let q: Vec<Vec<f32>> = (0..heads)
-                    .map(|h| {
-                        (0..hd)
-                            .map(|_| f16::from_f32(lcg(&mut s) * (1.0 + h as f32)).to_f32())
-                            .collect()
+    for (hd, heads, first, rows, window) in attention_shapes() {
+        let c = attention_case(&mut s, hd, heads, rows, first + rows);
+        let shape = shape_of(hd, heads, first, window);
+        let (k, v) = (rows_of(&c.k), rows_of(&c.v));
+        let mut want = vec![0f32; c.q.len()];
+        attend_rows_portable(&c.q, &shape, &k, &v, &mut want);
+        let mut got = vec![0f32; c.q.len()];
+        // SAFETY: AVX2, FMA and F16C are present (asserted).
+        unsafe { attention::x86::attend_rows_256::<half::f16, 0>(&c.q, &shape, &k, &v, &mut got) };
+        let what = format!("hd {hd}, {heads} heads, rows {first}+{rows}, window {window:?}");
+        assert_eq!(attention_bits(&got), attention_bits(&want), "{what}");
+        if matches!(hd, 64 | 128 | 256) {
+            let mut fixed = vec![0f32; c.q.len()];
+            // SAFETY: as above.
+            unsafe {
+                match hd {
+                    64 => attention::x86::attend_rows_256::<half::f16, 64>(
+                        &c.q, &shape, &k, &v, &mut fixed,
+                    ),
+                    128 => attention::x86::attend_rows_256::<half::f16, 128>(
+                        &c.q, &shape, &k, &v, &mut fixed,
+                    ),
+                    _ => attention::x86::attend_rows_256::<half::f16, 256>(
+                        &c.q, &shape, &k, &v, &mut fixed,
+                    ),
+                }
+            };
+            assert_eq!(
+                attention_bits(&fixed),
+                attention_bits(&want),
+                "fixed size, {what}"
+            );
+        }
+    }
+}
+
+/// The 512-bit build gives the portable build's bits, as the 256-bit one does.
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore = "needs AVX-512; scripts/test.sh runs it where the CPU has it"]
+fn attention_512_bit_build_gives_the_portable_bits() {
+    assert!(wide_available(), "this test needs AVX-512 F, BW, DQ and VL");
+    let mut s = 43u64;
+    for (hd, heads, first, rows, window) in attention_shapes() {
+        let c = attention_case(&mut s, hd, heads, rows, first + rows);
+        let shape = shape_of(hd, heads, first, window);
+        let (k, v) = (rows_of(&c.k), rows_of(&c.v));
+        let mut want = vec![0f32; c.q.len()];
+        attend_rows_portable(&c.q, &shape, &k, &v, &mut want);
+        let mut got = vec![0f32; c.q.len()];
+        // SAFETY: AVX-512 F, BW, DQ, VL (with AVX2, FMA, F16C) are present (asserted).
+        unsafe {
+            match hd {
+                64 => {
+                    attention::x86::attend_rows_512::<half::f16, 64>(&c.q, &shape, &k, &v, &mut got)
+                }
+                128 => attention::x86::attend_rows_512::<half::f16, 128>(
+                    &c.q, &shape, &k, &v, &mut got,
+                ),
+                256 => attention::x86::attend_rows_512::<half::f16, 256>(
+                    &c.q, &shape, &k, &v, &mut got,
+                ),
+                _ => {
+                    attention::x86::attend_rows_512::<half::f16, 0>(&c.q, &shape, &k, &v, &mut got)
+                }
+            }
+        };
+        let what = format!("hd {hd}, {heads} heads, rows {first}+{rows}, window {window:?}");
+        assert_eq!(attention_bits(&got), attention_bits(&want), "{what}");
+    }
+}
+
+/// A query row's output is the same computed alone, in a tile with others, with its heads
+/// apart or together, and from a K/V view that starts later (a window's `base`): the
+/// arithmetic depends on positions only (chunk and batch invariance at the kernel).
+#[test]
+fn attention_rows_are_the_same_alone_or_in_a_tile() {
+    let mut s = 47u64;
+    for (hd, heads, first, rows, window) in attention_shapes() {
+        let c = attention_case(&mut s, hd, heads, rows, first + rows);
+        let shape = shape_of(hd, heads, first, window);
+        let (k, v) = (rows_of(&c.k), rows_of(&c.v));
+        let mut tile = vec![0f32; c.q.len()];
+        attend_rows(&c.q, &shape, &k, &v, &mut tile);
+        let width = heads * hd;
+        for r in 0..rows {
+            let p = first + r;
+            for h in 0..heads {
+                let q = &c.q[r * width + h * hd..][..hd];
+                let base = shape.from(p);
+                let one = RowsShape {
+                    heads: 1,
+                    first: p,
+                    base,
+                    ..shape
+                };
+                let mut alone = vec![0f32; hd];
+                attend_rows(q, &one, &k[base..=p], &v[base..=p], &mut alone);
+                assert_eq!(
+                    attention_bits(&alone),
+                    attention_bits(&tile[r * width + h * hd..][..hd]),
+                    "hd {hd}, row {p}, head {h}, window {window:?}"
+                );
+            }
+        }
+    }
+}
+
+/// The arithmetic computes softmax attention: against an f64 evaluation of the same
+/// inputs, within f32 rounding.
+#[test]
+fn attention_matches_an_f64_softmax() {
+    let mut s = 53u64;
+    for (hd, heads, first, rows, window) in attention_shapes() {
+        let c = attention_case(&mut s, hd, heads, rows, first + rows);
+        let shape = shape_of(hd, heads, first, window);
+        let (k, v) = (rows_of(&c.k), rows_of(&c.v));
+        let mut got = vec![0f32; c.q.len()];
+        attend_rows(&c.q, &shape, &k, &v, &mut got);
+        let width = heads * hd;
+        for r in 0..rows {
+            let p = first + r;
+            for h in 0..heads {
+                let q = &c.q[r * width + h * hd..][..hd];
+                let keys = shape.from(p)..=p;
+                let scores: Vec<f64> = keys
+                    .clone()
+                    .map(|j| {
+                        q.iter()
+                            .zip(&c.k[j])
+                            .map(|(a, b)| *a as f64 * b.to_f64())
+                            .sum::<f64>()
+                            * shape.scale as f64
                     })
                     .collect();
-                let rows = |s: &mut u64, amp: f32| -> Vec<Vec<f16>> {
-                    (0..positions)
-                        .map(|j| {
-                            (0..hd)
-                                .map(|_| f16::from_f32(lcg(s) * amp * (1.0 + j as f32 * 0.05)))
-                                .collect()
-                        })
-                        .collect()
-                };
-                let k = rows(&mut s, 1.5);
-                // V sums that stay f16 normals, that reach f16 subnormals, and that
-                // overflow f16.
-                let v_amp = [40.0, 2e-4, 3e4][(positions + heads) % 3];
-                let v = rows(&mut s, v_amp);
-                let kr: Vec<&[f16]> = k.iter().map(|r| r.as_slice()).collect();
-                let vr: Vec<&[f16]> = v.iter().map(|r| r.as_slice()).collect();
-                let qs: Vec<&[f32]> = q.iter().map(|r| r.as_slice()).collect();
-                let scale = 1.0 / (hd as f32).sqrt();
-                let mut acc = vec![f16::ZERO; hd];
-                let mut portable = vec![vec![0f32; hd]; heads];
-                for (qh, out) in qs.iter().zip(portable.iter_mut()) {
-                    attention::attend_portable::<f16>(qh, &kr, &vr, scale, &mut acc, out);
-                }
-                let bits = |v: &[Vec<f32>]| {
-                    v.iter()
-                        .flat_map(|r| r.iter().map(|x| x.to_bits()))
-                        .collect::<Vec<_>>()
-                };
-                let mut fused = vec![vec![0f32; hd]; heads];
-                let mut outs: Vec<&mut [f32]> =
-                    fused.iter_mut().map(|r| r.as_mut_slice()).collect();
-                <f16 as KvElem>::attend_heads(&qs, &kr, &vr, scale, &mut acc, &mut outs);
-                let what = format!("head {hd}, {positions} positions, {heads} heads");
-                assert_eq!(bits(&fused), bits(&portable), "{what}");
-                // Where the CPU has several vector widths, each one against the portable path.
-                #[cfg(target_arch = "x86_64")]
-                if has_f16c() {
-                    let mut narrow = vec![vec![0f32; hd]; heads];
-                    for (qs, outs) in qs.chunks(4).zip(narrow.chunks_mut(4)) {
-                        let mut outs: Vec<&mut [f32]> =
-                            outs.iter_mut().map(|r| r.as_mut_slice()).collect();
-                        // SAFETY: AVX2, FMA and F16C are present (checked); 1 to 4 heads;
-                        // every length is the head's, 64, 128 or 256.
-                        unsafe { attention::x86::attend_f16(qs, &kr, &vr, scale, &mut outs) };
-                    }
-                    assert_eq!(bits(&narrow), bits(&portable), "256-bit, {what}");
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+                let l: f64 = w.iter().sum();
+                for d in 0..hd {
+                    let want: f64 = keys
+                        .clone()
+                        .zip(&w)
+                        .map(|(j, w)| w * c.v[j][d].to_f64())
+                        .sum::<f64>()
+                        / l;
+                    let g = got[r * width + h * hd + d] as f64;
+                    assert!(
+                        (g - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "hd {hd}, row {p}, head {h}, dim {d}: {g} vs {want}"
+                    );
                 }
             }
         }
+    }
+}
+
+/// Values the arithmetic must carry the same way on every build: an infinite V entry, K rows
+/// whose scores overflow to infinity (NaN weights) or are NaN, and a cache element type of
+/// f32.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn attention_builds_agree_on_special_values() {
+    use half::f16;
+    assert!(has_avx2(), "this test needs AVX2, FMA and F16C");
+    let mut s = 59u64;
+    let hd = 64;
+    let mut c = attention_case(&mut s, hd, 2, 4, 70);
+    c.v[5][3] = f16::INFINITY;
+    c.k[40] = vec![f16::MAX; hd];
+    c.k[41][7] = f16::NAN;
+    let shape = shape_of(hd, 2, 66, None);
+    let (k, v) = (rows_of(&c.k), rows_of(&c.v));
+    let mut want = vec![0f32; c.q.len()];
+    attend_rows_portable(&c.q, &shape, &k, &v, &mut want);
+    let mut got = vec![0f32; c.q.len()];
+    // SAFETY: AVX2, FMA and F16C are present (asserted).
+    unsafe { attention::x86::attend_rows_256::<f16, 64>(&c.q, &shape, &k, &v, &mut got) };
+    assert_eq!(attention_bits(&got), attention_bits(&want));
+    assert!(
+        want.iter().any(|x| x.is_nan()),
+        "the special values reached the output"
+    );
+    let kf: Vec<Vec<f32>> =
+        c.k.iter()
+            .map(|r| r.iter().map(|x| x.to_f32()).collect())
+            .collect();
+    let vf: Vec<Vec<f32>> =
+        c.v.iter()
+            .map(|r| r.iter().map(|x| x.to_f32()).collect())
+            .collect();
+    let k32: Vec<&[f32]> = kf.iter().map(|r| r.as_slice()).collect();
+    let v32: Vec<&[f32]> = vf.iter().map(|r| r.as_slice()).collect();
+    let mut p32 = vec![0f32; c.q.len()];
+    attend_rows_portable(&c.q, &shape, &k32, &v32, &mut p32);
+    let mut g32 = vec![0f32; c.q.len()];
+    // SAFETY: as above.
+    unsafe { attention::x86::attend_rows_256::<f32, 64>(&c.q, &shape, &k32, &v32, &mut g32) };
+    assert_eq!(attention_bits(&g32), attention_bits(&p32), "f32 cache");
+    // The f32 cache holds the same values, so its arithmetic is the f16 cache's.
+    assert_eq!(
+        attention_bits(&p32),
+        attention_bits(&want),
+        "f32 vs f16 cache"
+    );
+}
+
+/// Widening f16 K/V rows on vector lanes is the scalar conversion, subnormals and
+/// specials included.
+#[test]
+fn f16_widening_matches_the_scalar_conversion() {
+    use half::f16;
+    let mut s = 61u64;
+    let mut src: Vec<f16> = (0..203).map(|_| f16::from_f32(lcg(&mut s) * 1e5)).collect();
+    src.extend([
+        f16::from_bits(1),
+        f16::from_bits(0x83ff),
+        f16::INFINITY,
+        f16::NEG_INFINITY,
+        f16::NAN,
+        f16::ZERO,
+        f16::NEG_ZERO,
+    ]);
+    let mut got = vec![0f32; src.len()];
+    <f16 as KvElem>::widen(&src, &mut got);
+    for (x, y) in src.iter().zip(&got) {
+        assert_eq!(
+            attention_bits(&[x.to_f32()]),
+            attention_bits(&[*y]),
+            "widen({x})"
+        );
     }
 }
 

@@ -1,233 +1,74 @@
-//! The attention arithmetic over the KV cache's element types, in the order of llama.cpp's
-//! CPU flash-attention kernel.
+//! Causal attention's arithmetic, defined once ([`attend_rows_with`]) and compiled for each
+//! instruction set from that one definition.
+//!
+//! # The arithmetic
+//!
+//! For one query head at sequence position `p`, seeing keys `from..=p` (`from` is 0, or
+//! `p + 1 - window` on a sliding-window layer):
+//!
+//! 1. Keys are taken in blocks of [`KEY_BLOCK`] that start at multiples of it in absolute
+//!    position; a block is cut to the visible keys.
+//! 2. A key's score is `dot(q, k) * scale`, `dot` in ggml's f16 order ([`dot_f16_ggml`]:
+//!    64-element steps into four 16-lane accumulators, `(a0 + a2) + (a1 + a3)`, the lane tree
+//!    of [`reduce16`], a tail past the last whole step in f64); for an f16 cache the query is
+//!    rounded to f16 first, as llama.cpp does.
+//! 3. Per block: `m`, the block's largest score (NaN never counts). If `m` exceeds the running
+//!    maximum `M`, the accumulator and the running sums are multiplied by `exp(M - m)` (unless
+//!    nothing was seen yet) and `M = m`. Each key's weight is `w = exp(s - M)`; the running sum
+//!    has 16 lanes, lane `i` adding the block's keys `i` then `16 + i` (absent keys add
+//!    nothing); the f32 accumulator takes `acc = fma(w, v, acc)` per key in position order.
+//! 4. At the end: `L` = the sum lanes' tree ([`reduce16`]), `out = acc * (1 / L)` (0 if `L` is 0).
+//!
+//! `exp` is the C library's `expf`, on vector lanes where [`super::libm_expf`] proved it gives
+//! the same bits. Every quantity depends only on the query, the keys, their absolute
+//! positions and the window: not on how many rows or heads are computed together, how a
+//! prompt was chunked, which instruction set runs, or prefill versus decode. That is the
+//! chunk, batch and prefill/decode invariance the engine's tests assert; a query row is the
+//! same whether computed alone, in a tile of sixteen, or on another machine's CPU.
+//!
+//! This is not llama.cpp's one-row kernel (an f16 accumulator rounded after every key and the
+//! maximum rescaled key by key): that chain of dependent roundings cannot use a tile of query
+//! rows, and an f32 accumulator is the more accurate of the two. Agreement with llama.cpp is
+//! held to the tolerances of `tests/llama_references.rs` and to `kvwarden eval`'s bar.
+//!
+//! # Speed
+//!
+//! A task is up to sixteen query rows × the query heads of one KV head. Each block's K and V
+//! rows are widened to f32 once for all of them (the reuse a one-row kernel lacks), scores are
+//! computed for 16 keys at once and their lane trees reduced together (the 512-bit build by
+//! transposing shuffles), and the V updates run over every head of a row, so one V row feeds
+//! several independent accumulator chains. The 256- and 512-bit builds are this module's code
+//! compiled with those instruction sets (`x86.rs`), with the lane tree and the widening done by
+//! vector instructions that give the same bits.
 
 #[cfg(target_arch = "x86_64")]
 use super::cpu::has_f16c;
-use super::dot_f32;
 
-/// Element types of the KV cache, with the operations attention needs. The accumulator of
-/// the weighted V sum has the cache's own precision, as in llama.cpp's kernel.
-pub trait KvElem: Copy + Send + Sync {
-    type Acc: Copy + Default + Send;
-    /// The query as the product sees it.
-    fn round_query(x: f32) -> f32;
-    /// `out[i] = round_query(q[i])`.
-    fn round_queries(q: &[f32], out: &mut [f32]) {
-        for (o, &x) in out.iter_mut().zip(q) {
-            *o = Self::round_query(x);
-        }
-    }
-    /// `Σ q[i] * k[i]`, eight running lanes then a fixed reduction.
-    fn dot(q: &[f32], k: &[Self]) -> f32;
-    fn acc_clear(acc: &mut [Self::Acc]);
-    /// `acc[i] *= s`.
-    fn acc_scale(acc: &mut [Self::Acc], s: f32);
-    /// `acc[i] = fma(v[i], w, acc[i])`, rounded to the accumulator type.
-    fn acc_mad(acc: &mut [Self::Acc], v: &[Self], w: f32);
-    /// `out[i] = acc[i] * inv`.
-    fn acc_finish(acc: &[Self::Acc], inv: f32, out: &mut [f32]);
+/// Keys per block of the online softmax; blocks start at multiples of it in absolute position.
+pub const KEY_BLOCK: usize = 32;
+/// Lanes of the running sum of weights: a block's key `i` adds to lane `i % SUM_LANES`.
+const SUM_LANES: usize = 16;
+const _: () = assert!(KEY_BLOCK == 2 * SUM_LANES);
 
-    /// Query heads that share their K/V rows, each over its visible positions (`k[j]`,
-    /// `v[j]` for each), as llama.cpp's CPU flash-attention kernel computes one head: one
-    /// pass in position order with a running maximum, the V sum accumulated in
-    /// [`Self::Acc`] with a rounding after every update, normalized at the end. The order
-    /// is fixed, so the result does not depend on the batch, nor on how many heads are
-    /// computed together.
-    fn attend_heads(
-        qs: &[&[f32]],
-        k: &[&[Self]],
-        v: &[&[Self]],
-        scale: f32,
-        acc: &mut [Self::Acc],
-        outs: &mut [&mut [f32]],
-    ) {
-        for (q, out) in qs.iter().zip(outs.iter_mut()) {
-            attend_portable(q, k, v, scale, acc, out);
-        }
-    }
-}
-
-/// One head of [`KvElem::attend_heads`] through the element type's operations, one call per step.
-pub fn attend_portable<T: KvElem>(
-    q: &[f32],
-    k: &[&[T]],
-    v: &[&[T]],
-    scale: f32,
-    acc: &mut [T::Acc],
-    out: &mut [f32],
-) {
-    T::acc_clear(acc);
-    let mut max = f32::NEG_INFINITY;
-    let mut sum = 0f32;
-    for (kr, vr) in k.iter().zip(v) {
-        let s = T::dot(q, kr) * scale;
-        let mut ms = 1.0f32;
-        let mut vs = 1.0f32;
-        if s > max {
-            let old = max;
-            max = s;
-            ms = (old - max).exp();
-            T::acc_scale(acc, ms);
-        } else {
-            vs = (s - max).exp();
-        }
-        T::acc_mad(acc, vr, vs);
-        sum = sum.mul_add(ms, vs);
-    }
-    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-    T::acc_finish(acc, inv, out);
-}
-
-/// Keys whose scores and exponentials are computed ahead of their V updates.
-const KEY_BLOCK: usize = 32;
-// The 512-bit kernel reduces the scores of 16 keys at a time within a block.
-const _: () = assert!(KEY_BLOCK.is_multiple_of(16));
-
-/// Query heads attended together by the fused kernels (the rest in further passes).
-const MAX_HEADS: usize = 4;
-
-/// llama.cpp's running-maximum bookkeeping for one block of keys, done ahead of the V
-/// updates: each key either raises the maximum (the accumulator is rescaled by
-/// `exp(old - new)` and the key weighs 1) or weighs `exp(s - max)`. The scores depend only
-/// on the query and the key, and the maximum only on the scores, so computing them (and
-/// the `exp` calls) first gives the same values as the one-pass loop of
-/// [`attend_portable`] while letting the independent products and calls overlap.
-#[derive(Clone, Copy)]
-struct Plan {
-    max: f32,
-    sum: f32,
-    /// Per key of the current block: `exp` of its argument, and whether it raised the max.
-    exp: [f32; KEY_BLOCK],
-    raises: [bool; KEY_BLOCK],
-}
-
-impl Default for Plan {
-    fn default() -> Self {
-        Self {
-            max: f32::NEG_INFINITY,
-            sum: 0.0,
-            exp: [0.0; KEY_BLOCK],
-            raises: [false; KEY_BLOCK],
-        }
-    }
-}
-
-impl Plan {
-    /// Key `j`'s score in the current block (`dot(q, k) * scale`).
-    #[inline(always)]
-    fn set_score(&mut self, j: usize, score: f32) {
-        self.exp[j] = score;
-    }
-
-    /// Turns the first `n` scores of the block into weights, in key order.
-    #[inline(always)]
-    fn settle(&mut self, n: usize) {
-        let scores = self.exp;
-        self.settle_from(&scores[..n]);
-    }
-
-    /// [`Self::settle`] for the scores of the block's first `scores.len()` keys.
-    #[inline(always)]
-    fn settle_from(&mut self, scores: &[f32]) {
-        let n = scores.len();
-        // exp(-inf) is +0 in every libm, but the vector `exp` treats -inf as a special
-        // input and computes its whole group of 16 with scalar calls: the first key's
-        // rescale (from the initial -inf maximum) is set to its known value afterwards.
-        let mut from_nothing = None;
-        for (i, (&s, (e, r))) in scores
-            .iter()
-            .zip(self.exp.iter_mut().zip(self.raises.iter_mut()))
-            .enumerate()
-        {
-            *r = s > self.max;
-            if *r {
-                if self.max == f32::NEG_INFINITY {
-                    from_nothing = Some(i);
-                    *e = 0.0;
-                } else {
-                    *e = self.max - s;
-                }
-                self.max = s;
-            } else {
-                *e = s - self.max;
-            }
-        }
-        super::libm_expf::expf_in_place(&mut self.exp[..n]);
-        if let Some(i) = from_nothing {
-            self.exp[i] = 0.0;
-        }
-    }
-
-    /// `(ms, vs)`: the accumulator's rescale factor and key `j`'s weight.
-    #[inline(always)]
-    fn weights(&self, j: usize) -> (f32, f32) {
-        if self.raises[j] {
-            (self.exp[j], 1.0)
-        } else {
-            (1.0, self.exp[j])
-        }
-    }
-
-    #[inline(always)]
-    fn rescales(&self, j: usize) -> bool {
-        self.raises[j]
-    }
-
-    #[inline(always)]
-    fn add_to_sum(&mut self, ms: f32, vs: f32) {
-        self.sum = self.sum.mul_add(ms, vs);
-    }
-
-    fn inverse_sum(&self) -> f32 {
-        if self.sum == 0.0 {
-            0.0
-        } else {
-            1.0 / self.sum
-        }
-    }
+/// Element types of the KV cache.
+pub trait KvElem: Copy + Send + Sync + 'static {
+    /// `out[i]` = `q[i]` as the product sees it (an f16 cache rounds it to f16).
+    fn round_queries(q: &[f32], out: &mut [f32]);
+    /// `dst[i] = src[i]` as f32 (exact).
+    fn widen(src: &[Self], dst: &mut [f32]);
 }
 
 impl KvElem for f32 {
-    type Acc = f32;
-
-    fn round_query(x: f32) -> f32 {
-        x
+    fn round_queries(q: &[f32], out: &mut [f32]) {
+        out.copy_from_slice(&q[..out.len()]);
     }
 
-    fn dot(q: &[f32], k: &[f32]) -> f32 {
-        dot_f32(q, k)
-    }
-
-    fn acc_clear(acc: &mut [f32]) {
-        acc.fill(0.0);
-    }
-
-    fn acc_scale(acc: &mut [f32], s: f32) {
-        for a in acc.iter_mut() {
-            *a *= s;
-        }
-    }
-
-    fn acc_mad(acc: &mut [f32], v: &[f32], w: f32) {
-        for (a, &x) in acc.iter_mut().zip(v) {
-            *a = x.mul_add(w, *a);
-        }
-    }
-
-    fn acc_finish(acc: &[f32], inv: f32, out: &mut [f32]) {
-        for (o, &a) in out.iter_mut().zip(acc) {
-            *o = a * inv;
-        }
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(&src[..dst.len()]);
     }
 }
 
 impl KvElem for half::f16 {
-    type Acc = half::f16;
-
-    fn round_query(x: f32) -> f32 {
-        half::f16::from_f32(x).to_f32()
-    }
-
     fn round_queries(q: &[f32], out: &mut [f32]) {
         let n = q.len().min(out.len());
         let mut done = 0;
@@ -238,81 +79,348 @@ impl KvElem for half::f16 {
             done = unsafe { x86::round_f16_slice(&q[..n], &mut out[..n]) };
         }
         for (o, &x) in out[done..n].iter_mut().zip(&q[done..n]) {
-            *o = Self::round_query(x);
+            *o = half::f16::from_f32(x).to_f32();
         }
     }
 
-    fn dot(q: &[f32], k: &[half::f16]) -> f32 {
-        dot_f16_ggml(q, k)
-    }
-
-    fn acc_clear(acc: &mut [half::f16]) {
-        acc.fill(half::f16::ZERO);
-    }
-
-    fn acc_scale(acc: &mut [half::f16], s: f32) {
-        for a in acc.iter_mut() {
-            *a = half::f16::from_f32(a.to_f32() * s);
-        }
-    }
-
-    fn acc_mad(acc: &mut [half::f16], v: &[half::f16], w: f32) {
+    fn widen(src: &[half::f16], dst: &mut [f32]) {
+        let n = src.len().min(dst.len());
+        let mut done = 0;
         #[cfg(target_arch = "x86_64")]
-        if has_f16c() && acc.len() == v.len() && acc.len().is_multiple_of(8) {
-            // SAFETY: AVX2, FMA and F16C are present (checked) and the slices have equal
-            // lengths that are a multiple of 8, as the function requires.
-            unsafe { x86::mad_f16(acc, v, w) };
+        if has_f16c() {
+            // SAFETY: F16C is present (checked); the function stays within the first `n`
+            // elements of both slices.
+            done = unsafe { x86::widen_f16(&src[..n], &mut dst[..n]) };
+        }
+        for (d, s) in dst[done..n].iter_mut().zip(&src[done..n]) {
+            *d = s.to_f32();
+        }
+    }
+}
+
+/// The rows one call attends: `q` holds `rows × heads` query heads of `hd` (row-major, row
+/// `r` at position `first + r`), all reading one KV head.
+#[derive(Clone, Copy, Debug)]
+pub struct RowsShape {
+    pub heads: usize,
+    pub hd: usize,
+    /// Position of the first query row.
+    pub first: usize,
+    /// Position of `k[0]` and `v[0]`.
+    pub base: usize,
+    pub scale: f32,
+    /// Sliding window: the query at position `p` sees positions from `p + 1 - w` on.
+    pub window: Option<usize>,
+}
+
+impl RowsShape {
+    /// The first position the query at `p` sees.
+    pub fn from(&self, p: usize) -> usize {
+        self.window.map_or(0, |w| (p + 1).saturating_sub(w))
+    }
+}
+
+/// One query row's heads against one block of keys: the inputs of [`Build::row_block`].
+pub(crate) struct RowBlock<'a> {
+    /// The row's query heads, `hd` each.
+    pub q: &'a [f32],
+    /// The block's K and V rows widened to f32, `hd` each, block offset `j` at `j * hd`.
+    pub kf: &'a [f32],
+    pub vf: &'a [f32],
+    pub hd: usize,
+    /// The keys this row sees in the block, as block offsets.
+    pub lo: usize,
+    pub hi: usize,
+    pub scale: f32,
+}
+
+/// The steps of the arithmetic a build may do with its own instructions, each giving the
+/// bits of the portable code.
+pub(crate) trait Build: Sized {
+    /// Step 3 of the arithmetic for each of the row's heads: `max`, `sums` and `acc` (`hd`
+    /// per head) carry the running state from block to block.
+    #[inline(always)]
+    fn row_block<const HD: usize>(
+        b: RowBlock<'_>,
+        max: &mut [f32],
+        sums: &mut [[f32; SUM_LANES]],
+        acc: &mut [f32],
+    ) {
+        row_block_with::<Self>(b, max, sums, acc);
+    }
+
+    /// `out[j] = reduce16(&lanes[j])`.
+    fn reduce_keys(lanes: &[[f32; 16]; 16]) -> [f32; 16];
+    /// `xs[i] = expf(xs[i])`, the C library's bits.
+    fn exp(xs: &mut [f32]);
+}
+
+/// The definition, one step at a time.
+pub(crate) struct Portable;
+
+impl Build for Portable {
+    #[inline(always)]
+    fn reduce_keys(lanes: &[[f32; 16]; 16]) -> [f32; 16] {
+        std::array::from_fn(|j| reduce16(&lanes[j]))
+    }
+
+    #[inline(always)]
+    fn exp(xs: &mut [f32]) {
+        for x in xs {
+            *x = x.exp();
+        }
+    }
+}
+
+/// Causal attention of the rows `shape` describes over `k[i]`, `v[i]` (position
+/// `shape.base + i`; every position a row sees must be there), into `out` (laid out as `q`).
+/// The arithmetic of the module's documentation, on the widest instruction set this CPU runs
+/// (under `KVWARDEN_CPU`).
+pub fn attend_rows<T: KvElem>(
+    q: &[f32],
+    shape: &RowsShape,
+    k: &[&[T]],
+    v: &[&[T]],
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let f = super::cpu::features();
+        if f.wide {
+            // SAFETY: AVX-512 F, BW, DQ and VL with AVX2, FMA and F16C are present (checked).
+            unsafe {
+                match shape.hd {
+                    64 => x86::attend_rows_512::<T, 64>(q, shape, k, v, out),
+                    128 => x86::attend_rows_512::<T, 128>(q, shape, k, v, out),
+                    256 => x86::attend_rows_512::<T, 256>(q, shape, k, v, out),
+                    _ => x86::attend_rows_512::<T, 0>(q, shape, k, v, out),
+                }
+            }
             return;
         }
-        for (a, &x) in acc.iter_mut().zip(v) {
-            *a = half::f16::from_f32(x.to_f32().mul_add(w, a.to_f32()));
+        if f.avx2 {
+            // SAFETY: AVX2, FMA and F16C are present (checked).
+            unsafe {
+                match shape.hd {
+                    64 => x86::attend_rows_256::<T, 64>(q, shape, k, v, out),
+                    128 => x86::attend_rows_256::<T, 128>(q, shape, k, v, out),
+                    256 => x86::attend_rows_256::<T, 256>(q, shape, k, v, out),
+                    _ => x86::attend_rows_256::<T, 0>(q, shape, k, v, out),
+                }
+            }
+            return;
         }
     }
+    attend_rows_portable(q, shape, k, v, out);
+}
 
-    fn acc_finish(acc: &[half::f16], inv: f32, out: &mut [f32]) {
-        for (o, &a) in out.iter_mut().zip(acc) {
-            *o = a.to_f32() * inv;
+/// [`attend_rows`] in the portable build whatever the CPU: the reference the others are
+/// tested against.
+pub fn attend_rows_portable<T: KvElem>(
+    q: &[f32],
+    shape: &RowsShape,
+    k: &[&[T]],
+    v: &[&[T]],
+    out: &mut [f32],
+) {
+    attend_rows_with::<T, Portable, 0>(q, shape, k, v, out);
+}
+
+/// The arithmetic of the module's documentation. `HD` is the head size where the build knows
+/// it at compile time (0: `shape.hd`); `B` does the steps a build has instructions for.
+#[inline(always)]
+pub(crate) fn attend_rows_with<T: KvElem, B: Build, const HD: usize>(
+    q: &[f32],
+    shape: &RowsShape,
+    k: &[&[T]],
+    v: &[&[T]],
+    out: &mut [f32],
+) {
+    let hd = if HD == 0 { shape.hd } else { HD };
+    let heads = shape.heads;
+    let width = heads * hd;
+    if width == 0 {
+        return;
+    }
+    let rows = q.len() / width;
+    assert!(out.len() >= rows * width, "attention output too short");
+    if rows == 0 {
+        return;
+    }
+    let nq = rows * heads;
+    let mut max = vec![f32::NEG_INFINITY; nq];
+    let mut sums = vec![[0f32; SUM_LANES]; nq];
+    let mut acc = vec![0f32; nq * hd];
+    let mut kf = vec![0f32; KEY_BLOCK * hd];
+    let mut vf = vec![0f32; KEY_BLOCK * hd];
+
+    let keys_from = shape.from(shape.first);
+    let keys_to = shape.first + rows;
+    assert!(
+        keys_from >= shape.base && keys_to - shape.base <= k.len().min(v.len()),
+        "attention rows see positions the K/V view does not hold"
+    );
+    let first_block = keys_from - keys_from % KEY_BLOCK;
+    for kb in (first_block..keys_to).step_by(KEY_BLOCK) {
+        for j in kb.max(keys_from)..(kb + KEY_BLOCK).min(keys_to) {
+            let at = (j - kb) * hd;
+            T::widen(&k[j - shape.base][..hd], &mut kf[at..at + hd]);
+            T::widen(&v[j - shape.base][..hd], &mut vf[at..at + hd]);
+        }
+        for r in 0..rows {
+            let p = shape.first + r;
+            let lo = kb.max(shape.from(p));
+            let hi = (kb + KEY_BLOCK).min(p + 1);
+            if lo >= hi {
+                continue;
+            }
+            let (lo, hi) = (lo - kb, hi - kb);
+            let qs = r * heads;
+            B::row_block::<HD>(
+                RowBlock {
+                    q: &q[r * width..][..width],
+                    kf: &kf,
+                    vf: &vf,
+                    hd,
+                    lo,
+                    hi,
+                    scale: shape.scale,
+                },
+                &mut max[qs..qs + heads],
+                &mut sums[qs..qs + heads],
+                &mut acc[r * width..][..width],
+            );
         }
     }
+    for (iq, o) in out[..rows * width].chunks_exact_mut(hd).enumerate() {
+        let l = reduce16(&sums[iq]);
+        let inv = if l == 0.0 { 0.0 } else { 1.0 / l };
+        for (o, &a) in o.iter_mut().zip(&acc[iq * hd..][..hd]) {
+            *o = a * inv;
+        }
+    }
+}
 
-    fn attend_heads(
-        qs: &[&[f32]],
-        k: &[&[half::f16]],
-        v: &[&[half::f16]],
-        scale: f32,
-        acc: &mut [half::f16],
-        outs: &mut [&mut [f32]],
-    ) {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(hd) = qs.first().map(|q| q.len()) {
-            if has_f16c()
-                && matches!(hd, 64 | 128 | 256)
-                && qs.len() == outs.len()
-                && qs.iter().all(|q| q.len() == hd)
-                && outs.iter().all(|o| o.len() == hd)
-                // Without an early exit, an OR over all rows (vectorized): called once per
-                // query row over every key, the check is a few percent of the kernel.
-                && k.iter().chain(v).fold(0, |d, r| d | (r.len() ^ hd)) == 0
-            {
-                for (qs, outs) in qs.chunks(MAX_HEADS).zip(outs.chunks_mut(MAX_HEADS)) {
-                    if super::cpu::features().wide {
-                        // SAFETY: AVX-512 F, BW, DQ, VL with F16C and FMA are present
-                        // (checked); 1..=MAX_HEADS heads; the lengths are as required
-                        // (checked).
-                        unsafe { x86::attend_f16_wide(qs, k, v, scale, outs) };
-                    } else {
-                        // SAFETY: AVX2, FMA and F16C are present (checked); the rest as
-                        // above.
-                        unsafe { x86::attend_f16(qs, k, v, scale, outs) };
+/// [`Build::row_block`] as the definition states it.
+#[inline(always)]
+pub(crate) fn row_block_with<B: Build>(
+    b: RowBlock<'_>,
+    max: &mut [f32],
+    sums: &mut [[f32; SUM_LANES]],
+    acc: &mut [f32],
+) {
+    let RowBlock {
+        q,
+        kf,
+        vf,
+        hd,
+        lo,
+        hi,
+        scale,
+    } = b;
+    let heads = max.len();
+    let mut weights = [[0f32; KEY_BLOCK]; MAX_ROW_HEADS];
+    let mut live = [false; MAX_ROW_HEADS];
+    for h0 in (0..heads).step_by(MAX_ROW_HEADS) {
+        let n = (heads - h0).min(MAX_ROW_HEADS);
+        for i in 0..n {
+            let h = h0 + i;
+            let s = block_scores::<B>(&q[h * hd..][..hd], kf, hd, lo, hi, scale);
+            let m = s[lo..hi]
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+            if m > max[h] {
+                if max[h] != f32::NEG_INFINITY {
+                    let a = (max[h] - m).exp();
+                    for x in &mut acc[h * hd..][..hd] {
+                        *x *= a;
+                    }
+                    for x in &mut sums[h] {
+                        *x *= a;
                     }
                 }
-                return;
+                max[h] = m;
+            }
+            live[i] = max[h] != f32::NEG_INFINITY;
+            if !live[i] {
+                continue;
+            }
+            let w = &mut weights[i];
+            *w = [0.0; KEY_BLOCK];
+            for j in lo..hi {
+                w[j] = s[j] - max[h];
+            }
+            B::exp(&mut w[lo..hi]);
+            let sum = &mut sums[h];
+            for l in 0..SUM_LANES {
+                sum[l] = (sum[l] + w[l]) + w[SUM_LANES + l];
             }
         }
-        for (q, out) in qs.iter().zip(outs.iter_mut()) {
-            attend_portable(q, k, v, scale, acc, out);
+        for j in lo..hi {
+            let vr = &vf[j * hd..][..hd];
+            for i in 0..n {
+                if !live[i] {
+                    continue;
+                }
+                let w = weights[i][j];
+                for (a, &x) in acc[(h0 + i) * hd..][..hd].iter_mut().zip(vr) {
+                    *a = w.mul_add(x, *a);
+                }
+            }
         }
     }
+}
+
+/// Heads of a row whose weights are held at once by [`row_block_with`].
+const MAX_ROW_HEADS: usize = 8;
+
+/// `dot(q, k_j) * scale` for the block's keys `lo..hi` (`kf` holds the block's widened K
+/// rows), `-inf` for the rest.
+#[inline(always)]
+pub(crate) fn block_scores<B: Build>(
+    q: &[f32],
+    kf: &[f32],
+    hd: usize,
+    lo: usize,
+    hi: usize,
+    scale: f32,
+) -> [f32; KEY_BLOCK] {
+    let mut s = [f32::NEG_INFINITY; KEY_BLOCK];
+    let steps = hd & !63;
+    for g in (0..KEY_BLOCK).step_by(16) {
+        let (from, to) = (lo.max(g), hi.min(g + 16));
+        if from >= to {
+            continue;
+        }
+        let mut lanes = [[0f32; 16]; 16];
+        for j in from..to {
+            lanes[j - g] = dot_lanes(&q[..steps], &kf[j * hd..j * hd + steps]);
+        }
+        let heads = if steps > 0 {
+            B::reduce_keys(&lanes)
+        } else {
+            [0.0; 16]
+        };
+        for j in from..to {
+            let kr = &kf[j * hd..(j + 1) * hd];
+            s[j] = tail_f64(heads[j - g], &q[steps..hd], &kr[steps..]) * scale;
+        }
+    }
+    s
+}
+
+/// [`dot_f16_ggml`] up to its lane tree, over whole 64-element steps: element `i` into
+/// accumulator `(i / 16) % 4`, lane `i % 16`, then `(a0 + a2) + (a1 + a3)` lane by lane.
+#[inline(always)]
+fn dot_lanes(q: &[f32], k: &[f32]) -> [f32; 16] {
+    let mut acc = [[0f32; 16]; 4];
+    for (c, (qc, kc)) in q.chunks_exact(16).zip(k.chunks_exact(16)).enumerate() {
+        let a = &mut acc[c % 4];
+        for l in 0..16 {
+            a[l] = qc[l].mul_add(kc[l], a[l]);
+        }
+    }
+    std::array::from_fn(|l| (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]))
 }
 
 /// `Σ q[i] * k[i]` for f16-valued `q` and `k`, in exactly the order of ggml's AVX-512
@@ -327,23 +435,16 @@ pub fn dot_f16_ggml(q: &[f32], k: &[half::f16]) -> f32 {
         // SAFETY: AVX2, FMA and F16C are present (checked); `np` is a multiple of 64 no
         // larger than either slice, as the function requires.
         let head = unsafe { x86::dot_f16_ggml_steps(&q[..np], &k[..np]) };
-        return tail_f64(head, &q[np..n], &k[np..n]);
+        let kt: Vec<f32> = k[np..n].iter().map(|x| x.to_f32()).collect();
+        return tail_f64(head, &q[np..n], &kt);
     }
-    let mut acc = [[0f32; 16]; 4];
-    for i in (0..np).step_by(64) {
-        for (j, lanes) in acc.iter_mut().enumerate() {
-            for (l, a) in lanes.iter_mut().enumerate() {
-                let at = i + j * 16 + l;
-                *a = q[at].mul_add(k[at].to_f32(), *a);
-            }
-        }
-    }
-    let mut v = [0f32; 16];
-    for (l, out) in v.iter_mut().enumerate() {
-        *out = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
-    }
-    let head = if np > 0 { reduce16(&v) } else { 0.0 };
-    tail_f64(head, &q[np..n], &k[np..n])
+    let kw: Vec<f32> = k[..n].iter().map(|x| x.to_f32()).collect();
+    let head = if np > 0 {
+        reduce16(&dot_lanes(&q[..np], &kw[..np]))
+    } else {
+        0.0
+    };
+    tail_f64(head, &q[np..n], &kw[np..n])
 }
 
 /// The lane tree of `_mm512_reduce_add_ps`: halves, then quarters, then pairs.
@@ -356,13 +457,15 @@ pub(super) fn reduce16(v: &[f32; 16]) -> f32 {
     (t6[0] + t6[2]) + (t6[1] + t6[3])
 }
 
-pub(super) fn tail_f64(head: f32, q: &[f32], k: &[half::f16]) -> f32 {
+/// ggml's tail of a dot product: the head's sum, then each remaining product, in f64.
+#[inline(always)]
+pub(super) fn tail_f64(head: f32, q: &[f32], k: &[f32]) -> f32 {
     if q.is_empty() {
         return head;
     }
     let mut sum = head as f64;
     for (a, b) in q.iter().zip(k) {
-        sum += (a * b.to_f32()) as f64;
+        sum += (a * b) as f64;
     }
     sum as f32
 }

@@ -1,4 +1,5 @@
-//! The x86 builds of the f16 attention (256- and 512-bit) and their building blocks.
+//! The 256- and 512-bit builds of the attention arithmetic (`super::attend_rows_with`
+//! compiled with those instruction sets) and the vector steps they do it with.
 
 use std::arch::x86_64::*;
 
@@ -30,134 +31,302 @@ pub unsafe fn dot_f16_ggml_steps(q: &[f32], k: &[half::f16]) -> f32 {
     hsum(_mm256_add_ps(hi, lo))
 }
 
-/// `acc[i] = f16(fma(v[i], w, acc[i]))`, the same single rounding per element as the
-/// scalar path (f16 conversion rounds to nearest even in both), so they agree bit for bit.
+/// `dst[i] = f32(src[i])` over whole groups of 8 (exact, as the scalar conversion); returns how
+/// many were done.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; `acc.len() == v.len()`, a multiple of 8.
-#[inline]
+/// The CPU must support AVX2 and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn mad_f16(acc: &mut [half::f16], v: &[half::f16], w: f32) {
-    let wv = _mm256_set1_ps(w);
-    for (ac, vc) in acc.chunks_exact_mut(8).zip(v.chunks_exact(8)) {
-        // SAFETY: each chunk is 8 f16 values (16 bytes) in bounds; unaligned loads and
-        // stores are allowed.
+pub unsafe fn widen_f16(src: &[half::f16], dst: &mut [f32]) -> usize {
+    let mut done = 0;
+    for (d, s) in dst.chunks_exact_mut(8).zip(src.chunks_exact(8)) {
+        // SAFETY: `s` is 8 f16 (16 bytes) and `d` 8 f32; unaligned loads and stores are
+        // allowed.
         unsafe {
-            let x = _mm256_cvtph_ps(_mm_loadu_si128(vc.as_ptr() as *const __m128i));
-            let a = _mm256_cvtph_ps(_mm_loadu_si128(ac.as_ptr() as *const __m128i));
-            let r = _mm256_cvtps_ph(_mm256_fmadd_ps(x, wv, a), _MM_FROUND_TO_NEAREST_INT);
-            _mm_storeu_si128(ac.as_mut_ptr() as *mut __m128i, r);
+            _mm256_storeu_ps(
+                d.as_mut_ptr(),
+                _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr() as *const __m128i)),
+            )
+        };
+        done += 8;
+    }
+    done
+}
+
+/// The 256-bit build: the definition's steps, the vector `exp`.
+struct Narrow;
+
+impl super::Build for Narrow {
+    #[inline(always)]
+    fn reduce_keys(lanes: &[[f32; 16]; 16]) -> [f32; 16] {
+        std::array::from_fn(|j| super::reduce16(&lanes[j]))
+    }
+
+    #[inline(always)]
+    fn exp(xs: &mut [f32]) {
+        super::super::libm_expf::expf_in_place(xs);
+    }
+}
+
+/// The 512-bit build: 16 keys' lane trees at once ([`reduce_16x16`]), the vector `exp`.
+/// Used only inside [`attend_rows_512`], whose caller has checked the CPU.
+struct Wide;
+
+impl super::Build for Wide {
+    #[inline(always)]
+    fn row_block<const HD: usize>(
+        b: super::RowBlock<'_>,
+        max: &mut [f32],
+        sums: &mut [[f32; 16]],
+        acc: &mut [f32],
+    ) {
+        // SAFETY: `Wide` is only instantiated in `attend_rows_512`, which requires AVX-512 F,
+        // BW, DQ and VL with AVX2, FMA and F16C.
+        unsafe {
+            match HD {
+                64 => wide_row_block::<4>(b, max, sums, acc),
+                128 => wide_row_block::<8>(b, max, sums, acc),
+                256 => wide_row_block::<16>(b, max, sums, acc),
+                _ => super::row_block_with::<Self>(b, max, sums, acc),
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn reduce_keys(lanes: &[[f32; 16]; 16]) -> [f32; 16] {
+        let mut out = [0f32; 16];
+        // SAFETY: as in `row_block`; the loads read 16 f32 from each `[f32; 16]` and the
+        // store writes 16 f32 into `out`, unaligned accesses allowed.
+        unsafe {
+            let v: [__m512; 16] = std::array::from_fn(|j| _mm512_loadu_ps(lanes[j].as_ptr()));
+            _mm512_storeu_ps(out.as_mut_ptr(), reduce_16x16(&v));
+        }
+        out
+    }
+
+    #[inline(always)]
+    fn exp(xs: &mut [f32]) {
+        super::super::libm_expf::expf_in_place(xs);
+    }
+}
+
+/// [`super::row_block_with`] for heads of `16 * C` in 512-bit registers, the same operations
+/// in the same order: each head's query in registers, 16 keys' lane sums reduced at once,
+/// the block's maximum over the valid lanes (NaN excluded, as the definition's `>`
+/// comparisons exclude it; only a zero maximum's sign can differ, which changes no `exp`
+/// argument but a zero one's sign), and the V updates of up to `16 / C` heads interleaved
+/// with their accumulators in registers (independent chains; each head's keys in order).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+fn wide_row_block<const C: usize>(
+    b: super::RowBlock<'_>,
+    max: &mut [f32],
+    sums: &mut [[f32; 16]],
+    acc: &mut [f32],
+) {
+    const B: usize = super::KEY_BLOCK;
+    let hd = 16 * C;
+    let heads = max.len();
+    let super::RowBlock {
+        q,
+        kf,
+        vf,
+        lo,
+        hi,
+        scale,
+        ..
+    } = b;
+    assert!(
+        b.hd == hd
+            && q.len() >= heads * hd
+            && acc.len() >= heads * hd
+            && sums.len() == heads
+            && kf.len() >= B * hd
+            && vf.len() >= B * hd
+            && lo < hi
+            && hi <= B
+    );
+    // Valid keys of the block's two groups of 16.
+    let span = ((1u64 << hi) - 1) & !((1u64 << lo) - 1);
+    let masks = [span as u16, (span >> 16) as u16];
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let scale_v = _mm512_set1_ps(scale);
+    let per_pass = (16 / C).clamp(1, 4);
+    for h0 in (0..heads).step_by(per_pass) {
+        let n = (heads - h0).min(per_pass);
+        let mut weights = [[0f32; B]; 4];
+        let mut live = [false; 4];
+        for i in 0..n {
+            let h = h0 + i;
+            let qh = &q[h * hd..(h + 1) * hd];
+            // SAFETY: 16 f32 at 16*c lie within the head's `hd` (= 16*C) elements.
+            let qv: [__m512; C] =
+                std::array::from_fn(|c| unsafe { _mm512_loadu_ps(qh.as_ptr().add(16 * c)) });
+            let mut s = [ninf; 2];
+            for (g, (s, &mask)) in s.iter_mut().zip(&masks).enumerate() {
+                if mask == 0 {
+                    continue;
+                }
+                let mut lanes = [_mm512_setzero_ps(); 16];
+                for (j, lane) in lanes.iter_mut().enumerate() {
+                    if mask >> j & 1 == 0 {
+                        continue;
+                    }
+                    let kr = &kf[(16 * g + j) * hd..(16 * g + j + 1) * hd];
+                    let mut a = [_mm512_setzero_ps(); 4];
+                    for (c, qc) in qv.iter().enumerate() {
+                        // SAFETY: 16 f32 at 16*c lie within the key's `hd` elements.
+                        let kc = unsafe { _mm512_loadu_ps(kr.as_ptr().add(16 * c)) };
+                        a[c % 4] = _mm512_fmadd_ps(*qc, kc, a[c % 4]);
+                    }
+                    *lane = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+                }
+                let scores = _mm512_mul_ps(reduce_16x16(&lanes), scale_v);
+                *s = _mm512_mask_mov_ps(ninf, mask, scores);
+            }
+            let m = {
+                let ordered = |x: __m512, mask: u16| {
+                    let keep = mask & _mm512_cmp_ps_mask::<_CMP_ORD_Q>(x, x);
+                    _mm512_mask_reduce_max_ps(keep, x)
+                };
+                let (m0, m1) = (ordered(s[0], masks[0]), ordered(s[1], masks[1]));
+                if m1 > m0 {
+                    m1
+                } else {
+                    m0
+                }
+            };
+            let ah = &mut acc[h * hd..(h + 1) * hd];
+            if m > max[h] {
+                if max[h] != f32::NEG_INFINITY {
+                    let a = _mm512_set1_ps((max[h] - m).exp());
+                    for x in ah.chunks_exact_mut(16) {
+                        // SAFETY: `x` is 16 f32; unaligned loads and stores are allowed.
+                        unsafe {
+                            _mm512_storeu_ps(
+                                x.as_mut_ptr(),
+                                _mm512_mul_ps(_mm512_loadu_ps(x.as_ptr()), a),
+                            )
+                        };
+                    }
+                    // SAFETY: as above, the 16 sum lanes.
+                    unsafe {
+                        let sv = _mm512_mul_ps(_mm512_loadu_ps(sums[h].as_ptr()), a);
+                        _mm512_storeu_ps(sums[h].as_mut_ptr(), sv);
+                    }
+                }
+                max[h] = m;
+            }
+            live[i] = max[h] != f32::NEG_INFINITY;
+            if !live[i] {
+                continue;
+            }
+            let mv = _mm512_set1_ps(max[h]);
+            let w = &mut weights[i];
+            // Keys outside the row's span get the argument 0 (no special input for the
+            // vector `exp`) and are cleared after.
+            // SAFETY: `w` is 32 f32: two stores of 16, unaligned allowed.
+            unsafe {
+                _mm512_storeu_ps(w.as_mut_ptr(), _mm512_maskz_sub_ps(masks[0], s[0], mv));
+                _mm512_storeu_ps(
+                    w.as_mut_ptr().add(16),
+                    _mm512_maskz_sub_ps(masks[1], s[1], mv),
+                );
+            }
+            super::super::libm_expf::expf_in_place(w);
+            // SAFETY: `w` is 32 f32 and `sums[h]` 16: loads and stores of 16, unaligned
+            // allowed.
+            unsafe {
+                let w0 = _mm512_maskz_mov_ps(masks[0], _mm512_loadu_ps(w.as_ptr()));
+                let w1 = _mm512_maskz_mov_ps(masks[1], _mm512_loadu_ps(w.as_ptr().add(16)));
+                _mm512_storeu_ps(w.as_mut_ptr(), w0);
+                _mm512_storeu_ps(w.as_mut_ptr().add(16), w1);
+                let sv = _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(sums[h].as_ptr()), w0), w1);
+                _mm512_storeu_ps(sums[h].as_mut_ptr(), sv);
+            }
+        }
+        let pass = &mut acc[h0 * hd..(h0 + n) * hd];
+        if live[..n].iter().all(|&l| l) {
+            match n {
+                4 => wide_v_updates::<C, 4>(&weights, vf, lo, hi, pass),
+                3 => wide_v_updates::<C, 3>(&weights, vf, lo, hi, pass),
+                2 => wide_v_updates::<C, 2>(&weights, vf, lo, hi, pass),
+                _ => wide_v_updates::<C, 1>(&weights, vf, lo, hi, pass),
+            }
+        } else {
+            for i in (0..n).filter(|&i| live[i]) {
+                let one = &mut pass[i * hd..(i + 1) * hd];
+                wide_v_updates::<C, 1>(&weights[i..i + 1], vf, lo, hi, one);
+            }
         }
     }
 }
 
-/// [`super::attend_portable`] for up to [`super::MAX_HEADS`] query heads that read the
-/// same f16 K/V rows of length 64, 128 or 256, each head computed exactly as the
-/// portable path computes it: the K·Q steps of [`dot_f16_ggml_steps`], the same `exp`,
-/// an f16 rounding after every `acc * s` and every `fma(v, w, acc)`, so the same bits.
-///
-/// Why it is faster: each head's V sum is a chain of dependent roundings, so one head
-/// alone waits on latency. The heads' chains are independent, so they are interleaved
-/// (and each K/V row is converted once for all of them); the scores and `exp` calls of a
-/// block of keys are computed ahead ([`super::Plan`]), leaving only the V updates serial.
+/// `acc_i = fma(w_i[j], v_j, acc_i)` for keys `lo..hi` in order, for `H` heads whose
+/// accumulators (`16 * C` each, consecutive in `acc`) stay in registers for the block.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+fn wide_v_updates<const C: usize, const H: usize>(
+    weights: &[[f32; super::KEY_BLOCK]],
+    vf: &[f32],
+    lo: usize,
+    hi: usize,
+    acc: &mut [f32],
+) {
+    let hd = 16 * C;
+    assert!(weights.len() >= H && acc.len() >= H * hd && vf.len() >= hi * hd);
+    // SAFETY: 16 f32 at (h * hd + 16 * c) lie within `acc` (asserted length).
+    let mut a: [[__m512; C]; H] = std::array::from_fn(|h| {
+        std::array::from_fn(|c| unsafe { _mm512_loadu_ps(acc.as_ptr().add(h * hd + 16 * c)) })
+    });
+    for j in lo..hi {
+        let vr = &vf[j * hd..(j + 1) * hd];
+        let w: [__m512; H] = std::array::from_fn(|h| _mm512_set1_ps(weights[h][j]));
+        for c in 0..C {
+            // SAFETY: 16 f32 at 16*c lie within the key's `hd` elements.
+            let x = unsafe { _mm512_loadu_ps(vr.as_ptr().add(16 * c)) };
+            for (ah, wh) in a.iter_mut().zip(&w) {
+                ah[c] = _mm512_fmadd_ps(*wh, x, ah[c]);
+            }
+        }
+    }
+    for (h, ah) in a.iter().enumerate() {
+        for (c, x) in ah.iter().enumerate() {
+            // SAFETY: as for the loads.
+            unsafe { _mm512_storeu_ps(acc.as_mut_ptr().add(h * hd + 16 * c), *x) };
+        }
+    }
+}
+
+/// [`super::attend_rows`] compiled for AVX2, FMA and F16C (`HD`: the head size, or 0 for
+/// `shape.hd`).
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; `qs.len() == outs.len()`, between 1 and
-/// [`super::MAX_HEADS`]; every query, output and row of `k` and `v` has the same
-/// length, 64, 128 or 256.
+/// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn attend_f16(
-    qs: &[&[f32]],
-    k: &[&[half::f16]],
-    v: &[&[half::f16]],
-    scale: f32,
-    outs: &mut [&mut [f32]],
+pub unsafe fn attend_rows_256<T: super::KvElem, const HD: usize>(
+    q: &[f32],
+    shape: &super::RowsShape,
+    k: &[&[T]],
+    v: &[&[T]],
+    out: &mut [f32],
 ) {
-    match (qs[0].len(), qs.len()) {
-        (64, 1) => narrow::<8, 1>(qs, k, v, scale, outs),
-        (64, _) => narrow::<8, 2>(qs, k, v, scale, outs),
-        (128, _) => narrow::<16, 1>(qs, k, v, scale, outs),
-        _ => narrow::<32, 1>(qs, k, v, scale, outs),
-    }
+    super::attend_rows_with::<T, Narrow, HD>(q, shape, k, v, out);
 }
 
-/// [`attend_f16`] for `8 * C` lanes, `H` heads at a time (the rest in further passes):
-/// 16 ymm registers hold two 64-lane accumulators at most.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn narrow<const C: usize, const H: usize>(
-    qs: &[&[f32]],
-    k: &[&[half::f16]],
-    v: &[&[half::f16]],
-    scale: f32,
-    outs: &mut [&mut [f32]],
+/// [`super::attend_rows`] compiled for AVX-512 (`HD` as for [`attend_rows_256`]).
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, DQ and VL, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+pub unsafe fn attend_rows_512<T: super::KvElem, const HD: usize>(
+    q: &[f32],
+    shape: &super::RowsShape,
+    k: &[&[T]],
+    v: &[&[T]],
+    out: &mut [f32],
 ) {
-    for (qs, outs) in qs.chunks(H).zip(outs.chunks_mut(H)) {
-        let heads = qs.len();
-        let mut acc = [[_mm256_setzero_ps(); C]; H];
-        let mut plans = [super::Plan::default(); H];
-        for (b, (kb, vb)) in k
-            .chunks(super::KEY_BLOCK)
-            .zip(v.chunks(super::KEY_BLOCK))
-            .enumerate()
-        {
-            for (j, kr) in kb.iter().enumerate() {
-                // As in `wide`.
-                let at = b * super::KEY_BLOCK + j;
-                if let Some(ahead) = v.get(at + V_PREFETCH_AHEAD) {
-                    prefetch_row(ahead);
-                }
-                if let Some(ahead) = k.get(at + K_PREFETCH_AHEAD) {
-                    prefetch_row(ahead);
-                }
-                for (plan, q) in plans.iter_mut().zip(qs) {
-                    // SAFETY: query and row have the head's length, a multiple of 64
-                    // (the caller's contract).
-                    plan.set_score(j, unsafe { dot_f16_ggml_steps(q, kr) } * scale);
-                }
-            }
-            for plan in plans.iter_mut().take(heads) {
-                plan.settle(kb.len());
-            }
-            for (j, vr) in vb.iter().enumerate() {
-                assert!(vr.len() == 8 * C);
-                let mut x = [_mm256_setzero_ps(); C];
-                for (c, x) in x.iter_mut().enumerate() {
-                    // SAFETY: 8 f16 values at 8*c lie within the row (asserted
-                    // length); unaligned loads are allowed.
-                    *x = unsafe {
-                        _mm256_cvtph_ps(_mm_loadu_si128(vr.as_ptr().add(8 * c) as *const __m128i))
-                    };
-                }
-                for (plan, acc) in plans.iter_mut().zip(acc.iter_mut()).take(heads) {
-                    let (ms, vs) = plan.weights(j);
-                    if plan.rescales(j) {
-                        let m = _mm256_set1_ps(ms);
-                        for a in acc.iter_mut() {
-                            *a = round_f16_256(_mm256_mul_ps(*a, m));
-                        }
-                    }
-                    let w = _mm256_set1_ps(vs);
-                    for (a, x) in acc.iter_mut().zip(x) {
-                        *a = round_f16_256(_mm256_fmadd_ps(x, w, *a));
-                    }
-                    plan.add_to_sum(ms, vs);
-                }
-            }
-        }
-        for ((plan, acc), out) in plans.iter().zip(&acc).zip(outs.iter_mut()) {
-            let inv = plan.inverse_sum();
-            assert!(out.len() == 8 * C);
-            for (a, o) in acc.iter().zip(out.chunks_exact_mut(8)) {
-                let mut lanes = [0f32; 8];
-                // SAFETY: `lanes` is 8 writable f32; unaligned stores are allowed.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
-                for (o, x) in o.iter_mut().zip(lanes) {
-                    *o = x * inv;
-                }
-            }
-        }
-    }
+    super::attend_rows_with::<T, Wide, HD>(q, shape, k, v, out);
 }
 
 /// `out[i] = f32(f16(q[i]))` (to nearest even, as the scalar conversion) over whole
@@ -182,288 +351,6 @@ pub unsafe fn round_f16_slice(q: &[f32], out: &mut [f32]) -> usize {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn round_f16_256(x: __m256) -> __m256 {
     _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
-}
-
-/// [`round_f16_256`] on 16 lanes.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-fn round_f16_512(x: __m512) -> __m512 {
-    _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
-}
-
-/// [`attend_f16`] with 16-lane registers: ggml's K·Q order is defined on 16-lane
-/// accumulators (the 256-bit path holds each as two halves), and the V updates are
-/// lane-wise, so this is the same arithmetic in half the instructions; 32 registers
-/// hold more heads' accumulators at once.
-///
-/// # Safety
-/// The CPU must support AVX-512 F, BW, DQ and VL, FMA and F16C; arguments as for
-/// [`attend_f16`].
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-pub unsafe fn attend_f16_wide(
-    qs: &[&[f32]],
-    k: &[&[half::f16]],
-    v: &[&[half::f16]],
-    scale: f32,
-    outs: &mut [&mut [f32]],
-) {
-    match (qs[0].len(), qs.len()) {
-        (64, 1) => wide::<4, 1>(qs, k, v, scale, outs),
-        (64, 2) => wide::<4, 2>(qs, k, v, scale, outs),
-        (64, 3) => wide::<4, 3>(qs, k, v, scale, outs),
-        (64, _) => wide::<4, 4>(qs, k, v, scale, outs),
-        (128, 1) => wide::<8, 1>(qs, k, v, scale, outs),
-        (128, _) => wide::<8, 2>(qs, k, v, scale, outs),
-        (256, 1) => wide::<16, 1>(qs, k, v, scale, outs),
-        _ => wide::<16, 2>(qs, k, v, scale, outs),
-    }
-}
-
-/// [`attend_f16_wide`] for `16 * C` lanes, `H` heads at a time.
-///
-/// The K·Q products of the next block of keys run in the same loop as the V updates of
-/// the current one: the updates are bound by f16 conversions and the products by FMAs,
-/// different units, which one phase after the other would leave idle in turn.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-fn wide<const C: usize, const H: usize>(
-    qs: &[&[f32]],
-    k: &[&[half::f16]],
-    v: &[&[half::f16]],
-    scale: f32,
-    outs: &mut [&mut [f32]],
-) {
-    const B: usize = super::KEY_BLOCK;
-    let n = k.len().min(v.len());
-    for (qs, outs) in qs.chunks(H).zip(outs.chunks_mut(H)) {
-        let heads = qs.len();
-        let mut acc = [[_mm512_setzero_ps(); C]; H];
-        let mut plans = [super::Plan::default(); H];
-        let mut next = Scores::<H>::new(scale);
-        let first = n.min(B);
-        for j in 0..first {
-            next.product::<C>(qs, k, j, first);
-        }
-        for (plan, scores) in plans.iter_mut().zip(&next.scores).take(heads) {
-            settle_wide(plan, scores, first);
-        }
-        for b0 in (0..n).step_by(B) {
-            let len = (n - b0).min(B);
-            let ahead = b0 + len;
-            let ahead_len = (n - ahead).min(B);
-            for j in 0..len {
-                if j < ahead_len {
-                    next.product::<C>(qs, k, ahead + j, ahead_len);
-                }
-                let vr = v[b0 + j];
-                // A long context's rows come from memory (the weights streamed through
-                // the caches since this layer last ran), 128 bytes per page-strided row,
-                // which the hardware prefetcher does not run ahead of: ask for the next
-                // block's V rows (and, in `product`, K rows two blocks before their use;
-                // measured best of 8..64 ahead: +8% decode at 512 positions).
-                if let Some(row) = v.get(b0 + j + V_PREFETCH_AHEAD) {
-                    prefetch_wide_row::<C>(row);
-                }
-                assert!(vr.len() == 16 * C);
-                let mut x = [_mm512_setzero_ps(); C];
-                for (c, x) in x.iter_mut().enumerate() {
-                    // SAFETY: 16 f16 values at 16*c lie within the row (asserted
-                    // length); unaligned loads are allowed.
-                    *x = unsafe {
-                        _mm512_cvtph_ps(_mm256_loadu_si256(
-                            vr.as_ptr().add(16 * c) as *const __m256i
-                        ))
-                    };
-                }
-                for (plan, acc) in plans.iter_mut().zip(acc.iter_mut()).take(heads) {
-                    let (ms, vs) = plan.weights(j);
-                    if plan.rescales(j) {
-                        let m = _mm512_set1_ps(ms);
-                        for a in acc.iter_mut() {
-                            *a = round_f16_512(_mm512_mul_ps(*a, m));
-                        }
-                    }
-                    let w = _mm512_set1_ps(vs);
-                    for (a, x) in acc.iter_mut().zip(x) {
-                        *a = round_f16_512(_mm512_fmadd_ps(x, w, *a));
-                    }
-                    plan.add_to_sum(ms, vs);
-                }
-            }
-            if ahead_len > 0 {
-                for (plan, scores) in plans.iter_mut().zip(&next.scores).take(heads) {
-                    settle_wide(plan, scores, ahead_len);
-                }
-            }
-        }
-        for ((plan, acc), out) in plans.iter().zip(&acc).zip(outs.iter_mut()) {
-            let inv = plan.inverse_sum();
-            assert!(out.len() == 16 * C);
-            for (a, o) in acc.iter().zip(out.chunks_exact_mut(16)) {
-                let mut lanes = [0f32; 16];
-                // SAFETY: `lanes` is 16 writable f32; unaligned stores are allowed.
-                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *a) };
-                for (o, x) in o.iter_mut().zip(lanes) {
-                    *o = x * inv;
-                }
-            }
-        }
-    }
-}
-
-/// [`super::Plan::settle_from`] for the first `n` of `scores`, the running maximum as a
-/// prefix maximum across 16 lanes: the maximum is exact and, with no NaN among the
-/// scores, order-free, so each key sees the same maximum before it as in the
-/// one-key-at-a-time loop (which runs instead where a score is NaN). Only the sign of a
-/// zero maximum can differ, which changes no `exp` argument but the sign of a zero one,
-/// and exp(+0) = exp(-0) = 1.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-fn settle_wide(plan: &mut super::Plan, scores: &[f32; super::KEY_BLOCK], n: usize) {
-    // Shifts lanes up by `BY` (an `alignr` count of `16 - BY`), `fill` coming in.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-    fn up<const SHIFT: i32>(x: __m512, fill: __m512) -> __m512 {
-        _mm512_castsi512_ps(_mm512_alignr_epi32::<SHIFT>(
-            _mm512_castps_si512(x),
-            _mm512_castps_si512(fill),
-        ))
-    }
-    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
-    let mut s = [ninf; super::KEY_BLOCK / 16];
-    let mut nan = 0u16;
-    for (i, s) in s.iter_mut().enumerate() {
-        let valid = ((1u32 << n.saturating_sub(16 * i).min(16)) - 1) as u16;
-        // SAFETY: 16 f32 at 16*i lie within `scores`; unaligned loads are allowed.
-        let x = unsafe { _mm512_loadu_ps(scores.as_ptr().add(16 * i)) };
-        nan |= _mm512_mask_cmp_ps_mask::<_CMP_UNORD_Q>(valid, x, x);
-        // Keys past the block's end never raise the maximum.
-        *s = _mm512_mask_mov_ps(ninf, valid, x);
-    }
-    if nan != 0 {
-        plan.settle_from(&scores[..n]);
-        return;
-    }
-    let mut zero = 0u32;
-    for (i, s) in s.into_iter().enumerate() {
-        if 16 * i >= n {
-            break;
-        }
-        let mut p = _mm512_max_ps(s, up::<15>(s, ninf));
-        p = _mm512_max_ps(p, up::<14>(p, ninf));
-        p = _mm512_max_ps(p, up::<12>(p, ninf));
-        p = _mm512_max_ps(p, up::<8>(p, ninf));
-        let m0 = _mm512_set1_ps(plan.max);
-        // The maximum before each key: the carried one, then the keys before it.
-        let before = _mm512_max_ps(up::<15>(p, m0), m0);
-        let raises = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(s, before);
-        let e = _mm512_mask_sub_ps(_mm512_sub_ps(s, before), raises, before, s);
-        // exp(-inf) is +0 in every libm, but the vector `exp` treats -inf as a special
-        // input and computes its whole group of 16 with scalar calls: the first key's
-        // rescale (from the initial -inf maximum) is set to its known value afterwards.
-        let nothing = _mm512_mask_cmp_ps_mask::<_CMP_EQ_OQ>(raises, before, ninf);
-        zero |= (nothing as u32) << (16 * i);
-        let e = _mm512_mask_mov_ps(e, nothing, _mm512_setzero_ps());
-        let out = &mut plan.exp[16 * i..16 * i + 16];
-        let flags = &mut plan.raises[16 * i..16 * i + 16];
-        // SAFETY: `out` is 16 writable f32, `flags` 16 writable bools, written with 0 or 1
-        // (valid bools); unaligned stores are allowed.
-        unsafe {
-            _mm512_storeu_ps(out.as_mut_ptr(), e);
-            _mm_storeu_si128(
-                flags.as_mut_ptr() as *mut __m128i,
-                _mm_maskz_mov_epi8(raises, _mm_set1_epi8(1)),
-            );
-        }
-        // Lane 15 of the prefix maximum: the block's last key (the rest are -inf).
-        let top = _mm512_max_ps(p, m0);
-        plan.max = _mm512_cvtss_f32(_mm512_permutexvar_ps(_mm512_set1_epi32(15), top));
-    }
-    super::super::libm_expf::expf_in_place(&mut plan.exp[..n]);
-    while zero != 0 {
-        plan.exp[zero.trailing_zeros() as usize] = 0.0;
-        zero &= zero - 1;
-    }
-}
-
-/// The scores of one block of keys for up to `H` heads, computed ahead of their use.
-struct Scores<const H: usize> {
-    /// Per head, the 16-lane sums of up to 16 keys awaiting their lane trees.
-    lanes: [[__m512; 16]; H],
-    /// Per head, `dot * scale` of each key of the block.
-    scores: [[f32; super::KEY_BLOCK]; H],
-    scale: __m512,
-}
-
-impl<const H: usize> Scores<H> {
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-    fn new(scale: f32) -> Self {
-        Self {
-            lanes: [[_mm512_setzero_ps(); 16]; H],
-            scores: [[0.0; super::KEY_BLOCK]; H],
-            scale: _mm512_set1_ps(scale),
-        }
-    }
-
-    /// Key `at` (of a block of `len` keys from a multiple of `KEY_BLOCK`) against every
-    /// head's query: its lane sums, and after each 16 keys or the block's last, their
-    /// scores, the lane trees of 16 keys at once (a third of the shuffles and adds of one
-    /// tree per key, and one multiply and store for all 16).
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-    fn product<const C: usize>(
-        &mut self,
-        qs: &[&[f32]],
-        k: &[&[half::f16]],
-        at: usize,
-        len: usize,
-    ) {
-        if let Some(row) = k.get(at + K_PREFETCH_AHEAD) {
-            prefetch_wide_row::<C>(row);
-        }
-        let kr = k[at];
-        assert!(kr.len() == 16 * C);
-        let mut x = [_mm512_setzero_ps(); C];
-        for (c, x) in x.iter_mut().enumerate() {
-            // SAFETY: 16 f16 values at 16*c lie within the row (asserted length);
-            // unaligned loads are allowed.
-            *x = unsafe {
-                _mm512_cvtph_ps(_mm256_loadu_si256(kr.as_ptr().add(16 * c) as *const __m256i))
-            };
-        }
-        let j = at % super::KEY_BLOCK;
-        for (lanes, q) in self.lanes.iter_mut().zip(qs) {
-            lanes[j % 16] = dot_lanes(q, &x);
-        }
-        if j % 16 == 15 || j + 1 == len {
-            let from = j - j % 16;
-            let mask = (((1u32 << (j % 16 + 1)) - 1) & 0xffff) as u16;
-            for (lanes, scores) in self.lanes.iter().zip(self.scores.iter_mut()).take(qs.len()) {
-                let s = _mm512_mul_ps(reduce_16x16(lanes), self.scale);
-                let out = &mut scores[from..from + 16];
-                // SAFETY: `out` is 16 writable f32; only the lanes of keys computed are
-                // written, and unaligned stores are allowed.
-                unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr(), mask, s) };
-            }
-        }
-    }
-}
-
-/// [`dot_f16_ggml_steps`] on 16-lane registers up to its lane tree, the K row already
-/// converted: 64-lane steps into four accumulators, reduced `(a0 + a2) + (a1 + a3)`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-fn dot_lanes<const C: usize>(q: &[f32], k: &[__m512; C]) -> __m512 {
-    assert!(q.len() == 16 * C);
-    let mut acc = [_mm512_setzero_ps(); 4];
-    for (c, kx) in k.iter().enumerate() {
-        // SAFETY: 16 elements at 16*c lie within `q` (asserted length); unaligned loads
-        // are allowed.
-        let qv = unsafe { _mm512_loadu_ps(q.as_ptr().add(16 * c)) };
-        acc[c % 4] = _mm512_fmadd_ps(qv, *kx, acc[c % 4]);
-    }
-    _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]))
 }
 
 /// Lane `i` of the result is `hsum(hi + lo)` of `v[i]` (the tree of
@@ -506,28 +393,4 @@ fn reduce_16x16(v: &[__m512; 16]) -> __m512 {
         _mm512_shuffle_ps::<0x88>(z[0], z[1]),
         _mm512_shuffle_ps::<0xDD>(z[0], z[1]),
     )
-}
-
-/// Keys between a row's prefetch and its use.
-const K_PREFETCH_AHEAD: usize = 2 * super::KEY_BLOCK;
-const V_PREFETCH_AHEAD: usize = super::KEY_BLOCK;
-
-/// [`prefetch_row`] for a row of `16 * C` elements, unrolled.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch_wide_row<const C: usize>(row: &[half::f16]) {
-    for at in (0..16 * C).step_by(32) {
-        // A prefetch reads nothing and cannot fault; `wrapping_add` needs no bounds.
-        _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().wrapping_add(at) as *const i8);
-    }
-}
-
-/// Asks for every cache line of `row`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn prefetch_row(row: &[half::f16]) {
-    for line in row.chunks(32) {
-        // A prefetch reads nothing and cannot fault; the address is inside `row`.
-        _mm_prefetch::<_MM_HINT_T0>(line.as_ptr() as *const i8);
-    }
 }
