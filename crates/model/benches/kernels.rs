@@ -40,8 +40,14 @@ fn main() {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(256);
-            for hd in [64, 256] {
-                for rows in [1, 16] {
+            let pick =
+                |k: &str, all: Vec<usize>| match std::env::var(k).ok().and_then(|v| v.parse().ok())
+                {
+                    Some(v) => vec![v],
+                    None => all,
+                };
+            for hd in pick("ATT_HD", vec![64, 256]) {
+                for rows in pick("ATT_ROWS", vec![1, 16]) {
                     for heads in (1..=6).filter(|h| only.is_none_or(|o| o == *h)) {
                         let ns = attention_ns_per_head_key(hd, heads, rows, keys);
                         println!(

@@ -88,9 +88,7 @@ pub(crate) mod x86_512_kquants;
 pub(crate) mod x86_512_low_kquants;
 
 pub use activation::{ggml_expf, silu, swiglu, table_glu};
-pub use attention::{
-    attend_rows, attend_rows_portable, dot_f16_ggml, KvElem, RowsShape, KEY_BLOCK,
-};
+pub use attention::{attend_rows, attend_rows_portable, KvElem, RowsShape, KEY_BLOCK};
 #[cfg(target_arch = "x86_64")]
 pub use cpu::{path_name as cpu_path, wide_available, CpuPath};
 

@@ -1,4 +1,3 @@
-use super::attention::{reduce16, tail_f64};
 #[cfg(target_arch = "x86_64")]
 use super::cpu::{has_avx2, has_vnni, wide_available};
 use super::matmul::{tile_scales, ROW_BLOCK, TOKEN_BLOCK, TOKEN_SPLIT_MIN};
@@ -110,48 +109,50 @@ fn kernels_match_reference(rows: usize, cols: usize, n: usize) {
     }
 }
 
-/// The SIMD K·Q product agrees bit for bit with the scalar definition (ggml's order), for
-/// lengths with and without a partial 64-element step.
+/// Widening and transposing a block's f16 K rows on 512-bit lanes is the scalar conversion
+/// put in its place: every offset and row count of a block, specials included.
+#[cfg(target_arch = "x86_64")]
 #[test]
-fn f16_dot_matches_scalar_bit_for_bit() {
+#[ignore = "needs AVX-512; scripts/test.sh runs it where the CPU has it"]
+fn f16_keys_transpose_into_lanes_exactly() {
     use half::f16;
-    let mut s = 11u64;
-    for n in [64usize, 128, 72, 32, 8] {
-        let q: Vec<f32> = (0..n)
-            .map(|_| f16::from_f32(lcg(&mut s)).to_f32())
+    assert!(wide_available(), "this test needs AVX-512 F, BW, DQ and VL");
+    let mut s = 67u64;
+    for hd in [16usize, 64, 256] {
+        let mut rows: Vec<Vec<f16>> = (0..KEY_BLOCK)
+            .map(|_| (0..hd).map(|_| f16::from_f32(lcg(&mut s) * 3e4)).collect())
             .collect();
-        let k: Vec<f16> = (0..n).map(|_| f16::from_f32(lcg(&mut s) * 4.0)).collect();
-        let got = dot_f16_ggml(&q, &k);
-        // The scalar definition, written out.
-        let np = n & !63;
-        let mut acc = [[0f32; 16]; 4];
-        for i in (0..np).step_by(64) {
-            for (j, lanes) in acc.iter_mut().enumerate() {
-                for (l, a) in lanes.iter_mut().enumerate() {
-                    *a = q[i + j * 16 + l].mul_add(k[i + j * 16 + l].to_f32(), *a);
+        rows[3][5] = f16::NAN;
+        rows[7][0] = f16::NEG_INFINITY;
+        rows[9][hd - 1] = f16::from_bits(1);
+        for (off, n) in [
+            (0, 32),
+            (0, 1),
+            (5, 11),
+            (16, 16),
+            (3, 29),
+            (31, 1),
+            (13, 7),
+        ] {
+            let refs: Vec<&[f16]> = rows[..n].iter().map(|r| r.as_slice()).collect();
+            let mut got = vec![-7.0f32; hd * KEY_BLOCK];
+            // SAFETY: AVX-512 with F16C is present (asserted); `hd` is a multiple of 16.
+            unsafe { attention::x86::widen_transposed_f16_512(&refs, hd, off, &mut got) };
+            for d in 0..hd {
+                for j in 0..KEY_BLOCK {
+                    let want = if (off..off + n).contains(&j) {
+                        rows[j - off][d].to_f32()
+                    } else {
+                        -7.0
+                    };
+                    let g = got[d * KEY_BLOCK + j];
+                    assert!(
+                        g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                        "hd {hd}, off {off}, n {n}: [{d}][{j}] = {g}, want {want}"
+                    );
                 }
             }
         }
-        let mut v = [0f32; 16];
-        for (l, o) in v.iter_mut().enumerate() {
-            *o = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
-        }
-        let head = if np > 0 { reduce16(&v) } else { 0.0 };
-        let k_tail: Vec<f32> = k[np..].iter().map(|x| x.to_f32()).collect();
-        assert_eq!(
-            got.to_bits(),
-            tail_f64(head, &q[np..], &k_tail).to_bits(),
-            "n={n}"
-        );
-        let exact: f64 = q
-            .iter()
-            .zip(&k)
-            .map(|(a, b)| *a as f64 * b.to_f32() as f64)
-            .sum();
-        assert!(
-            (got as f64 - exact).abs() < 1e-4 * (1.0 + exact.abs()),
-            "n={n}: {got} vs {exact}"
-        );
     }
 }
 

@@ -8,15 +8,15 @@
 //!
 //! 1. Keys are taken in blocks of [`KEY_BLOCK`] that start at multiples of it in absolute
 //!    position; a block is cut to the visible keys.
-//! 2. A key's score is `dot(q, k) * scale`, `dot` in ggml's f16 order ([`dot_f16_ggml`]:
-//!    64-element steps into four 16-lane accumulators, `(a0 + a2) + (a1 + a3)`, the lane tree
-//!    of [`reduce16`], a tail past the last whole step in f64); for an f16 cache the query is
-//!    rounded to f16 first, as llama.cpp does.
+//! 2. A key's score is `dot(q, k) * scale`: `dot = (p0 + p2) + (p1 + p3)`, `p_c` a chain of
+//!    fused multiply-adds from 0 over the elements `d ≡ c (mod 4)` in order
+//!    (`p_c = fma(q[d], k[d], p_c)`: four chains, so one query's products do not wait on one
+//!    another); for an f16 cache the query is rounded to f16 first, as llama.cpp does.
 //! 3. Per block: `m`, the block's largest score (NaN never counts). If `m` exceeds the running
 //!    maximum `M`, the accumulator and the running sums are multiplied by `exp(M - m)` (unless
 //!    nothing was seen yet) and `M = m`. Each key's weight is `w = exp(s - M)`; the running sum
-//!    has 16 lanes, lane `i` adding the block's keys `i` then `16 + i` (absent keys add
-//!    nothing); the f32 accumulator takes `acc = fma(w, v, acc)` per key in position order.
+//!    has 16 lanes, lane `i` adding the block's keys `i`, `16 + i`, `32 + i`, ... in that
+//!    order (absent keys add nothing); the f32 accumulator takes `acc = fma(w, v, acc)` per key in position order.
 //! 4. At the end: `L` = the sum lanes' tree ([`reduce16`]), `out = acc * (1 / L)` (0 if `L` is 0).
 //!
 //! `exp` is the C library's `expf`, on vector lanes where [`super::libm_expf`] proved it gives
@@ -28,18 +28,20 @@
 //!
 //! This is not llama.cpp's one-row kernel (an f16 accumulator rounded after every key and the
 //! maximum rescaled key by key): that chain of dependent roundings cannot use a tile of query
-//! rows, and an f32 accumulator is the more accurate of the two. Agreement with llama.cpp is
+//! rows, and an f32 accumulator is the more accurate of the two; its K·Q lane tree would cost
+//! a transposition per key where a chain over the elements takes the keys as lanes. Agreement with llama.cpp is
 //! held to the tolerances of `tests/llama_references.rs` and to `kvwarden eval`'s bar.
 //!
 //! # Speed
 //!
-//! A task is up to sixteen query rows × the query heads of one KV head. Each block's K and V
-//! rows are widened to f32 once for all of them (the reuse a one-row kernel lacks), scores are
-//! computed for 16 keys at once and their lane trees reduced together (the 512-bit build by
-//! transposing shuffles), and the V updates run over every head of a row, so one V row feeds
-//! several independent accumulator chains. The 256- and 512-bit builds are this module's code
-//! compiled with those instruction sets (`x86.rs`), with the lane tree and the widening done by
-//! vector instructions that give the same bits.
+//! A task is up to sixteen query rows × the query heads of one KV head. Each block's K rows
+//! are widened to f32 and transposed once for all of them (keys in lanes, so a score chain
+//! runs 16 keys per instruction with no cross-lane reduction; the reuse a one-row kernel
+//! lacks), V rows widened once, and the V updates run over every head of a row, so one V row
+//! feeds several independent accumulator chains. The 256- and 512-bit builds are this
+//! module's code compiled with those instruction sets (`x86.rs`); the 512-bit one does the
+//! scores of up to four heads at once and the V updates with their accumulators in
+//! registers, the same operations in the same order.
 
 #[cfg(target_arch = "x86_64")]
 use super::cpu::has_f16c;
@@ -48,7 +50,7 @@ use super::cpu::has_f16c;
 pub const KEY_BLOCK: usize = 32;
 /// Lanes of the running sum of weights: a block's key `i` adds to lane `i % SUM_LANES`.
 const SUM_LANES: usize = 16;
-const _: () = assert!(KEY_BLOCK == 2 * SUM_LANES);
+const _: () = assert!(KEY_BLOCK.is_multiple_of(SUM_LANES) && KEY_BLOCK <= 64);
 
 /// Element types of the KV cache.
 pub trait KvElem: Copy + Send + Sync + 'static {
@@ -56,6 +58,22 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     fn round_queries(q: &[f32], out: &mut [f32]);
     /// `dst[i] = src[i]` as f32 (exact).
     fn widen(src: &[Self], dst: &mut [f32]);
+    /// `kt[d * KEY_BLOCK + off + i] = rows[i][d]` as f32 for `d < hd` (exact): a block's K
+    /// rows with the keys in lanes.
+    fn widen_transposed(rows: &[&[Self]], hd: usize, off: usize, kt: &mut [f32]) {
+        widen_transposed_rows(rows, hd, off, kt);
+    }
+}
+
+/// [`KvElem::widen_transposed`] one row at a time.
+fn widen_transposed_rows<T: KvElem>(rows: &[&[T]], hd: usize, off: usize, kt: &mut [f32]) {
+    let mut row = vec![0f32; hd];
+    for (i, r) in rows.iter().enumerate() {
+        T::widen(&r[..hd], &mut row);
+        for (d, &x) in row.iter().enumerate() {
+            kt[d * KEY_BLOCK + off + i] = x;
+        }
+    }
 }
 
 impl KvElem for f32 {
@@ -81,6 +99,16 @@ impl KvElem for half::f16 {
         for (o, &x) in out[done..n].iter_mut().zip(&q[done..n]) {
             *o = half::f16::from_f32(x).to_f32();
         }
+    }
+
+    fn widen_transposed(rows: &[&[half::f16]], hd: usize, off: usize, kt: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if super::cpu::features().wide && hd.is_multiple_of(16) {
+            // SAFETY: AVX-512 F with F16C is present (checked); `hd` is a multiple of 16.
+            unsafe { x86::widen_transposed_f16_512(rows, hd, off, kt) };
+            return;
+        }
+        widen_transposed_rows(rows, hd, off, kt);
     }
 
     fn widen(src: &[half::f16], dst: &mut [f32]) {
@@ -124,8 +152,10 @@ impl RowsShape {
 pub(crate) struct RowBlock<'a> {
     /// The row's query heads, `hd` each.
     pub q: &'a [f32],
-    /// The block's K and V rows widened to f32, `hd` each, block offset `j` at `j * hd`.
-    pub kf: &'a [f32],
+    /// The block's K rows widened to f32 with the keys in lanes (element `d` of block offset
+    /// `j` at `d * KEY_BLOCK + j`).
+    pub kt: &'a [f32],
+    /// The block's V rows widened to f32, `hd` each, block offset `j` at `j * hd`.
     pub vf: &'a [f32],
     pub hd: usize,
     /// The keys this row sees in the block, as block offsets.
@@ -149,8 +179,6 @@ pub(crate) trait Build: Sized {
         row_block_with::<Self>(b, max, sums, acc);
     }
 
-    /// `out[j] = reduce16(&lanes[j])`.
-    fn reduce_keys(lanes: &[[f32; 16]; 16]) -> [f32; 16];
     /// `xs[i] = expf(xs[i])`, the C library's bits.
     fn exp(xs: &mut [f32]);
 }
@@ -159,11 +187,6 @@ pub(crate) trait Build: Sized {
 pub(crate) struct Portable;
 
 impl Build for Portable {
-    #[inline(always)]
-    fn reduce_keys(lanes: &[[f32; 16]; 16]) -> [f32; 16] {
-        std::array::from_fn(|j| reduce16(&lanes[j]))
-    }
-
     #[inline(always)]
     fn exp(xs: &mut [f32]) {
         for x in xs {
@@ -251,7 +274,7 @@ pub(crate) fn attend_rows_with<T: KvElem, B: Build, const HD: usize>(
     let mut max = vec![f32::NEG_INFINITY; nq];
     let mut sums = vec![[0f32; SUM_LANES]; nq];
     let mut acc = vec![0f32; nq * hd];
-    let mut kf = vec![0f32; KEY_BLOCK * hd];
+    let mut kt = vec![0f32; KEY_BLOCK * hd];
     let mut vf = vec![0f32; KEY_BLOCK * hd];
 
     let keys_from = shape.from(shape.first);
@@ -262,9 +285,15 @@ pub(crate) fn attend_rows_with<T: KvElem, B: Build, const HD: usize>(
     );
     let first_block = keys_from - keys_from % KEY_BLOCK;
     for kb in (first_block..keys_to).step_by(KEY_BLOCK) {
-        for j in kb.max(keys_from)..(kb + KEY_BLOCK).min(keys_to) {
+        let (from, to) = (kb.max(keys_from), (kb + KEY_BLOCK).min(keys_to));
+        T::widen_transposed(
+            &k[from - shape.base..to - shape.base],
+            hd,
+            from - kb,
+            &mut kt,
+        );
+        for j in from..to {
             let at = (j - kb) * hd;
-            T::widen(&k[j - shape.base][..hd], &mut kf[at..at + hd]);
             T::widen(&v[j - shape.base][..hd], &mut vf[at..at + hd]);
         }
         for r in 0..rows {
@@ -279,7 +308,7 @@ pub(crate) fn attend_rows_with<T: KvElem, B: Build, const HD: usize>(
             B::row_block::<HD>(
                 RowBlock {
                     q: &q[r * width..][..width],
-                    kf: &kf,
+                    kt: &kt,
                     vf: &vf,
                     hd,
                     lo,
@@ -311,7 +340,7 @@ pub(crate) fn row_block_with<B: Build>(
 ) {
     let RowBlock {
         q,
-        kf,
+        kt,
         vf,
         hd,
         lo,
@@ -325,7 +354,7 @@ pub(crate) fn row_block_with<B: Build>(
         let n = (heads - h0).min(MAX_ROW_HEADS);
         for i in 0..n {
             let h = h0 + i;
-            let s = block_scores::<B>(&q[h * hd..][..hd], kf, hd, lo, hi, scale);
+            let s = block_scores(&q[h * hd..][..hd], kt, hd, lo, hi, scale);
             let m = s[lo..hi]
                 .iter()
                 .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
@@ -352,8 +381,10 @@ pub(crate) fn row_block_with<B: Build>(
             }
             B::exp(&mut w[lo..hi]);
             let sum = &mut sums[h];
-            for l in 0..SUM_LANES {
-                sum[l] = (sum[l] + w[l]) + w[SUM_LANES + l];
+            for g in w.chunks_exact(SUM_LANES) {
+                for (x, &wg) in sum.iter_mut().zip(g) {
+                    *x += wg;
+                }
             }
         }
         for j in lo..hi {
@@ -374,80 +405,33 @@ pub(crate) fn row_block_with<B: Build>(
 /// Heads of a row whose weights are held at once by [`row_block_with`].
 const MAX_ROW_HEADS: usize = 8;
 
-/// `dot(q, k_j) * scale` for the block's keys `lo..hi` (`kf` holds the block's widened K
-/// rows), `-inf` for the rest.
+/// `dot(q, k_j) * scale` for the block's keys `lo..hi` (`kt`: the block's K rows, keys in
+/// lanes), `-inf` for the rest.
 #[inline(always)]
-pub(crate) fn block_scores<B: Build>(
+pub(crate) fn block_scores(
     q: &[f32],
-    kf: &[f32],
+    kt: &[f32],
     hd: usize,
     lo: usize,
     hi: usize,
     scale: f32,
 ) -> [f32; KEY_BLOCK] {
+    let mut p = [[0f32; KEY_BLOCK]; 4];
+    for (d, &qd) in q[..hd].iter().enumerate() {
+        let keys = &kt[d * KEY_BLOCK..(d + 1) * KEY_BLOCK];
+        for (s, &k) in p[d % 4].iter_mut().zip(keys) {
+            *s = qd.mul_add(k, *s);
+        }
+    }
     let mut s = [f32::NEG_INFINITY; KEY_BLOCK];
-    let steps = hd & !63;
-    for g in (0..KEY_BLOCK).step_by(16) {
-        let (from, to) = (lo.max(g), hi.min(g + 16));
-        if from >= to {
-            continue;
-        }
-        let mut lanes = [[0f32; 16]; 16];
-        for j in from..to {
-            lanes[j - g] = dot_lanes(&q[..steps], &kf[j * hd..j * hd + steps]);
-        }
-        let heads = if steps > 0 {
-            B::reduce_keys(&lanes)
-        } else {
-            [0.0; 16]
-        };
-        for j in from..to {
-            let kr = &kf[j * hd..(j + 1) * hd];
-            s[j] = tail_f64(heads[j - g], &q[steps..hd], &kr[steps..]) * scale;
-        }
+    for j in lo..hi {
+        s[j] = ((p[0][j] + p[2][j]) + (p[1][j] + p[3][j])) * scale;
     }
     s
 }
 
-/// [`dot_f16_ggml`] up to its lane tree, over whole 64-element steps: element `i` into
-/// accumulator `(i / 16) % 4`, lane `i % 16`, then `(a0 + a2) + (a1 + a3)` lane by lane.
-#[inline(always)]
-fn dot_lanes(q: &[f32], k: &[f32]) -> [f32; 16] {
-    let mut acc = [[0f32; 16]; 4];
-    for (c, (qc, kc)) in q.chunks_exact(16).zip(k.chunks_exact(16)).enumerate() {
-        let a = &mut acc[c % 4];
-        for l in 0..16 {
-            a[l] = qc[l].mul_add(kc[l], a[l]);
-        }
-    }
-    std::array::from_fn(|l| (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]))
-}
-
-/// `Σ q[i] * k[i]` for f16-valued `q` and `k`, in exactly the order of ggml's AVX-512
-/// `ggml_vec_dot_f16` (llama.cpp's K·Q product): 64-element steps into four 16-lane
-/// accumulators, reduced `(s0 + s2) + (s1 + s3)` then as a tree across lanes; elements past
-/// the last whole step are added in f64.
-pub fn dot_f16_ggml(q: &[f32], k: &[half::f16]) -> f32 {
-    let n = q.len().min(k.len());
-    let np = n & !63;
-    #[cfg(target_arch = "x86_64")]
-    if np > 0 && has_f16c() {
-        // SAFETY: AVX2, FMA and F16C are present (checked); `np` is a multiple of 64 no
-        // larger than either slice, as the function requires.
-        let head = unsafe { x86::dot_f16_ggml_steps(&q[..np], &k[..np]) };
-        let kt: Vec<f32> = k[np..n].iter().map(|x| x.to_f32()).collect();
-        return tail_f64(head, &q[np..n], &kt);
-    }
-    let kw: Vec<f32> = k[..n].iter().map(|x| x.to_f32()).collect();
-    let head = if np > 0 {
-        reduce16(&dot_lanes(&q[..np], &kw[..np]))
-    } else {
-        0.0
-    };
-    tail_f64(head, &q[np..n], &kw[np..n])
-}
-
-/// The lane tree of `_mm512_reduce_add_ps`: halves, then quarters, then pairs.
+/// The tree of the running sum's lanes (`_mm512_reduce_add_ps`'s): halves, then quarters,
+/// then pairs.
 pub(super) fn reduce16(v: &[f32; 16]) -> f32 {
     let mut t3 = [0f32; 8];
     for i in 0..8 {
@@ -455,19 +439,6 @@ pub(super) fn reduce16(v: &[f32; 16]) -> f32 {
     }
     let t6 = [t3[4] + t3[0], t3[5] + t3[1], t3[6] + t3[2], t3[7] + t3[3]];
     (t6[0] + t6[2]) + (t6[1] + t6[3])
-}
-
-/// ggml's tail of a dot product: the head's sum, then each remaining product, in f64.
-#[inline(always)]
-pub(super) fn tail_f64(head: f32, q: &[f32], k: &[f32]) -> f32 {
-    if q.is_empty() {
-        return head;
-    }
-    let mut sum = head as f64;
-    for (a, b) in q.iter().zip(k) {
-        sum += (a * b) as f64;
-    }
-    sum as f32
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -3,34 +3,6 @@
 
 use std::arch::x86_64::*;
 
-use super::super::x86::hsum;
-
-/// [`super::dot_f16_ggml`] over whole 64-element steps, 16-lane accumulators held as
-/// pairs of 8-lane halves; the final cross-lane tree is `hsum` of `hi + lo`.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C; `q.len() == k.len()`, a multiple of 64.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_f16_ggml_steps(q: &[f32], k: &[half::f16]) -> f32 {
-    let mut acc = [_mm256_setzero_ps(); 8]; // [j * 2 + half]
-    for (qc, kc) in q.chunks_exact(64).zip(k.chunks_exact(64)) {
-        for (h, a) in acc.iter_mut().enumerate() {
-            // SAFETY: 8 elements at offset 8*h lie within the 64-element chunks;
-            // unaligned loads are allowed.
-            unsafe {
-                let qv = _mm256_loadu_ps(qc.as_ptr().add(h * 8));
-                let kv = _mm256_cvtph_ps(_mm_loadu_si128(kc.as_ptr().add(h * 8) as *const __m128i));
-                *a = _mm256_fmadd_ps(qv, kv, *a);
-            }
-        }
-    }
-    // Accumulator j covers lanes 16j..16j+16: halves (lo, hi) = acc[2j], acc[2j+1].
-    let lo = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
-    let hi = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
-    hsum(_mm256_add_ps(hi, lo))
-}
-
 /// `dst[i] = f32(src[i])` over whole groups of 8 (exact, as the scalar conversion); returns how
 /// many were done.
 ///
@@ -57,11 +29,6 @@ pub unsafe fn widen_f16(src: &[half::f16], dst: &mut [f32]) -> usize {
 struct Narrow;
 
 impl super::Build for Narrow {
-    #[inline(always)]
-    fn reduce_keys(lanes: &[[f32; 16]; 16]) -> [f32; 16] {
-        std::array::from_fn(|j| super::reduce16(&lanes[j]))
-    }
-
     #[inline(always)]
     fn exp(xs: &mut [f32]) {
         super::super::libm_expf::expf_in_place(xs);
@@ -93,29 +60,18 @@ impl super::Build for Wide {
     }
 
     #[inline(always)]
-    fn reduce_keys(lanes: &[[f32; 16]; 16]) -> [f32; 16] {
-        let mut out = [0f32; 16];
-        // SAFETY: as in `row_block`; the loads read 16 f32 from each `[f32; 16]` and the
-        // store writes 16 f32 into `out`, unaligned accesses allowed.
-        unsafe {
-            let v: [__m512; 16] = std::array::from_fn(|j| _mm512_loadu_ps(lanes[j].as_ptr()));
-            _mm512_storeu_ps(out.as_mut_ptr(), reduce_16x16(&v));
-        }
-        out
-    }
-
-    #[inline(always)]
     fn exp(xs: &mut [f32]) {
         super::super::libm_expf::expf_in_place(xs);
     }
 }
 
 /// [`super::row_block_with`] for heads of `16 * C` in 512-bit registers, the same operations
-/// in the same order: each head's query in registers, 16 keys' lane sums reduced at once,
-/// the block's maximum over the valid lanes (NaN excluded, as the definition's `>`
-/// comparisons exclude it; only a zero maximum's sign can differ, which changes no `exp`
-/// argument but a zero one's sign), and the V updates of up to `16 / C` heads interleaved
-/// with their accumulators in registers (independent chains; each head's keys in order).
+/// in the same order: the scores of up to four heads at once (each head's chains over the
+/// elements for 16 keys per register, the keys' rows loaded once for all four), the block's
+/// maximum over the valid lanes (NaN excluded, as the definition's `>` comparisons exclude
+/// it; only a zero maximum's sign can differ, which changes no `exp` argument but a zero
+/// one's sign), and the V updates of up to `16 / C` heads interleaved with their
+/// accumulators in registers (independent chains; each head's keys in order).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
 fn wide_row_block<const C: usize>(
@@ -125,11 +81,12 @@ fn wide_row_block<const C: usize>(
     acc: &mut [f32],
 ) {
     const B: usize = super::KEY_BLOCK;
+    const G: usize = B / 16;
     let hd = 16 * C;
     let heads = max.len();
     let super::RowBlock {
         q,
-        kf,
+        kt,
         vf,
         lo,
         hi,
@@ -141,61 +98,43 @@ fn wide_row_block<const C: usize>(
             && q.len() >= heads * hd
             && acc.len() >= heads * hd
             && sums.len() == heads
-            && kf.len() >= B * hd
+            && kt.len() >= B * hd
             && vf.len() >= B * hd
             && lo < hi
             && hi <= B
     );
-    // Valid keys of the block's two groups of 16.
-    let span = ((1u64 << hi) - 1) & !((1u64 << lo) - 1);
-    let masks = [span as u16, (span >> 16) as u16];
+    let below = |n: usize| if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
+    let span = below(hi) & !below(lo);
+    let masks: [u16; G] = std::array::from_fn(|g| (span >> (16 * g)) as u16);
+    let (g_lo, g_hi) = (lo / 16, hi.div_ceil(16));
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
     let scale_v = _mm512_set1_ps(scale);
-    let per_pass = (16 / C).clamp(1, 4);
-    for h0 in (0..heads).step_by(per_pass) {
-        let n = (heads - h0).min(per_pass);
+    let per_v_pass = (16 / C).clamp(1, 4);
+    for h0 in (0..heads).step_by(4) {
+        let n = (heads - h0).min(4);
+        let qs = &q[h0 * hd..(h0 + n) * hd];
+        let dots = match n {
+            4 => wide_scores::<4>(qs, kt, hd),
+            3 => pad(wide_scores::<3>(qs, kt, hd)),
+            2 => pad(wide_scores::<2>(qs, kt, hd)),
+            _ => pad(wide_scores::<1>(qs, kt, hd)),
+        };
         let mut weights = [[0f32; B]; 4];
         let mut live = [false; 4];
         for i in 0..n {
             let h = h0 + i;
-            let qh = &q[h * hd..(h + 1) * hd];
-            // SAFETY: 16 f32 at 16*c lie within the head's `hd` (= 16*C) elements.
-            let qv: [__m512; C] =
-                std::array::from_fn(|c| unsafe { _mm512_loadu_ps(qh.as_ptr().add(16 * c)) });
-            let mut s = [ninf; 2];
-            for (g, (s, &mask)) in s.iter_mut().zip(&masks).enumerate() {
-                if mask == 0 {
-                    continue;
-                }
-                let mut lanes = [_mm512_setzero_ps(); 16];
-                for (j, lane) in lanes.iter_mut().enumerate() {
-                    if mask >> j & 1 == 0 {
-                        continue;
-                    }
-                    let kr = &kf[(16 * g + j) * hd..(16 * g + j + 1) * hd];
-                    let mut a = [_mm512_setzero_ps(); 4];
-                    for (c, qc) in qv.iter().enumerate() {
-                        // SAFETY: 16 f32 at 16*c lie within the key's `hd` elements.
-                        let kc = unsafe { _mm512_loadu_ps(kr.as_ptr().add(16 * c)) };
-                        a[c % 4] = _mm512_fmadd_ps(*qc, kc, a[c % 4]);
-                    }
-                    *lane = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
-                }
-                let scores = _mm512_mul_ps(reduce_16x16(&lanes), scale_v);
-                *s = _mm512_mask_mov_ps(ninf, mask, scores);
-            }
-            let m = {
-                let ordered = |x: __m512, mask: u16| {
-                    let keep = mask & _mm512_cmp_ps_mask::<_CMP_ORD_Q>(x, x);
-                    _mm512_mask_reduce_max_ps(keep, x)
-                };
-                let (m0, m1) = (ordered(s[0], masks[0]), ordered(s[1], masks[1]));
-                if m1 > m0 {
-                    m1
+            let s: [__m512; G] = std::array::from_fn(|g| {
+                _mm512_mask_mov_ps(ninf, masks[g], _mm512_mul_ps(dots[i][g], scale_v))
+            });
+            let m = (0..G).fold(f32::NEG_INFINITY, |m, g| {
+                let keep = masks[g] & _mm512_cmp_ps_mask::<_CMP_ORD_Q>(s[g], s[g]);
+                let x = _mm512_mask_reduce_max_ps(keep, s[g]);
+                if x > m {
+                    x
                 } else {
-                    m0
+                    m
                 }
-            };
+            });
             let ah = &mut acc[h * hd..(h + 1) * hd];
             if m > max[h] {
                 if max[h] != f32::NEG_INFINITY {
@@ -224,42 +163,172 @@ fn wide_row_block<const C: usize>(
             let mv = _mm512_set1_ps(max[h]);
             let w = &mut weights[i];
             // Keys outside the row's span get the argument 0 (no special input for the
-            // vector `exp`) and are cleared after.
-            // SAFETY: `w` is 32 f32: two stores of 16, unaligned allowed.
+            // vector `exp`) and are cleared after; groups with no key of the span are left
+            // out.
+            // SAFETY: `w` is `B` f32 and `sums[h]` 16: loads and stores of 16 at multiples of
+            // 16 below `B`, unaligned allowed.
             unsafe {
-                _mm512_storeu_ps(w.as_mut_ptr(), _mm512_maskz_sub_ps(masks[0], s[0], mv));
-                _mm512_storeu_ps(
-                    w.as_mut_ptr().add(16),
-                    _mm512_maskz_sub_ps(masks[1], s[1], mv),
-                );
-            }
-            super::super::libm_expf::expf_in_place(w);
-            // SAFETY: `w` is 32 f32 and `sums[h]` 16: loads and stores of 16, unaligned
-            // allowed.
-            unsafe {
-                let w0 = _mm512_maskz_mov_ps(masks[0], _mm512_loadu_ps(w.as_ptr()));
-                let w1 = _mm512_maskz_mov_ps(masks[1], _mm512_loadu_ps(w.as_ptr().add(16)));
-                _mm512_storeu_ps(w.as_mut_ptr(), w0);
-                _mm512_storeu_ps(w.as_mut_ptr().add(16), w1);
-                let sv = _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(sums[h].as_ptr()), w0), w1);
+                for g in g_lo..g_hi {
+                    let arg = _mm512_maskz_sub_ps(masks[g], s[g], mv);
+                    _mm512_storeu_ps(w.as_mut_ptr().add(16 * g), arg);
+                }
+                super::super::libm_expf::expf_in_place(&mut w[16 * g_lo..16 * g_hi]);
+                let mut sv = _mm512_loadu_ps(sums[h].as_ptr());
+                for (g, &mask) in masks.iter().enumerate() {
+                    let wg = if (g_lo..g_hi).contains(&g) {
+                        _mm512_maskz_mov_ps(mask, _mm512_loadu_ps(w.as_ptr().add(16 * g)))
+                    } else {
+                        _mm512_setzero_ps()
+                    };
+                    _mm512_storeu_ps(w.as_mut_ptr().add(16 * g), wg);
+                    sv = _mm512_add_ps(sv, wg);
+                }
                 _mm512_storeu_ps(sums[h].as_mut_ptr(), sv);
             }
         }
-        let pass = &mut acc[h0 * hd..(h0 + n) * hd];
-        if live[..n].iter().all(|&l| l) {
-            match n {
-                4 => wide_v_updates::<C, 4>(&weights, vf, lo, hi, pass),
-                3 => wide_v_updates::<C, 3>(&weights, vf, lo, hi, pass),
-                2 => wide_v_updates::<C, 2>(&weights, vf, lo, hi, pass),
-                _ => wide_v_updates::<C, 1>(&weights, vf, lo, hi, pass),
-            }
-        } else {
-            for i in (0..n).filter(|&i| live[i]) {
-                let one = &mut pass[i * hd..(i + 1) * hd];
-                wide_v_updates::<C, 1>(&weights[i..i + 1], vf, lo, hi, one);
+        for v0 in (0..n).step_by(per_v_pass) {
+            let m = (n - v0).min(per_v_pass);
+            let pass = &mut acc[(h0 + v0) * hd..(h0 + v0 + m) * hd];
+            let ws = &weights[v0..v0 + m];
+            if live[v0..v0 + m].iter().all(|&l| l) {
+                match m {
+                    4 => wide_v_updates::<C, 4>(ws, vf, lo, hi, pass),
+                    3 => wide_v_updates::<C, 3>(ws, vf, lo, hi, pass),
+                    2 => wide_v_updates::<C, 2>(ws, vf, lo, hi, pass),
+                    _ => wide_v_updates::<C, 1>(ws, vf, lo, hi, pass),
+                }
+            } else {
+                for i in (0..m).filter(|&i| live[v0 + i]) {
+                    let one = &mut pass[i * hd..(i + 1) * hd];
+                    wide_v_updates::<C, 1>(&ws[i..i + 1], vf, lo, hi, one);
+                }
             }
         }
     }
+}
+
+/// Four heads' dots from fewer (the rest zero, unused).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+fn pad<const H: usize>(d: [[__m512; 2]; H]) -> [[__m512; 2]; 4] {
+    std::array::from_fn(|h| {
+        if h < H {
+            d[h]
+        } else {
+            [_mm512_setzero_ps(); 2]
+        }
+    })
+}
+
+/// `dot(q_h, k_j)` of the definition for `H` heads (`hd` each, a multiple of 4, consecutive
+/// in `q`) and the block's 32 keys (`kt`: keys in lanes), 16 keys per register: per head and
+/// group of 16 keys the four chains over the elements `d ≡ c (mod 4)`, then
+/// `(p0 + p2) + (p1 + p3)`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+fn wide_scores<const H: usize>(q: &[f32], kt: &[f32], hd: usize) -> [[__m512; 2]; H] {
+    const B: usize = super::KEY_BLOCK;
+    const _: () = assert!(B == 32);
+    assert!(q.len() >= H * hd && kt.len() >= B * hd && hd.is_multiple_of(4));
+    let mut out = [[_mm512_setzero_ps(); 2]; H];
+    for g in 0..2 {
+        let mut p = [[_mm512_setzero_ps(); 4]; H];
+        for d0 in (0..hd).step_by(4) {
+            for c in 0..4 {
+                // SAFETY: 16 f32 at (d0 + c) * B + 16 * g lie within `kt` (asserted length).
+                let k = unsafe { _mm512_loadu_ps(kt.as_ptr().add((d0 + c) * B + 16 * g)) };
+                for (h, p) in p.iter_mut().enumerate() {
+                    let qd = _mm512_set1_ps(q[h * hd + d0 + c]);
+                    p[c] = _mm512_fmadd_ps(qd, k, p[c]);
+                }
+            }
+        }
+        for (o, p) in out.iter_mut().zip(&p) {
+            o[g] = _mm512_add_ps(_mm512_add_ps(p[0], p[2]), _mm512_add_ps(p[1], p[3]));
+        }
+    }
+    out
+}
+
+/// [`super::KvElem::widen_transposed`] for f16 rows of a multiple of 16: 16 keys × 16
+/// elements at a time converted and transposed in registers.
+///
+/// # Safety
+/// The CPU must support AVX-512 F with F16C; `hd` must be a multiple of 16.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+pub unsafe fn widen_transposed_f16_512(
+    rows: &[&[half::f16]],
+    hd: usize,
+    off: usize,
+    kt: &mut [f32],
+) {
+    const B: usize = super::KEY_BLOCK;
+    assert!(hd.is_multiple_of(16) && off + rows.len() <= B && kt.len() >= hd * B);
+    assert!(rows.iter().all(|r| r.len() >= hd));
+    for (g, keys) in rows.chunks(16).enumerate() {
+        let at = off + 16 * g;
+        for d0 in (0..hd).step_by(16) {
+            let mut x = [_mm512_setzero_ps(); 16];
+            for (x, r) in x.iter_mut().zip(keys) {
+                // SAFETY: 16 f16 at d0 lie within the row (asserted length); unaligned
+                // loads are allowed.
+                *x = _mm512_cvtph_ps(unsafe {
+                    _mm256_loadu_si256(r.as_ptr().add(d0) as *const __m256i)
+                });
+            }
+            let t = transpose_16x16(x);
+            for (i, t) in t.iter().enumerate() {
+                let row = &mut kt[(d0 + i) * B..(d0 + i + 1) * B];
+                let n = keys.len().min(B - at);
+                let mask = if n >= 16 { u16::MAX } else { (1u16 << n) - 1 };
+                // SAFETY: the masked store writes lanes `at..at + n` of the 32-entry row,
+                // `at + n <= B` (asserted `off + rows.len() <= B`).
+                unsafe { _mm512_mask_storeu_ps(row.as_mut_ptr().add(at), mask, *t) };
+            }
+        }
+    }
+}
+
+/// `out[c][r] = x[r][c]`: four butterfly stages of two-register permutes, stage `BIT`
+/// exchanging the elements whose row and column differ in that bit.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+fn transpose_16x16(x: [__m512; 16]) -> [__m512; 16] {
+    butterfly::<1>(butterfly::<2>(butterfly::<4>(butterfly::<8>(x))))
+}
+
+#[inline(always)]
+fn butterfly<const BIT: usize>(mut x: [__m512; 16]) -> [__m512; 16] {
+    // Element c of the row with BIT clear: its own if c has BIT clear, else the partner
+    // row's c ^ BIT (index 16 + ... picks the second register); the partner row mirrors it.
+    let lo_idx: [i32; 16] = std::array::from_fn(|c| {
+        if c & BIT == 0 {
+            c as i32
+        } else {
+            16 + (c ^ BIT) as i32
+        }
+    });
+    let hi_idx: [i32; 16] = std::array::from_fn(|c| {
+        if c & BIT != 0 {
+            16 + c as i32
+        } else {
+            (c ^ BIT) as i32
+        }
+    });
+    // SAFETY: the caller (`transpose_16x16`) runs with AVX-512 F; both arrays are 16 i32,
+    // unaligned loads allowed.
+    unsafe {
+        let lo = _mm512_loadu_si512(lo_idx.as_ptr() as *const __m512i);
+        let hi = _mm512_loadu_si512(hi_idx.as_ptr() as *const __m512i);
+        for r in 0..16 {
+            if r & BIT == 0 {
+                let (a, b) = (x[r], x[r | BIT]);
+                x[r] = _mm512_permutex2var_ps(a, lo, b);
+                x[r | BIT] = _mm512_permutex2var_ps(a, hi, b);
+            }
+        }
+    }
+    x
 }
 
 /// `acc_i = fma(w_i[j], v_j, acc_i)` for keys `lo..hi` in order, for `H` heads whose
@@ -351,46 +420,4 @@ pub unsafe fn round_f16_slice(q: &[f32], out: &mut [f32]) -> usize {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn round_f16_256(x: __m256) -> __m256 {
     _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT))
-}
-
-/// Lane `i` of the result is `hsum(hi + lo)` of `v[i]` (the tree of
-/// [`super::reduce16`]: lane `l + 8` onto `l`, then `l + 4` onto `l`, then
-/// `(t0 + t2) + (t1 + t3)`), for all 16 at once by transposing shuffles: each step adds
-/// the same pairs as the one-vector tree, two, four, eight then sixteen vectors per
-/// register.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-fn reduce_16x16(v: &[__m512; 16]) -> __m512 {
-    // The last step leaves input slot `s` at lane `4 * (s % 4) + s / 4`; reading the
-    // inputs in the inverse order (the same map: a 4x4 transpose) puts key `i` at lane `i`.
-    let at = |s: usize| v[4 * (s % 4) + s / 4];
-    // 256-bit halves added: slot pair (2p, 2p+1) -> [t3 of 2p | t3 of 2p+1].
-    let w: [__m512; 8] = std::array::from_fn(|p| {
-        let (a, b) = (at(2 * p), at(2 * p + 1));
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0x44>(a, b),
-            _mm512_shuffle_f32x4::<0xEE>(a, b),
-        )
-    });
-    // 128-bit quarters added: 128-bit lane `l` of `u[p]` is t6 of slot `4p + l`.
-    let u: [__m512; 4] = std::array::from_fn(|p| {
-        let (x, y) = (w[2 * p], w[2 * p + 1]);
-        _mm512_add_ps(
-            _mm512_shuffle_f32x4::<0x88>(x, y),
-            _mm512_shuffle_f32x4::<0xDD>(x, y),
-        )
-    });
-    // Within each 128-bit lane `l`: [t6_0 + t6_2, t6_1 + t6_3] of slots 8p + l, 8p + 4 + l.
-    let z: [__m512; 2] = std::array::from_fn(|p| {
-        let (e, f) = (u[2 * p], u[2 * p + 1]);
-        _mm512_add_ps(
-            _mm512_shuffle_ps::<0x44>(e, f),
-            _mm512_shuffle_ps::<0xEE>(e, f),
-        )
-    });
-    // Element `e` of 128-bit lane `l`: slot `l + 4e`.
-    _mm512_add_ps(
-        _mm512_shuffle_ps::<0x88>(z[0], z[1]),
-        _mm512_shuffle_ps::<0xDD>(z[0], z[1]),
-    )
 }
