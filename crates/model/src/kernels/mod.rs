@@ -37,8 +37,8 @@
 //! - `rope.rs`: the RoPE rotation compiled with FMA.
 //! - `attention/`: attention's one arithmetic (f32 online softmax over key blocks aligned to
 //!   absolute positions) compiled for 256 and 512 bits; tiles of up to sixteen query rows ×
-//!   one KV head's query heads per load of a key block, 16 keys' lane trees reduced at once
-//!   by transposing shuffles on 512 bits.
+//!   one KV head's query heads per widened key block, the block's K rows transposed so the
+//!   keys are lanes (no cross-lane reduction per score).
 //! - `libm_expf.rs`: the C library's `expf` on vector lanes, which llama.cpp calls once per
 //!   key; compared with the linked C library's on every non-positive f32 by a test, and on a
 //!   sample at run time, falling back to the library call if they ever differ.
