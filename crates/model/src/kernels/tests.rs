@@ -109,16 +109,15 @@ fn kernels_match_reference(rows: usize, cols: usize, n: usize) {
     }
 }
 
-/// Widening and transposing a block's f16 K rows on 512-bit lanes is the scalar conversion
-/// put in its place: every offset and row count of a block, specials included.
-#[cfg(target_arch = "x86_64")]
-#[test]
-#[ignore = "needs AVX-512; scripts/test.sh runs it where the CPU has it"]
-fn f16_keys_transpose_into_lanes_exactly() {
+/// `transpose(rows, hd, off, kt)`: a build's `KvElem::widen_transposed` for f16.
+type KeysTranspose = dyn Fn(&[&[half::f16]], usize, usize, &mut [f32]);
+
+/// `transpose(rows, hd, off, kt)` is the scalar conversion put in its place: every offset and
+/// row count of a block, specials included.
+fn check_keys_transpose(transpose: &KeysTranspose, hds: &[usize]) {
     use half::f16;
-    assert!(wide_available(), "this test needs AVX-512 F, BW, DQ and VL");
     let mut s = 67u64;
-    for hd in [16usize, 64, 256] {
+    for &hd in hds {
         let mut rows: Vec<Vec<f16>> = (0..KEY_BLOCK)
             .map(|_| (0..hd).map(|_| f16::from_f32(lcg(&mut s) * 3e4)).collect())
             .collect();
@@ -133,11 +132,11 @@ fn f16_keys_transpose_into_lanes_exactly() {
             (3, 29),
             (31, 1),
             (13, 7),
+            (8, 24),
         ] {
             let refs: Vec<&[f16]> = rows[..n].iter().map(|r| r.as_slice()).collect();
             let mut got = vec![-7.0f32; hd * KEY_BLOCK];
-            // SAFETY: AVX-512 with F16C is present (asserted); `hd` is a multiple of 16.
-            unsafe { attention::x86::widen_transposed_f16_512(&refs, hd, off, &mut got) };
+            transpose(&refs, hd, off, &mut got);
             for d in 0..hd {
                 for j in 0..KEY_BLOCK {
                     let want = if (off..off + n).contains(&j) {
@@ -154,6 +153,31 @@ fn f16_keys_transpose_into_lanes_exactly() {
             }
         }
     }
+}
+
+/// A block's f16 K rows widened and transposed on 256-bit lanes.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn f16_keys_transpose_into_lanes_exactly_on_256_bits() {
+    assert!(has_avx2(), "this test needs AVX2, FMA and F16C");
+    check_keys_transpose(
+        // SAFETY: AVX2 and F16C are present (asserted); every `hd` given is a multiple of 8.
+        &|r, hd, off, kt| unsafe { attention::x86::widen_transposed_f16_256(r, hd, off, kt) },
+        &[8, 16, 64, 256],
+    );
+}
+
+/// The same on 512-bit lanes.
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore = "needs AVX-512; scripts/test.sh runs it where the CPU has it"]
+fn f16_keys_transpose_into_lanes_exactly_on_512_bits() {
+    assert!(wide_available(), "this test needs AVX-512 F, BW, DQ and VL");
+    check_keys_transpose(
+        // SAFETY: AVX-512 with F16C is present (asserted); every `hd` given is a multiple of 16.
+        &|r, hd, off, kt| unsafe { attention::x86::widen_transposed_f16_512(r, hd, off, kt) },
+        &[16, 64, 256],
+    );
 }
 
 /// Both instruction-set builds of the quantized kernels give identical bits.

@@ -108,6 +108,12 @@ impl KvElem for half::f16 {
             unsafe { x86::widen_transposed_f16_512(rows, hd, off, kt) };
             return;
         }
+        #[cfg(target_arch = "x86_64")]
+        if has_f16c() && hd.is_multiple_of(8) {
+            // SAFETY: AVX2, FMA and F16C are present (checked); `hd` is a multiple of 8.
+            unsafe { x86::widen_transposed_f16_256(rows, hd, off, kt) };
+            return;
+        }
         widen_transposed_rows(rows, hd, off, kt);
     }
 

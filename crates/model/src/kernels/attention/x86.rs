@@ -289,6 +289,78 @@ pub unsafe fn widen_transposed_f16_512(
     }
 }
 
+/// [`super::KvElem::widen_transposed`] for f16 rows of a multiple of 8 on 256-bit lanes: 8
+/// keys × 8 elements at a time converted and transposed in registers; a last group of fewer
+/// than 8 keys one value at a time (the same exact conversion).
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C; `hd` must be a multiple of 8.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn widen_transposed_f16_256(
+    rows: &[&[half::f16]],
+    hd: usize,
+    off: usize,
+    kt: &mut [f32],
+) {
+    const B: usize = super::KEY_BLOCK;
+    assert!(hd.is_multiple_of(8) && off + rows.len() <= B && kt.len() >= hd * B);
+    assert!(rows.iter().all(|r| r.len() >= hd));
+    let whole = rows.len() / 8 * 8;
+    for (g, keys) in rows[..whole].chunks_exact(8).enumerate() {
+        let at = off + 8 * g;
+        for d0 in (0..hd).step_by(8) {
+            // SAFETY: 8 f16 at d0 lie within each row (asserted length); unaligned loads
+            // are allowed.
+            let x: [__m256; 8] = std::array::from_fn(|i| unsafe {
+                _mm256_cvtph_ps(_mm_loadu_si128(keys[i].as_ptr().add(d0) as *const __m128i))
+            });
+            let t = transpose_8x8(x);
+            for (i, t) in t.iter().enumerate() {
+                let row = &mut kt[(d0 + i) * B + at..(d0 + i) * B + at + 8];
+                // SAFETY: `row` is 8 writable f32; unaligned stores are allowed.
+                unsafe { _mm256_storeu_ps(row.as_mut_ptr(), *t) };
+            }
+        }
+    }
+    for (i, r) in rows.iter().enumerate().skip(whole) {
+        for (d, x) in r[..hd].iter().enumerate() {
+            kt[d * B + off + i] = x.to_f32();
+        }
+    }
+}
+
+/// `out[c][r] = x[r][c]` for 8 × 8: pairs interleaved, then quads, then 128-bit halves.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn transpose_8x8(x: [__m256; 8]) -> [__m256; 8] {
+    let t: [__m256; 8] = std::array::from_fn(|i| {
+        let (a, b) = (x[i / 2 * 2], x[i / 2 * 2 + 1]);
+        if i % 2 == 0 {
+            _mm256_unpacklo_ps(a, b)
+        } else {
+            _mm256_unpackhi_ps(a, b)
+        }
+    });
+    // u[4q + k]: from t[4q + (k / 2)] and t[4q + 2 + (k / 2)], low (k even) or high pairs.
+    let u: [__m256; 8] = std::array::from_fn(|i| {
+        let (q, k) = (i / 4, i % 4);
+        let (a, b) = (t[4 * q + k / 2], t[4 * q + 2 + k / 2]);
+        if k % 2 == 0 {
+            _mm256_shuffle_ps::<0x44>(a, b)
+        } else {
+            _mm256_shuffle_ps::<0xEE>(a, b)
+        }
+    });
+    std::array::from_fn(|i| {
+        let (a, b) = (u[i % 4], u[4 + i % 4]);
+        if i < 4 {
+            _mm256_permute2f128_ps::<0x20>(a, b)
+        } else {
+            _mm256_permute2f128_ps::<0x31>(a, b)
+        }
+    })
+}
+
 /// `out[c][r] = x[r][c]`: four butterfly stages of two-register permutes, stage `BIT`
 /// exchanging the elements whose row and column differ in that bit.
 #[inline]
