@@ -26,6 +26,7 @@ mod handle;
 pub mod handoff;
 mod preemption;
 mod slot;
+mod step_cost;
 mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};

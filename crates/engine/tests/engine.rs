@@ -617,3 +617,38 @@ fn a_light_tenants_first_token_gets_a_step_of_its_own() {
     }
     wait_for_no_leases(&engine);
 }
+
+/// A long prompt's chunks shrink as it gets deeper, so a step never costs much more than a
+/// full-budget step at a prompt's start: other streams' next token waits at most about that
+/// long however deep the prompt (`step_cost.rs`). The first chunk keeps the whole budget.
+#[test]
+fn a_long_prompts_deep_chunks_are_shorter() {
+    let steps = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let engine = engine::start(
+        Faulty {
+            inner: synth_model(4096),
+            panics: Arc::default(),
+            steps: steps.clone(),
+        },
+        EngineConfig {
+            prefix_cache: false,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let done = run(&engine, request("long", prompt(5, 3800), 1));
+    assert_eq!(done.tokens.len(), 1);
+    let steps = steps.lock().unwrap().clone();
+    let chunks: Vec<usize> = steps.iter().map(|s| s.iter().sum()).collect();
+    assert_eq!(chunks.iter().sum::<usize>(), 3800, "{chunks:?}");
+    assert_eq!(chunks[0], 512, "{chunks:?}");
+    assert!(
+        chunks.windows(2).all(|w| w[1] <= w[0]),
+        "chunks grew deeper in the prompt: {chunks:?}"
+    );
+    assert!(
+        chunks.len() > 3800usize.div_ceil(512),
+        "no chunk was capped by its depth: {chunks:?}"
+    );
+    wait_for_no_leases(&engine);
+}

@@ -134,6 +134,8 @@ pub(crate) struct Worker {
     /// Decode role: reservations for K/V that other nodes will send, first come first
     /// served, before any waiting request is placed.
     reservations: VecDeque<PendingReservation>,
+    /// How long a prompt chunk may be at its depth (`Worker::plan`).
+    cost: crate::step_cost::StepCost,
 }
 
 struct PendingReservation {
@@ -156,6 +158,7 @@ impl Worker {
         Self {
             arrivals: 0,
             cache,
+            cost: crate::step_cost::StepCost::of(model.config()),
             model,
             pool,
             config,

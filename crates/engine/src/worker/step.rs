@@ -45,11 +45,17 @@ impl Worker {
             *counts.entry(tenant(i)).or_default() += 1;
         }
         let heaviest = counts.values().copied().max().unwrap_or(0);
+        // A prompt chunk deep in a long prompt is capped by its cost (`step_cost`), so it
+        // never holds the step longer than the budget would at a prompt's start.
+        let budget_tokens = self.config.max_batch_tokens;
+        let cost = &self.cost;
         let room = |r: &Running| {
-            r.progress
+            let left = r
+                .progress
                 .stream_len()
                 .min(r.kv.capacity())
-                .saturating_sub(r.kv.len())
+                .saturating_sub(r.kv.len());
+            left.min(cost.chunk_cap(r.kv.len(), budget_tokens))
         };
         let light_first: Vec<usize> = (0..self.running.len())
             .filter(|&i| {
