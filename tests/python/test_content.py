@@ -7,9 +7,13 @@ import requests
 
 from conftest import MODEL_NAME, SYSTEM, chatml, tokenize
 
+# A question the default model answers decisively: llama.cpp's top-2 margins on the way to
+# "Paris" are at least 0.8 nats on every requantized file but Q2_K-pure (1.7 on this one).
+# "What is the capital of France?" was a near tie at its first token ("La" against "The",
+# 0.18 nats apart), which any change of arithmetic below f16's precision may flip.
 FRANCE = [
     {"role": "system", "content": SYSTEM},
-    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "user", "content": "Name the capital of France."},
 ]
 PROMPT = "The capital of France is"
 

@@ -13,9 +13,10 @@ import requests
 from conftest import MODEL_NAME, TENANT_KEYS, parse_metrics
 
 ALICE, BOB = TENANT_KEYS["alice"], TENANT_KEYS["bob"]
+# Answered decisively (see test_content.py's FRANCE).
 BOB_PROMPT = [
     {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "user", "content": "Name the capital of France."},
 ]
 
 

@@ -1,10 +1,13 @@
 """The real requantized files (scripts/fetch-quant-models.sh) served end to end: one chat
 request each, through the file's own template, with the official client.
 
-Every file must load and answer; those that keep the model's quality must answer "Paris".
-Q4_K_M and Q2_K-pure lose it in llama.cpp as well: its greedy answer to the same chat on the
-same file (case 4 of tests/data/llama-refs/<file>.json) does not name Paris either; on Q4_K_M
-both answer "La femme de France, le Grand Croix ...", token for token.
+Every file must load and answer; those that keep the model's quality must answer "Paris" to
+a question the default model answers decisively (top-2 margins of at least 0.8 nats on the way
+to "Paris" on every file but Q2_K-pure, measured with kvwarden's arithmetic; see
+test_content.py's FRANCE). Q2_K-pure, every tensor at 2 bits, loses it ("Bear with that for a
+more detailed one ..."). The references' own chat (case 4 of tests/data/llama-refs/<file>.json,
+"What is the capital of France?") is a near tie at its first token, which a change of
+arithmetic below f16's precision flips; it stays in crates/model/tests/llama_references.rs.
 """
 
 import pytest
@@ -13,7 +16,7 @@ from conftest import ROOT, SYSTEM, Server
 
 QUESTION = [
     {"role": "system", "content": SYSTEM},
-    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "user", "content": "Name the capital of France."},
 ]
 
 # file name under models/ -> whether the answer keeps "Paris"
@@ -21,7 +24,7 @@ FILES = {
     "SmolLM2-135M-Instruct.Q8_0": True,
     "SmolLM2-135M-Instruct.Q6_K": True,
     "SmolLM2-135M-Instruct.Q5_K_M": True,
-    "SmolLM2-135M-Instruct.Q4_K_M": False,
+    "SmolLM2-135M-Instruct.Q4_K_M": True,
     "SmolLM2-135M-Instruct.Q3_K_M": True,
     "SmolLM2-135M-Instruct.Q2_K": True,
     "SmolLM2-135M-Instruct.Q2_K-pure": False,

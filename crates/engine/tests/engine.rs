@@ -17,6 +17,27 @@ fn synth_model(context: usize) -> model::Model {
     SynthSpec::small(7, GgmlType::Q4_1, context).load().unwrap()
 }
 
+/// An engine over the synthetic model (no prefix cache) whose every step's batch (the
+/// tokens of each item) is recorded.
+fn recording_engine() -> (EngineHandle, Steps) {
+    let steps = Steps::default();
+    let engine = engine::start(
+        Faulty {
+            inner: synth_model(4096),
+            panics: Arc::default(),
+            steps: steps.clone(),
+        },
+        EngineConfig {
+            prefix_cache: false,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    (engine, steps)
+}
+
+type Steps = Arc<std::sync::Mutex<Vec<Vec<usize>>>>;
+
 fn start(config: EngineConfig) -> EngineHandle {
     engine::start(synth_model(4096), config).unwrap()
 }
@@ -327,7 +348,7 @@ fn preempted_requests_recompute_to_the_same_tokens() {
 struct Faulty {
     inner: model::Model,
     panics: Arc<AtomicUsize>,
-    steps: Arc<std::sync::Mutex<Vec<Vec<usize>>>>,
+    steps: Steps,
 }
 
 impl engine::StepModel for Faulty {
@@ -568,19 +589,7 @@ fn long_prompts_of_one_tenant_share_the_prefill_budget() {
 /// the very next step (never two such steps in a row).
 #[test]
 fn a_light_tenants_first_token_gets_a_step_of_its_own() {
-    let steps = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let engine = engine::start(
-        Faulty {
-            inner: synth_model(4096),
-            panics: Arc::default(),
-            steps: steps.clone(),
-        },
-        EngineConfig {
-            prefix_cache: false,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
+    let (engine, steps) = recording_engine();
     let heavy: Vec<_> = (0..6)
         .map(|i| {
             engine
@@ -623,19 +632,7 @@ fn a_light_tenants_first_token_gets_a_step_of_its_own() {
 /// long however deep the prompt (`step_cost.rs`). The first chunk keeps the whole budget.
 #[test]
 fn a_long_prompts_deep_chunks_are_shorter() {
-    let steps = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let engine = engine::start(
-        Faulty {
-            inner: synth_model(4096),
-            panics: Arc::default(),
-            steps: steps.clone(),
-        },
-        EngineConfig {
-            prefix_cache: false,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
+    let (engine, steps) = recording_engine();
     let done = run(&engine, request("long", prompt(5, 3800), 1));
     assert_eq!(done.tokens.len(), 1);
     let steps = steps.lock().unwrap().clone();

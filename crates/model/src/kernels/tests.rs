@@ -505,6 +505,20 @@ fn attention_shapes() -> Vec<(usize, usize, usize, usize, Option<usize>)> {
     v
 }
 
+/// Every shape of [`attention_shapes`] with random inputs from `seed`: the case and its shape.
+fn attention_cases(seed: u64) -> Vec<(AttentionCase, RowsShape)> {
+    let mut s = seed;
+    attention_shapes()
+        .into_iter()
+        .map(|(hd, heads, first, rows, window)| {
+            (
+                attention_case(&mut s, hd, heads, rows, first + rows),
+                shape_of(hd, heads, first, window),
+            )
+        })
+        .collect()
+}
+
 fn shape_of(hd: usize, heads: usize, first: usize, window: Option<usize>) -> RowsShape {
     RowsShape {
         heads,
@@ -520,47 +534,47 @@ fn rows_of(rows: &[Vec<half::f16>]) -> Vec<&[half::f16]> {
     rows.iter().map(|r| r.as_slice()).collect()
 }
 
-/// The 256-bit build of the attention arithmetic gives the portable build's bits, on every
-/// shape of [`attention_shapes`] (tiles of 1 to 16 rows, 1 to 5 heads, windows).
-#[cfg(target_arch = "x86_64")]
-#[test]
-fn attention_256_bit_build_gives_the_portable_bits() {
-    assert!(has_avx2(), "this test needs AVX2, FMA and F16C");
-    let mut s = 41u64;
-    for (hd, heads, first, rows, window) in attention_shapes() {
-        let c = attention_case(&mut s, hd, heads, rows, first + rows);
-        let shape = shape_of(hd, heads, first, window);
+/// A build of `attend_rows` for f16 caches.
+type AttendRows = dyn Fn(&[f32], &RowsShape, &[&[half::f16]], &[&[half::f16]], &mut [f32]);
+
+/// Every case of [`attention_cases`] through `build`, against the portable build bit for bit.
+fn check_attention_build(seed: u64, name: &str, build: &AttendRows) {
+    for (c, shape) in attention_cases(seed) {
         let (k, v) = (rows_of(&c.k), rows_of(&c.v));
         let mut want = vec![0f32; c.q.len()];
         attend_rows_portable(&c.q, &shape, &k, &v, &mut want);
         let mut got = vec![0f32; c.q.len()];
-        // SAFETY: AVX2, FMA and F16C are present (asserted).
-        unsafe { attention::x86::attend_rows_256::<half::f16, 0>(&c.q, &shape, &k, &v, &mut got) };
-        let what = format!("hd {hd}, {heads} heads, rows {first}+{rows}, window {window:?}");
-        assert_eq!(attention_bits(&got), attention_bits(&want), "{what}");
-        if matches!(hd, 64 | 128 | 256) {
-            let mut fixed = vec![0f32; c.q.len()];
-            // SAFETY: as above.
-            unsafe {
-                match hd {
-                    64 => attention::x86::attend_rows_256::<half::f16, 64>(
-                        &c.q, &shape, &k, &v, &mut fixed,
-                    ),
-                    128 => attention::x86::attend_rows_256::<half::f16, 128>(
-                        &c.q, &shape, &k, &v, &mut fixed,
-                    ),
-                    _ => attention::x86::attend_rows_256::<half::f16, 256>(
-                        &c.q, &shape, &k, &v, &mut fixed,
-                    ),
-                }
-            };
-            assert_eq!(
-                attention_bits(&fixed),
-                attention_bits(&want),
-                "fixed size, {what}"
-            );
-        }
+        build(&c.q, &shape, &k, &v, &mut got);
+        assert_eq!(
+            attention_bits(&got),
+            attention_bits(&want),
+            "{name}: {shape:?}, {} rows",
+            c.q.len() / (shape.heads * shape.hd)
+        );
     }
+}
+
+/// The 256-bit build of the attention arithmetic gives the portable build's bits, on every
+/// shape of [`attention_shapes`] (tiles of 1 to 16 rows, 1 to 5 heads, windows), with the
+/// head size known at compile time or not.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn attention_256_bit_build_gives_the_portable_bits() {
+    use attention::x86::attend_rows_256 as build;
+    use half::f16;
+    assert!(has_avx2(), "this test needs AVX2, FMA and F16C");
+    // SAFETY (both closures): AVX2, FMA and F16C are present (asserted).
+    check_attention_build(41, "256-bit", &|q, sh, k, v, o| unsafe {
+        build::<f16, 0>(q, sh, k, v, o)
+    });
+    check_attention_build(41, "256-bit, fixed size", &|q, sh, k, v, o| unsafe {
+        match sh.hd {
+            64 => build::<f16, 64>(q, sh, k, v, o),
+            128 => build::<f16, 128>(q, sh, k, v, o),
+            256 => build::<f16, 256>(q, sh, k, v, o),
+            _ => build::<f16, 0>(q, sh, k, v, o),
+        }
+    });
 }
 
 /// The 512-bit build gives the portable build's bits, as the 256-bit one does.
@@ -568,35 +582,18 @@ fn attention_256_bit_build_gives_the_portable_bits() {
 #[test]
 #[ignore = "needs AVX-512; scripts/test.sh runs it where the CPU has it"]
 fn attention_512_bit_build_gives_the_portable_bits() {
+    use attention::x86::attend_rows_512 as build;
+    use half::f16;
     assert!(wide_available(), "this test needs AVX-512 F, BW, DQ and VL");
-    let mut s = 43u64;
-    for (hd, heads, first, rows, window) in attention_shapes() {
-        let c = attention_case(&mut s, hd, heads, rows, first + rows);
-        let shape = shape_of(hd, heads, first, window);
-        let (k, v) = (rows_of(&c.k), rows_of(&c.v));
-        let mut want = vec![0f32; c.q.len()];
-        attend_rows_portable(&c.q, &shape, &k, &v, &mut want);
-        let mut got = vec![0f32; c.q.len()];
-        // SAFETY: AVX-512 F, BW, DQ, VL (with AVX2, FMA, F16C) are present (asserted).
-        unsafe {
-            match hd {
-                64 => {
-                    attention::x86::attend_rows_512::<half::f16, 64>(&c.q, &shape, &k, &v, &mut got)
-                }
-                128 => attention::x86::attend_rows_512::<half::f16, 128>(
-                    &c.q, &shape, &k, &v, &mut got,
-                ),
-                256 => attention::x86::attend_rows_512::<half::f16, 256>(
-                    &c.q, &shape, &k, &v, &mut got,
-                ),
-                _ => {
-                    attention::x86::attend_rows_512::<half::f16, 0>(&c.q, &shape, &k, &v, &mut got)
-                }
-            }
-        };
-        let what = format!("hd {hd}, {heads} heads, rows {first}+{rows}, window {window:?}");
-        assert_eq!(attention_bits(&got), attention_bits(&want), "{what}");
-    }
+    // SAFETY: AVX-512 F, BW, DQ, VL (with AVX2, FMA, F16C) are present (asserted).
+    check_attention_build(43, "512-bit", &|q, sh, k, v, o| unsafe {
+        match sh.hd {
+            64 => build::<f16, 64>(q, sh, k, v, o),
+            128 => build::<f16, 128>(q, sh, k, v, o),
+            256 => build::<f16, 256>(q, sh, k, v, o),
+            _ => build::<f16, 0>(q, sh, k, v, o),
+        }
+    });
 }
 
 /// A query row's output is the same computed alone, in a tile with others, with its heads
@@ -604,10 +601,9 @@ fn attention_512_bit_build_gives_the_portable_bits() {
 /// arithmetic depends on positions only (chunk and batch invariance at the kernel).
 #[test]
 fn attention_rows_are_the_same_alone_or_in_a_tile() {
-    let mut s = 47u64;
-    for (hd, heads, first, rows, window) in attention_shapes() {
-        let c = attention_case(&mut s, hd, heads, rows, first + rows);
-        let shape = shape_of(hd, heads, first, window);
+    for (c, shape) in attention_cases(47) {
+        let (hd, heads, first, window) = (shape.hd, shape.heads, shape.first, shape.window);
+        let rows = c.q.len() / (heads * hd);
         let (k, v) = (rows_of(&c.k), rows_of(&c.v));
         let mut tile = vec![0f32; c.q.len()];
         attend_rows(&c.q, &shape, &k, &v, &mut tile);
@@ -639,10 +635,9 @@ fn attention_rows_are_the_same_alone_or_in_a_tile() {
 /// inputs, within f32 rounding.
 #[test]
 fn attention_matches_an_f64_softmax() {
-    let mut s = 53u64;
-    for (hd, heads, first, rows, window) in attention_shapes() {
-        let c = attention_case(&mut s, hd, heads, rows, first + rows);
-        let shape = shape_of(hd, heads, first, window);
+    for (c, shape) in attention_cases(53) {
+        let (hd, heads, first) = (shape.hd, shape.heads, shape.first);
+        let rows = c.q.len() / (heads * hd);
         let (k, v) = (rows_of(&c.k), rows_of(&c.v));
         let mut got = vec![0f32; c.q.len()];
         attend_rows(&c.q, &shape, &k, &v, &mut got);
