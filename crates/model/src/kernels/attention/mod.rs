@@ -292,6 +292,21 @@ pub(crate) fn attend_rows_with<T: KvElem, B: Build, const HD: usize>(
     let first_block = keys_from - keys_from % KEY_BLOCK;
     for kb in (first_block..keys_to).step_by(KEY_BLOCK) {
         let (from, to) = (kb.max(keys_from), (kb + KEY_BLOCK).min(keys_to));
+        // A long context's rows come from memory, a page's rows apart from the next page's,
+        // where the hardware prefetcher does not run ahead: ask for the next block's.
+        #[cfg(target_arch = "x86_64")]
+        for j in (to..(to + KEY_BLOCK).min(keys_to)).map(|j| j - shape.base) {
+            for row in [k[j], v[j]] {
+                for line in (0..hd).step_by(64 / std::mem::size_of::<T>().max(1)) {
+                    // SAFETY: a prefetch reads nothing and cannot fault; the address lies in `row`.
+                    unsafe {
+                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                            row[line..].as_ptr() as *const i8,
+                        )
+                    };
+                }
+            }
+        }
         T::widen_transposed(
             &k[from - shape.base..to - shape.base],
             hd,
