@@ -7,8 +7,10 @@ bench/build-llama-server.sh) over tests/data/eval/alice-chapter-1.txt in windows
 tokens, and stores under target/eval-refs/<model>/ (cached by the sha256 of the model, the
 text and the settings; regenerated when any changes, never skipped):
 
-  plain.kld    --kl-divergence-base with llama.cpp's plain CPU arithmetic, the one kvwarden
-               reproduces: -ub 32 -fa on --no-repack, GGML_CPU_TILED_MM=0 (the settings of
+  plain.kld    --kl-divergence-base with llama.cpp's plain CPU arithmetic, whose weight
+               products kvwarden reproduces (its attention is kvwarden's own, see
+               crates/model/src/kernels/attention/): -ub 32 -fa on --no-repack,
+               GGML_CPU_TILED_MM=0 (the settings of
                the other references; see record-llama-references.py for why each)
   default.kld  the same with llama.cpp's default settings (repacked weights, tiled products,
                its tiled flash attention from 64 rows)

@@ -22,17 +22,34 @@ pub(crate) struct StepCost {
     weights: f64,
     /// Per layer: its query heads × head size × 2 (K·Q and V) / efficiency, and its window.
     layers: Vec<(f64, Option<usize>)>,
+    /// Tokens per step (`max_batch_tokens`), and the cost of a chunk of that many at a
+    /// prompt's start: what every chunk may cost.
+    budget: usize,
+    allowed: f64,
 }
 
 impl StepCost {
-    pub(crate) fn of(c: &LlamaConfig) -> Self {
+    /// The costs of the model `c`, for steps of `budget` tokens.
+    pub(crate) fn of(c: &LlamaConfig, budget: usize) -> Self {
         let (dim, q, kv, ffn) = (c.dim, c.q_dim(), c.kv_dim(), c.ffn_dim);
         let per_layer = dim * (q + 2 * kv) + q * dim + 3 * dim * ffn;
         let attention = (2 * c.n_heads * c.head_dim) as f64 / ATTENTION_EFFICIENCY;
-        Self {
-            weights: (c.n_layers * per_layer) as f64,
-            layers: c.layers.iter().map(|l| (attention, l.window)).collect(),
-        }
+        Self::new(
+            (c.n_layers * per_layer) as f64,
+            c.layers.iter().map(|l| (attention, l.window)).collect(),
+            budget,
+        )
+    }
+
+    fn new(weights: f64, layers: Vec<(f64, Option<usize>)>, budget: usize) -> Self {
+        let mut cost = Self {
+            weights,
+            layers,
+            budget,
+            allowed: f64::INFINITY,
+        };
+        cost.allowed = cost.chunk(0, budget, f64::INFINITY).1;
+        cost
     }
 
     /// One token's cost at position `p`.
@@ -46,11 +63,13 @@ impl StepCost {
     }
 
     /// The most tokens of a prompt chunk starting at position `start` whose cost stays within
-    /// that of a `budget`-token chunk at the prompt's start (so a first chunk keeps the whole
+    /// that of a full-budget chunk at the prompt's start (so a first chunk keeps the whole
     /// budget; at least one token).
-    pub(crate) fn chunk_cap(&self, start: usize, budget: usize) -> usize {
-        let allowed = self.chunk(0, budget, f64::INFINITY).1;
-        self.chunk(start, budget, allowed).0.max(1)
+    pub(crate) fn chunk_cap(&self, start: usize) -> usize {
+        if start == 0 {
+            return self.budget;
+        }
+        self.chunk(start, self.budget, self.allowed).0.max(1)
     }
 
     /// Tokens from `start` (up to `most`) whose cost stays within `allowed`, and that cost;
@@ -76,35 +95,29 @@ mod tests {
     use super::*;
 
     fn cost(window: Option<usize>) -> StepCost {
-        StepCost {
-            weights: 100_000.0,
-            layers: vec![(100.0, window); 4],
-        }
+        StepCost::new(100_000.0, vec![(100.0, window); 4], 512)
     }
 
     #[test]
     fn a_chunk_at_the_start_gets_the_whole_budget() {
-        assert_eq!(cost(None).chunk_cap(0, 512), 512);
-        assert_eq!(cost(Some(64)).chunk_cap(0, 512), 512);
+        assert_eq!(cost(None).chunk_cap(0), 512);
+        assert_eq!(cost(Some(64)).chunk_cap(0), 512);
     }
 
     #[test]
     fn a_deep_chunk_is_shorter_and_costs_no_more_than_the_budget() {
         let c = cost(None);
-        let cap = c.chunk_cap(8000, 512);
+        let cap = c.chunk_cap(8000);
         assert!(cap < 512 / 3, "{cap}");
         let spent: f64 = (8000..8000 + cap).map(|p| c.token(p)).sum();
         let first: f64 = (0..512).map(|p| c.token(p)).sum();
         assert!(spent <= first, "{spent} > {first}");
-        assert_eq!(c.chunk_cap(1 << 30, 512), 1, "always at least one token");
+        assert_eq!(c.chunk_cap(1 << 30), 1, "always at least one token");
     }
 
     #[test]
     fn a_sliding_window_stops_the_growth() {
         let windowed = cost(Some(512));
-        assert_eq!(
-            windowed.chunk_cap(8000, 512),
-            windowed.chunk_cap(100_000, 512)
-        );
+        assert_eq!(windowed.chunk_cap(8000), windowed.chunk_cap(100_000));
     }
 }

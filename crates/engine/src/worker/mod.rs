@@ -158,7 +158,7 @@ impl Worker {
         Self {
             arrivals: 0,
             cache,
-            cost: crate::step_cost::StepCost::of(model.config()),
+            cost: crate::step_cost::StepCost::of(model.config(), config.max_batch_tokens),
             model,
             pool,
             config,

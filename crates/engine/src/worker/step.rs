@@ -47,7 +47,6 @@ impl Worker {
         let heaviest = counts.values().copied().max().unwrap_or(0);
         // A prompt chunk deep in a long prompt is capped by its cost (`step_cost`), so it
         // never holds the step longer than the budget would at a prompt's start.
-        let budget_tokens = self.config.max_batch_tokens;
         let cost = &self.cost;
         let room = |r: &Running| {
             let left = r
@@ -55,7 +54,7 @@ impl Worker {
                 .stream_len()
                 .min(r.kv.capacity())
                 .saturating_sub(r.kv.len());
-            left.min(cost.chunk_cap(r.kv.len(), budget_tokens))
+            left.min(cost.chunk_cap(r.kv.len()))
         };
         let light_first: Vec<usize> = (0..self.running.len())
             .filter(|&i| {
