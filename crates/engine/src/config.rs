@@ -22,6 +22,8 @@ pub struct EngineConfig {
     /// Token sequences the operator declares public: their pages may be shared across
     /// domains. Everything else is shared only within one domain.
     pub public_prefixes: Vec<Vec<u32>>,
+    /// Exact speculative decoding (`crate::speculation`).
+    pub speculation: crate::SpeculationConfig,
 }
 
 impl Default for EngineConfig {
@@ -37,6 +39,7 @@ impl Default for EngineConfig {
             max_waiting: 256,
             prefix_cache: true,
             public_prefixes: Vec::new(),
+            speculation: Default::default(),
         }
     }
 }

@@ -26,6 +26,7 @@ mod handle;
 pub mod handoff;
 mod preemption;
 mod slot;
+mod speculation;
 mod step_cost;
 mod worker;
 
@@ -36,6 +37,7 @@ pub use admission::{Admission, Admitted, Rejection};
 pub use config::EngineConfig;
 pub use handle::{start, EngineHandle, RequestHandle, StartupError};
 pub use slot::QueueFull;
+pub use speculation::{SpeculationConfig, SpeculationMode, AUTO_MAX_ROWS};
 
 pub use kv::{IsolationDomain, RequestId};
 pub use model::{Penalties, SamplingParams};
@@ -171,6 +173,10 @@ pub struct EngineMetrics {
     pub constrained_tokens: AtomicU64,
     pub mask_micros: AtomicU64,
     pub mask_wait_micros: AtomicU64,
+    /// Speculative decoding: draft tokens fed to verification, and those of them kept
+    /// (each kept one is a token plain decoding would have produced).
+    pub draft_tokens: AtomicU64,
+    pub accepted_draft_tokens: AtomicU64,
     /// Gauges.
     pub running: AtomicU64,
     pub waiting: AtomicU64,

@@ -51,6 +51,18 @@ pub enum KvError {
         len: usize,
         new_len: usize,
     },
+    #[error("{request}: rollback to {new_len} positions would move forward (length {len})")]
+    RollbackForward {
+        request: RequestId,
+        len: usize,
+        new_len: usize,
+    },
+    #[error("{request}: rollback to {new_len} positions would unwrite a shared, immutable page (page {page})")]
+    RollbackIntoShared {
+        request: RequestId,
+        new_len: usize,
+        page: usize,
+    },
     #[error("K/V row has {got} values, layout wants {want}")]
     RowShape { got: usize, want: usize },
     #[error("received page payload has {got} bytes, its slot count and the layout make {want}")]

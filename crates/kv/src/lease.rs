@@ -103,6 +103,16 @@ impl PageLease {
         Ok(())
     }
 
+    /// Forgets every slot from `slots` on, on every layer: they read as never written
+    /// until they are appended again. The bytes stay until rewritten or scrubbed with the
+    /// page; no read reaches them meanwhile, and they are this lease's own.
+    pub fn truncate(&mut self, slots: usize) {
+        let slots = slots.min(self.pool.layout.page_tokens) as u32;
+        for w in self.written.iter_mut() {
+            *w = (*w).min(slots);
+        }
+    }
+
     /// K and V rows of the first `n` slots of `layer`, all written under this lease.
     pub fn read(&self, layer: usize, n: usize) -> Result<(KvSlice<'_>, KvSlice<'_>), KvError> {
         let layout = &self.pool.layout;

@@ -215,6 +215,43 @@ impl SequenceKv {
         Ok(())
     }
 
+    /// Forgets positions `[new_len, ..)`: speculative decoding's rejected draft tokens. Their
+    /// slots read as never written (`UnwrittenRead`) until written again, in order, so no
+    /// read after a rollback sees what a rolled-back position held. Refused, changing
+    /// nothing, if a forgotten position lies in a shared page (frozen pages are immutable
+    /// and may be another sequence's prefix) or if `new_len` is past the committed length.
+    /// Positions written but not yet committed (a step that failed part-way) are forgotten
+    /// too. The pages stay reserved.
+    pub fn rollback(&mut self, new_len: usize) -> Result<(), KvError> {
+        let request = self.owner.request;
+        if new_len > self.len {
+            return Err(KvError::RollbackForward {
+                request,
+                len: self.len,
+                new_len,
+            });
+        }
+        let p = self.pool.layout().page_tokens;
+        // Pages from the one holding `new_len` on; the page before is wholly kept.
+        let first = new_len / p;
+        if let Some(page) =
+            (first..self.blocks.len()).find(|&i| matches!(self.blocks[i], Block::Shared(_)))
+        {
+            return Err(KvError::RollbackIntoShared {
+                request,
+                new_len,
+                page,
+            });
+        }
+        for (i, block) in self.blocks.iter_mut().enumerate().skip(first) {
+            if let Block::Owned(lease) = block {
+                lease.truncate(new_len.saturating_sub(i * p));
+            }
+        }
+        self.len = new_len;
+        Ok(())
+    }
+
     /// The K/V rows of positions `[0, upto)` on `layer`, one run per page. Fails if any of
     /// those positions was not written for this sequence.
     pub fn runs(&self, layer: usize, upto: usize) -> Result<Vec<KvRun<'_>>, KvError> {

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use engine::EngineConfig;
 
 use crate::open_model;
-use crate::serve_args::{KvDtypeArg, RoleArg, ScrubArg, ServeArgs};
+use crate::serve_args::{KvDtypeArg, RoleArg, ScrubArg, ServeArgs, SpeculationArg};
 
 pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
     #[cfg(feature = "fault-injection")]
@@ -74,6 +74,14 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
             // A decode node only runs received sequences: nothing to share between them.
             prefix_cache: !args.no_prefix_cache && role != Some(RoleArg::Decode),
             public_prefixes,
+            speculation: engine::SpeculationConfig {
+                mode: match args.speculation {
+                    SpeculationArg::Auto => engine::SpeculationMode::Auto,
+                    SpeculationArg::On => engine::SpeculationMode::Always,
+                    SpeculationArg::Off => engine::SpeculationMode::Off,
+                },
+                max_draft: usize::from(args.max_draft_tokens),
+            },
         },
     )?;
     if let Some(role) = role {

@@ -57,6 +57,14 @@ pub struct ServeArgs {
     /// across tenants. Everything else is shared only within one tenant.
     #[arg(long)]
     pub(crate) public_prefixes: Option<PathBuf>,
+    /// Exact speculative decoding (prompt lookup): `auto` drafts while a step has spare
+    /// room (at most 4 decode rows, no prompt being computed, nobody waiting), `on` on
+    /// every decode row, `off` never. The tokens are the same in every mode.
+    #[arg(long, value_enum, default_value_t = SpeculationArg::Auto)]
+    pub(crate) speculation: SpeculationArg,
+    /// The most draft tokens one request carries in a step.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub(crate) max_draft_tokens: u16,
     /// Run one side of the disaggregated mode instead of the OpenAI API: `--port` is then
     /// the internal API (gRPC over mutual TLS, for `kvwarden router` and other nodes).
     #[arg(long, value_enum, requires_all = ["tls_ca", "tls_cert", "tls_key"])]
@@ -80,6 +88,13 @@ pub struct ServeArgs {
 pub enum KvDtypeArg {
     F16,
     F32,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum SpeculationArg {
+    Auto,
+    On,
+    Off,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]

@@ -224,6 +224,21 @@ pub fn render_engine(engine: &EngineHandle, out: &mut String) {
         let _ = writeln!(out, "kvwarden_preemptions_total {}", get(&m.preemptions));
         for (name, help, value) in [
             (
+                "kvwarden_draft_tokens_total",
+                "Speculative decoding: draft tokens verified.",
+                get(&m.draft_tokens),
+            ),
+            (
+                "kvwarden_accepted_draft_tokens_total",
+                "Speculative decoding: draft tokens kept (each the token plain decoding gives).",
+                get(&m.accepted_draft_tokens),
+            ),
+        ] {
+            counter(out, name, help, "counter");
+            let _ = writeln!(out, "{name} {value}");
+        }
+        for (name, help, value) in [
+            (
                 "kvwarden_constrained_tokens_total",
                 "Tokens sampled under a structured output's mask.",
                 get(&m.constrained_tokens) as f64,

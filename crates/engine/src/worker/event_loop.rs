@@ -79,6 +79,7 @@ impl Worker {
                     events,
                     output: Vec::new(),
                     next_mask: None,
+                    drafter: Default::default(),
                     cached_tokens: None,
                     slot,
                     prefill_only,

@@ -74,6 +74,7 @@ impl Worker {
             events,
             output: Vec::new(),
             next_mask: None,
+            drafter: Default::default(),
             cached_tokens: Some(cached_tokens),
             total_tokens,
             slot,

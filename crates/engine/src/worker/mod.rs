@@ -47,6 +47,8 @@ struct Progress {
     /// The mask for the next token of a constrained request, computed beside the forward
     /// pass that produces its logits (taken by the sampling step).
     next_mask: Option<Result<constraint::TokenMask, constraint::ConstraintError>>,
+    /// Speculative decoding's per-request state, built from this request's stream alone.
+    drafter: crate::speculation::Drafter,
     /// Tokens emitted so far. The K/V of `prompt ++ output[..len-1]` is what a running
     /// request holds; after a preemption all of it is computed again.
     output: Vec<u32>,

@@ -66,6 +66,51 @@ pub(super) fn sample_next(
     }
 }
 
+/// A decode row that fed its last token and a draft: chooses each position's token from
+/// its own logits exactly as plain decoding would (`sample_next`, in order, so the sampler,
+/// its seed and the penalties' history advance as they would), keeps the draft while it
+/// equals those choices, and rolls the K/V of the rest of the draft back. The tokens emitted
+/// are the tokens plain decoding emits (see `crate::speculation`).
+pub(super) fn verify_draft(
+    r: &mut Running,
+    logits: &[f32],
+    config: &model::LlamaConfig,
+    metrics: &EngineMetrics,
+    spec: &crate::SpeculationConfig,
+) -> Outcome {
+    let draft = std::mem::take(&mut r.progress.drafter.pending);
+    let vocab = config.vocab_size;
+    if logits.len() != (draft.len() + 1) * vocab {
+        return Outcome::Done(Event::Failed(EngineError::Model(format!(
+            "expected {} rows of logits for a {}-token draft, got {} values",
+            draft.len() + 1,
+            draft.len(),
+            logits.len()
+        ))));
+    }
+    EngineMetrics::add(&metrics.draft_tokens, draft.len() as u64);
+    let mut accepted = 0;
+    for (j, row) in logits.chunks_exact(vocab).enumerate() {
+        if let Outcome::Done(ev) = sample_next(&mut r.progress, row, config, metrics) {
+            EngineMetrics::add(&metrics.accepted_draft_tokens, accepted as u64);
+            return Outcome::Done(ev);
+        }
+        let emitted = r.progress.output.last().copied();
+        if j == draft.len() || emitted != Some(draft[j]) {
+            break;
+        }
+        accepted += 1;
+    }
+    EngineMetrics::add(&metrics.accepted_draft_tokens, accepted as u64);
+    r.progress.drafter.record(draft.len(), accepted, spec);
+    // The K/V the next step needs is the stream's but for its last token; the positions of
+    // the draft's rejected tokens become unwritten again.
+    match r.kv.rollback(r.progress.stream_len() - 1) {
+        Ok(()) => Outcome::Continue,
+        Err(e) => Outcome::Done(Event::Failed(EngineError::Isolation(e))),
+    }
+}
+
 /// Prefill role: the first token and the prompt's K/V, read back through the same checks
 /// as attention, end the request.
 pub(super) fn hand_over(r: &mut Running, logits: &[f32], config: &model::LlamaConfig) -> Outcome {

@@ -186,6 +186,37 @@ impl Worker {
             // The victim is `i` or younger: `i` now indexes the same request, or the next
             // one if it was the victim, or is past the end.
         }
+        self.grow_for_drafts();
+    }
+
+    /// Room for drafts (`crate::speculation`): a decode row whose pages end at its next
+    /// position gets one more page, only from free pages beyond a spare one per running
+    /// request, never by eviction or preemption, and only while the policy could let a
+    /// step carry drafts at all. Within the request's admitted total, so the capacity
+    /// promise is untouched.
+    fn grow_for_drafts(&mut self) {
+        let spec = self.config.speculation;
+        let running = self.running.len();
+        if !spec.allows(running, !self.waiting.is_empty()) {
+            return;
+        }
+        for i in 0..running {
+            let r = &self.running[i];
+            if r.remaining() != 1
+                || r.progress.prefill_only
+                || r.progress.request.constraint.is_some()
+            {
+                continue;
+            }
+            let want = (r.progress.stream_len() + spec.max_draft).min(r.progress.total_tokens);
+            let need = r.kv.pages_needed(want);
+            if need == 0 || self.pool.counts().free < need + running {
+                continue;
+            }
+            if let Err(e) = self.running[i].kv.reserve(want) {
+                tracing::debug!("no room for a draft: {e}");
+            }
+        }
     }
 
     /// Returns a request's pages and puts it back at the head of the queue, to recompute.

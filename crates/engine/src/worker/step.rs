@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use model::{BatchItem, LogitsWanted, ModelError};
 
-use super::sample::{hand_over, sample_next};
+use super::sample::{hand_over, sample_next, verify_draft};
 use super::{finish, Outcome, Running, Worker};
 use crate::{EngineError, EngineMetrics, Event, StepModel};
 
@@ -112,6 +112,64 @@ impl Worker {
         plan
     }
 
+    /// Gives this step's decode rows their drafts (`crate::speculation`), when the policy
+    /// lets this step carry them: each row's draft within its reserved pages, its
+    /// `max_tokens` and the step's token budget. A row with a draft feeds it after its last
+    /// token (`Progress::drafter`'s `pending`), and its range grows by the draft's length.
+    fn attach_drafts(&mut self, plan: &mut [(usize, std::ops::Range<usize>)]) {
+        let spec = self.config.speculation;
+        let is_decode = |r: &super::Running, range: &std::ops::Range<usize>| {
+            range.len() == 1 && r.remaining() == 1
+        };
+        let decode_rows = plan
+            .iter()
+            .filter(|(i, range)| is_decode(&self.running[*i], range))
+            .count();
+        let busy =
+            !self.waiting.is_empty() || !self.reservations.is_empty() || decode_rows < plan.len();
+        if decode_rows == 0 || !spec.allows(decode_rows, busy) {
+            return;
+        }
+        let mut budget = self
+            .config
+            .max_batch_tokens
+            .saturating_sub(plan.iter().map(|(_, r)| r.len()).sum());
+        for (i, range) in plan.iter_mut() {
+            let r = &mut self.running[*i];
+            if !is_decode(r, range) || r.progress.prefill_only {
+                continue;
+            }
+            let p = &mut r.progress;
+            // A constraint's mask depends on the tokens before it: drafting through one
+            // would mean advancing its parser speculatively; such rows decode plainly.
+            if p.request.constraint.is_some() {
+                continue;
+            }
+            let next = r.kv.len() + 1;
+            let limit = budget
+                .min(r.kv.capacity().saturating_sub(next))
+                .min(p.request.max_tokens.saturating_sub(p.output.len() + 1));
+            if limit == 0 {
+                continue;
+            }
+            let len = p.stream_len();
+            let draft = {
+                let (prompt, output) = (&p.request.prompt, &p.output);
+                let token = |t: usize| {
+                    if t < prompt.len() {
+                        prompt[t]
+                    } else {
+                        output[t - prompt.len()]
+                    }
+                };
+                p.drafter.propose(token, len, &spec, limit)
+            };
+            budget -= draft.len();
+            range.end += draft.len();
+            p.drafter.pending = draft;
+        }
+    }
+
     /// Returns false when the engine must stop.
     pub(super) fn step(&mut self) -> bool {
         self.drop_cancelled();
@@ -128,13 +186,24 @@ impl Worker {
         }
         EngineMetrics::add(&self.metrics.steps, 1);
 
-        let plan = self.plan();
+        let mut plan = self.plan();
+        self.attach_drafts(&mut plan);
 
         let inputs: Vec<Vec<u32>> = plan
             .iter()
             .map(|(i, range)| {
                 let p = &self.running[*i].progress;
-                range.clone().map(|t| p.stream_token(t)).collect()
+                let len = p.stream_len();
+                range
+                    .clone()
+                    .map(|t| {
+                        if t < len {
+                            p.stream_token(t)
+                        } else {
+                            p.drafter.pending[t - len]
+                        }
+                    })
+                    .collect()
             })
             .collect();
         let results = {
@@ -145,7 +214,8 @@ impl Worker {
                 let Some(r) = slots[*i].take() else {
                     continue;
                 };
-                let last = range.end == r.progress.stream_len();
+                let drafted = r.progress.drafter.pending.len();
+                let last = range.end == r.progress.stream_len() + drafted;
                 let Running { progress, kv } = r;
                 if let (true, Some(c), None) = (
                     last,
@@ -157,10 +227,12 @@ impl Worker {
                 items.push(BatchItem {
                     kv,
                     tokens,
-                    logits: if last {
-                        LogitsWanted::Last
-                    } else {
+                    logits: if !last {
                         LogitsWanted::None
+                    } else if drafted > 0 {
+                        LogitsWanted::All
+                    } else {
+                        LogitsWanted::Last
                     },
                 });
             }
@@ -201,12 +273,21 @@ impl Worker {
                 }
             };
             let r = &mut self.running[i];
-            if range.end < r.progress.stream_len() {
+            let drafted = r.progress.drafter.pending.len();
+            if range.end < r.progress.stream_len() + drafted {
                 continue;
             }
             let prompt_just_done = r.progress.output.is_empty();
             outcomes[i] = if r.progress.prefill_only {
                 hand_over(r, &logits, self.model.config())
+            } else if drafted > 0 {
+                verify_draft(
+                    r,
+                    &logits,
+                    self.model.config(),
+                    &self.metrics,
+                    &self.config.speculation,
+                )
             } else {
                 sample_next(&mut r.progress, &logits, self.model.config(), &self.metrics)
             };

@@ -1,0 +1,298 @@
+//! Exact speculative decoding: what to draft, how much, and when a step may carry drafts.
+//!
+//! A decode row normally feeds its last token and gets one next token. With a draft it
+//! feeds the last token and `d` proposed continuations as `d + 1` rows of one forward step
+//! and gets logits at each. The target chooses each position's token exactly as plain
+//! decoding would (the request's own sampler, seed, penalties and history, in order); a
+//! draft token is kept only while it equals that choice, and at the first difference the
+//! target's token is emitted and the rest of the draft's K/V rolled back
+//! (`kv::SequenceKv::rollback`). Rows do not depend on the batch or the chunking
+//! (ARCHITECTURE invariant 16), so each position's logits are bit for bit those of plain
+//! decoding, and the tokens are the non-speculative tokens for any sampler and seed.
+//!
+//! Drafts come from the request's own stream only (prompt lookup: the continuation of the
+//! latest earlier occurrence of its last few tokens), never from another request's: a draft
+//! is a guess that verification checks, but a guess built from another tenant's text could
+//! still be made visible by timing, so no drafter state is shared.
+//!
+//! Cost (`cargo bench -p model --bench verify_step`, default model, 2-core Xeon): a step
+//! with one row and `d` drafts costs 1.44x plain decoding at `d = 1`, 1.65x at 2 and 2.9x
+//! at 7 (`VERIFY_COST`); with eight rows one draft each already costs 1.47x. So drafting
+//! pays for a single stream whose drafts are mostly kept and costs everyone in a full
+//! batch. Each request drafts the length with the most expected tokens per unit of cost
+//! under its own running acceptance estimate, and none when no length gains 5%. In
+//! [`SpeculationMode::Auto`] a step carries drafts only while it has nothing else to do (no
+//! prompt chunk to compute, nobody waiting for a slot) and at most [`AUTO_MAX_ROWS`] decode
+//! rows.
+
+/// When decode rows carry drafts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpeculationMode {
+    Off,
+    /// While the step has spare room (see the module docs).
+    Auto,
+    /// On every decode row, however full the step (for benchmarks and tests).
+    Always,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpeculationConfig {
+    pub mode: SpeculationMode,
+    /// The most draft tokens one row carries in a step.
+    pub max_draft: usize,
+}
+
+impl Default for SpeculationConfig {
+    fn default() -> Self {
+        Self {
+            mode: SpeculationMode::Auto,
+            max_draft: 8,
+        }
+    }
+}
+
+/// In `Auto`, steps with more decode rows than this carry no drafts.
+pub const AUTO_MAX_ROWS: usize = 4;
+/// Prompt lookup matches the last `NGRAM_MAX` down to `NGRAM_MIN` tokens.
+const NGRAM_MAX: usize = 4;
+const NGRAM_MIN: usize = 2;
+/// How far back a match is looked for: bounds the search per step on long contexts.
+const SEARCH_WINDOW: usize = 1 << 16;
+/// After a draft of which nothing was accepted, the request drafts again only after this
+/// many times more steps (doubling up to the cap), so text that never repeats itself costs
+/// almost nothing.
+const MAX_COOLDOWN: u32 = 32;
+
+impl SpeculationConfig {
+    /// Whether this step's decode rows may carry drafts: `decode_rows` rows, `busy` when
+    /// the step also computes a prompt chunk or a request waits for a running slot.
+    pub(crate) fn allows(&self, decode_rows: usize, busy: bool) -> bool {
+        match self.mode {
+            SpeculationMode::Off => false,
+            SpeculationMode::Always => self.max_draft > 0,
+            SpeculationMode::Auto => self.max_draft > 0 && !busy && decode_rows <= AUTO_MAX_ROWS,
+        }
+    }
+}
+
+/// A step of `1 + d` rows relative to a one-row decode step, index `d` (default model,
+/// 2-core Xeon, AVX-512; `cargo bench -p model --bench verify_step`). Not smooth: the
+/// products run whole tiles of 4 tokens and pairs of tiles, so 8 rows cost less than 7.
+const VERIFY_COST: [f32; 13] = [
+    1.0, 1.44, 1.65, 2.40, 2.92, 3.49, 3.90, 2.93, 3.65, 4.00, 4.35, 4.04, 4.59,
+];
+/// A draft must promise this many more tokens per unit of cost than plain decoding.
+const MIN_GAIN: f32 = 1.05;
+/// The acceptance estimate a request starts with, and how much of it each verification
+/// replaces.
+const PRIOR_ACCEPTANCE: f32 = 0.6;
+const ACCEPTANCE_WEIGHT: f32 = 0.3;
+
+/// The draft length with the most expected tokens per unit of step cost when each draft
+/// token is kept with probability `acceptance` given the ones before it were (expected
+/// tokens `1 + a + ... + a^d`), or 0 when none gains [`MIN_GAIN`].
+fn best_length(acceptance: f32, max: usize) -> usize {
+    let mut best = (0, MIN_GAIN);
+    let mut expected = 1.0f32;
+    let mut term = 1.0f32;
+    for (d, cost) in VERIFY_COST.iter().enumerate().take(max + 1).skip(1) {
+        term *= acceptance;
+        expected += term;
+        let gain = expected / cost;
+        if gain > best.1 {
+            best = (d, gain);
+        }
+    }
+    best.0
+}
+
+/// One request's drafter: its acceptance estimate and the draft in flight. Part of the
+/// request's own progress; nothing in it is shared with any other request.
+#[derive(Debug)]
+pub(crate) struct Drafter {
+    /// The estimated probability that a draft token is kept, given those before it were.
+    acceptance: f32,
+    /// Steps to skip before drafting again, and the next skip after another miss.
+    cooldown: u32,
+    next_cooldown: u32,
+    /// The draft the current step feeds after the last token; taken by verification.
+    pub(crate) pending: Vec<u32>,
+}
+
+impl Default for Drafter {
+    fn default() -> Self {
+        Self {
+            acceptance: PRIOR_ACCEPTANCE,
+            cooldown: 0,
+            next_cooldown: 0,
+            pending: Vec::new(),
+        }
+    }
+}
+
+impl Drafter {
+    /// A draft of at most `limit` tokens continuing the stream `token(0..len)`, or none.
+    /// When the estimate says no draft pays, a one-token draft now and then (after the
+    /// cooldown) keeps the estimate current.
+    pub(crate) fn propose(
+        &mut self,
+        token: impl Fn(usize) -> u32,
+        len: usize,
+        config: &SpeculationConfig,
+        limit: usize,
+    ) -> Vec<u32> {
+        if self.cooldown > 0 {
+            self.cooldown -= 1;
+            return Vec::new();
+        }
+        let want = best_length(self.acceptance, config.max_draft)
+            .max(1)
+            .min(config.max_draft)
+            .min(limit);
+        if want == 0 {
+            return Vec::new();
+        }
+        prompt_lookup(token, len, want)
+    }
+
+    /// Updates the estimate with what verification kept of a `drafted`-token draft:
+    /// `accepted` kept of `accepted + 1` tried (or of `drafted`, when all were kept).
+    pub(crate) fn record(&mut self, drafted: usize, accepted: usize, config: &SpeculationConfig) {
+        if drafted == 0 {
+            return;
+        }
+        let tried = if accepted == drafted {
+            drafted
+        } else {
+            accepted + 1
+        };
+        let rate = accepted as f32 / tried as f32;
+        self.acceptance += ACCEPTANCE_WEIGHT * (rate - self.acceptance);
+        if best_length(self.acceptance, config.max_draft) == 0 {
+            self.next_cooldown = (self.next_cooldown * 2).clamp(1, MAX_COOLDOWN);
+            self.cooldown = self.next_cooldown;
+        } else {
+            self.next_cooldown = 0;
+        }
+    }
+}
+
+/// Prompt lookup: for the longest `n` in `NGRAM_MAX..=NGRAM_MIN` whose last `n` tokens
+/// occurred earlier in the stream, the (up to `want`) tokens that followed their latest
+/// earlier occurrence.
+fn prompt_lookup(token: impl Fn(usize) -> u32, len: usize, want: usize) -> Vec<u32> {
+    for n in (NGRAM_MIN..=NGRAM_MAX).rev() {
+        if len <= n {
+            continue;
+        }
+        let suffix: Vec<u32> = (len - n..len).map(&token).collect();
+        let lowest = len.saturating_sub(SEARCH_WINDOW);
+        // Candidate starts `j` with a token after the match that is not the suffix itself.
+        let found = (lowest..len - n)
+            .rev()
+            .find(|&j| (0..n).all(|i| token(j + i) == suffix[i]));
+        if let Some(j) = found {
+            let from = j + n;
+            return (from..(from + want).min(len)).map(&token).collect();
+        }
+    }
+    Vec::new()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lookup(stream: &[u32], want: usize) -> Vec<u32> {
+        prompt_lookup(|i| stream[i], stream.len(), want)
+    }
+
+    #[test]
+    fn prompt_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suffix() {
+        // "... 1 2 3 [4 5] ... 9 2 3 [7 8] ... 1 2 3": the 3-gram "1 2 3" matches at the start.
+        let s = [1, 2, 3, 4, 5, 6, 9, 2, 3, 7, 8, 1, 2, 3];
+        assert_eq!(lookup(&s, 2), vec![4, 5]);
+        // Only "2 3" matches, latest first: after "9 2 3".
+        let s = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 6, 2, 3];
+        assert_eq!(lookup(&s, 3), vec![7, 8, 6]);
+        // The continuation stops at the stream's end.
+        let s = [5, 6, 5, 6];
+        assert_eq!(lookup(&s, 8), vec![5, 6]);
+        // No repeated bigram: no draft.
+        assert!(lookup(&[1, 2, 3, 4, 5], 4).is_empty());
+        assert!(lookup(&[1], 4).is_empty());
+    }
+
+    #[test]
+    fn the_draft_length_is_the_most_tokens_per_cost() {
+        // Hopeless or marginal acceptance: no draft pays.
+        assert_eq!(best_length(0.2, 8), 0);
+        // Middling: a short draft.
+        assert!(
+            (1..=2).contains(&best_length(0.6, 8)),
+            "{}",
+            best_length(0.6, 8)
+        );
+        // High: the 8-row step, the cheapest per row.
+        assert_eq!(best_length(0.9, 8), 7);
+        assert!(best_length(0.9, 3) <= 3);
+        assert!(best_length(0.99, 12) >= 7);
+    }
+
+    #[test]
+    fn acceptance_sets_the_draft_length_and_misses_back_off() {
+        let config = SpeculationConfig {
+            mode: SpeculationMode::Always,
+            max_draft: 8,
+        };
+        let repeat: Vec<u32> = [1, 2, 3, 4, 5, 6, 7, 8, 9].repeat(8);
+        let n = repeat.len();
+        let mut d = Drafter::default();
+        let first = d.propose(|i| repeat[i], n, &config, 100).len();
+        assert!((1..=2).contains(&first), "a short first draft: {first}");
+        for _ in 0..6 {
+            let len = d.propose(|i| repeat[i], n, &config, 100).len();
+            d.record(len, len, &config);
+        }
+        assert_eq!(d.propose(|i| repeat[i], n, &config, 100).len(), 7);
+        assert_eq!(
+            d.propose(|i| repeat[i], n, &config, 3).len(),
+            3,
+            "the limit holds"
+        );
+        // Nothing kept, again and again: one-token probes after a doubling cooldown.
+        let mut gaps = Vec::new();
+        let mut gap = 0;
+        for _ in 0..40 {
+            let len = d.propose(|i| repeat[i], n, &config, 100).len();
+            if len == 0 {
+                gap += 1;
+                continue;
+            }
+            gaps.push(gap);
+            gap = 0;
+            d.record(len, 0, &config);
+        }
+        assert!(gaps.windows(2).skip(3).all(|w| w[1] >= w[0]), "{gaps:?}");
+        assert!(gaps.last().copied().unwrap_or(0) >= 8, "{gaps:?}");
+    }
+
+    #[test]
+    fn auto_drafts_only_in_a_quiet_small_step() {
+        let auto = SpeculationConfig::default();
+        assert!(auto.allows(1, false));
+        assert!(auto.allows(AUTO_MAX_ROWS, false));
+        assert!(!auto.allows(AUTO_MAX_ROWS + 1, false));
+        assert!(!auto.allows(1, true));
+        let always = SpeculationConfig {
+            mode: SpeculationMode::Always,
+            ..auto
+        };
+        assert!(always.allows(32, true));
+        let off = SpeculationConfig {
+            mode: SpeculationMode::Off,
+            ..auto
+        };
+        assert!(!off.allows(1, false));
+    }
+}
