@@ -52,8 +52,13 @@ pub struct ServeArgs {
     #[arg(long, conflicts_with = "prompt_words")]
     pub prompt_tokens: Option<usize>,
     /// Text prompts of N random common words instead of token ids.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "repeat_words")]
     pub prompt_words: Option<usize>,
+    /// Input-grounded text prompts: a passage of N random common words and the instruction
+    /// to repeat it, the kind of task (extraction, edits, quoting) whose answers prompt
+    /// lookup drafts well.
+    #[arg(long, conflicts_with = "prompt_tokens")]
+    pub repeat_words: Option<usize>,
     /// Token ids are drawn from LO..HI (HI exclusive): keep it clear of the vocabulary's
     /// special and control tokens and inside its size. The default suits SmolLM2, Llama and
     /// Qwen vocabularies.
@@ -135,11 +140,12 @@ fn check(args: &ServeArgs) -> Result<(), BenchError> {
     {
         return bad("--request-rate must be a positive number");
     }
-    if args.prompt_tokens == Some(0) || args.prompt_words == Some(0) {
+    if args.prompt_tokens == Some(0) || args.prompt_words == Some(0) || args.repeat_words == Some(0)
+    {
         return bad("a prompt must have at least one token or word");
     }
-    if args.chat && args.prompt_words.is_none() {
-        return bad("--chat sends text: give --prompt-words");
+    if args.chat && args.prompt_words.is_none() && args.repeat_words.is_none() {
+        return bad("--chat sends text: give --prompt-words or --repeat-words");
     }
     Ok(())
 }
@@ -192,9 +198,10 @@ async fn serve(args: ServeArgs) -> Result<(), BenchError> {
         Some(m) => m.clone(),
         None => served_model(&client, args.api_key.as_deref()).await?,
     };
-    let spec = match args.prompt_words {
-        Some(len) => PromptSpec::Words { len },
-        None => PromptSpec::Tokens {
+    let spec = match (args.prompt_words, args.repeat_words) {
+        (Some(len), _) => PromptSpec::Words { len },
+        (None, Some(len)) => PromptSpec::Repeat { len },
+        (None, None) => PromptSpec::Tokens {
             len: args.prompt_tokens.unwrap_or(200),
             ids: args.token_id_range.clone(),
         },
@@ -235,9 +242,14 @@ async fn serve(args: ServeArgs) -> Result<(), BenchError> {
         prompt: match spec {
             PromptSpec::Tokens { .. } => "tokens",
             PromptSpec::Words { .. } => "words",
+            PromptSpec::Repeat { .. } => "repeat",
         }
         .into(),
-        prompt_len: args.prompt_tokens.or(args.prompt_words).unwrap_or(200),
+        prompt_len: args
+            .prompt_tokens
+            .or(args.prompt_words)
+            .or(args.repeat_words)
+            .unwrap_or(200),
         max_tokens: args.max_tokens,
         ignore_eos: args.ignore_eos,
         num_requests: args.num_requests,

@@ -25,6 +25,8 @@ pub enum PromptSpec {
     Tokens { len: usize, ids: Range<u32> },
     /// Random common words, sent as text.
     Words { len: usize },
+    /// A passage of random common words to repeat, sent as text.
+    Repeat { len: usize },
 }
 
 impl PromptSpec {
@@ -32,7 +34,7 @@ impl PromptSpec {
     pub fn known_tokens(&self) -> Option<u64> {
         match self {
             PromptSpec::Tokens { len, .. } => Some(*len as u64),
-            PromptSpec::Words { .. } => None,
+            PromptSpec::Words { .. } | PromptSpec::Repeat { .. } => None,
         }
     }
 }
@@ -61,6 +63,14 @@ pub fn prompts(spec: &PromptSpec, n: usize, seed: u64) -> Vec<Prompt> {
                     s.push_str(rng.pick::<&str>(WORDS));
                 }
                 Prompt::Text(s)
+            }
+            PromptSpec::Repeat { len } => {
+                let passage: Vec<&str> = (0..*len).map(|_| *rng.pick::<&str>(WORDS)).collect();
+                Prompt::Text(format!(
+                    "Text {i}: {}\n\nRepeat text {i} exactly, word for word:\n{}",
+                    passage.join(" "),
+                    passage[0]
+                ))
             }
         })
         .collect()
@@ -134,6 +144,20 @@ mod tests {
         assert!(one
             .iter()
             .all(|p| matches!(p, Prompt::Tokens(t) if t.len() == 1)));
+    }
+
+    #[test]
+    fn repeat_prompts_hold_their_passage_and_begin_its_repetition() {
+        let ps = prompts(&PromptSpec::Repeat { len: 20 }, 3, 1);
+        for (i, p) in ps.iter().enumerate() {
+            let Prompt::Text(t) = p else {
+                panic!("expected text")
+            };
+            let (head, ask) = t.split_once("\n\n").unwrap();
+            let passage = head.strip_prefix(&format!("Text {i}: ")).unwrap();
+            assert_eq!(passage.split(' ').count(), 20);
+            assert!(ask.ends_with(passage.split(' ').next().unwrap()));
+        }
     }
 
     #[test]

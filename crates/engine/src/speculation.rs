@@ -16,8 +16,8 @@
 //! still be made visible by timing, so no drafter state is shared.
 //!
 //! Cost (`cargo bench -p model --bench verify_step`, default model, 2-core Xeon): a step
-//! with one row and `d` drafts costs 1.44x plain decoding at `d = 1`, 1.65x at 2 and 2.9x
-//! at 7 (`VERIFY_COST`); with eight rows one draft each already costs 1.47x. So drafting
+//! with one row and `d` drafts costs 1.39x plain decoding at `d = 1`, 1.55x at 2 and 2.24x
+//! at 7 (`VERIFY_COST`); with eight rows one draft each already costs 1.53x. So drafting
 //! pays for a single stream whose drafts are mostly kept and costs everyone in a full
 //! batch. Each request drafts the length with the most expected tokens per unit of cost
 //! under its own running acceptance estimate, and none when no length gains 5%. In
@@ -77,9 +77,9 @@ impl SpeculationConfig {
 
 /// A step of `1 + d` rows relative to a one-row decode step, index `d` (default model,
 /// 2-core Xeon, AVX-512; `cargo bench -p model --bench verify_step`). Not smooth: the
-/// products run whole tiles of 4 tokens and pairs of tiles, so 8 rows cost less than 7.
+/// products run pairs of 4-token tiles (5 to 7 rows padded to 8), so 8 rows cost less than 5.
 const VERIFY_COST: [f32; 13] = [
-    1.0, 1.44, 1.65, 2.40, 2.92, 3.49, 3.90, 2.93, 3.65, 4.00, 4.35, 4.04, 4.59,
+    1.0, 1.39, 1.55, 1.77, 2.22, 2.40, 2.55, 2.24, 3.45, 3.69, 3.56, 3.27, 4.10,
 ];
 /// A draft must promise this many more tokens per unit of cost than plain decoding.
 const MIN_GAIN: f32 = 1.05;
@@ -178,8 +178,8 @@ impl Drafter {
 }
 
 /// Prompt lookup: for the longest `n` in `NGRAM_MAX..=NGRAM_MIN` whose last `n` tokens
-/// occurred earlier in the stream, the (up to `want`) tokens that followed their latest
-/// earlier occurrence.
+/// occurred earlier in the stream, the `want` tokens that followed their latest earlier
+/// occurrence.
 fn prompt_lookup(token: impl Fn(usize) -> u32, len: usize, want: usize) -> Vec<u32> {
     for n in (NGRAM_MIN..=NGRAM_MAX).rev() {
         if len <= n {
@@ -192,8 +192,15 @@ fn prompt_lookup(token: impl Fn(usize) -> u32, len: usize, want: usize) -> Vec<u
             .rev()
             .find(|&j| (0..n).all(|i| token(j + i) == suffix[i]));
         if let Some(j) = found {
+            // Past the stream's end the copy goes on from the draft itself, so a stream
+            // repeating with period p drafts the repetition in full, not p tokens.
             let from = j + n;
-            return (from..(from + want).min(len)).map(&token).collect();
+            let mut draft = Vec::with_capacity(want);
+            for at in from..from + want {
+                let next = if at < len { token(at) } else { draft[at - len] };
+                draft.push(next);
+            }
+            return draft;
         }
     }
     Vec::new()
@@ -215,9 +222,11 @@ mod tests {
         // Only "2 3" matches, latest first: after "9 2 3".
         let s = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 6, 2, 3];
         assert_eq!(lookup(&s, 3), vec![7, 8, 6]);
-        // The continuation stops at the stream's end.
+        // Past the stream's end the repetition goes on.
         let s = [5, 6, 5, 6];
-        assert_eq!(lookup(&s, 8), vec![5, 6]);
+        assert_eq!(lookup(&s, 5), vec![5, 6, 5, 6, 5]);
+        let s = [1, 9, 9, 9];
+        assert_eq!(lookup(&s, 3), vec![9, 9, 9]);
         // No repeated bigram: no draft.
         assert!(lookup(&[1, 2, 3, 4, 5], 4).is_empty());
         assert!(lookup(&[1], 4).is_empty());

@@ -339,7 +339,7 @@ fn matmul_rows_do_not_depend_on_batch() {
 
 /// The register-tiled 512-bit Q4_1 product against the 256-bit kernel, row by row and token
 /// by token, bit for bit: whole micro-tiles, leftover rows, several tiles of tokens and the
-/// tokens after the last tile.
+/// tokens after the last tile (padded to a tile, or through the 256-bit kernel).
 /// Ignored like the test above, and run by `scripts/test.sh` where the CPU has the features.
 #[cfg(target_arch = "x86_64")]
 #[test]
@@ -349,7 +349,16 @@ fn wide_q4_1_tiles_match_the_256_bit_kernel_bit_for_bit() {
         wide_available(),
         "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
     );
-    let (rows, cols, n) = (tile_out::ROWS * 2 + 3, 256, 3 * TILE + 3);
+    // Tokens past whole tiles: padded to a tile (15, 5) or through the 256-bit kernel (3).
+    for n in [3 * TILE + 3, TILE + 1, TILE - 1] {
+        wide_q4_1_tiles_against_the_256_bit_kernel(n);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn wide_q4_1_tiles_against_the_256_bit_kernel(n: usize) {
+    let rows = tile_out::ROWS * 2 + 3;
+    let cols = 256;
     let nb = cols / QK;
     let mut s = 11u64;
     let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 4.0).collect();
@@ -397,8 +406,16 @@ fn wide_q8_0_and_q4_0_tiles_match_the_256_bit_kernels_bit_for_bit() {
         wide_available(),
         "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
     );
-    // Nine micro-tiles and a row; three tiles and three tokens.
-    let (rows, cols, n) = (tile_out::ROWS * 9 + 1, 256, 3 * TILE + 3);
+    // Nine micro-tiles and a row; three tiles and three tokens, a tile and one, three.
+    for n in [3 * TILE + 3, TILE + 1, TILE - 1] {
+        wide_q8_0_and_q4_0_tiles_against_the_256_bit_kernels(n);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn wide_q8_0_and_q4_0_tiles_against_the_256_bit_kernels(n: usize) {
+    let rows = tile_out::ROWS * 9 + 1;
+    let cols = 256;
     let nb = cols / QK;
     let mut s = 23u64;
     let x: Vec<f32> = (0..n * cols)

@@ -295,6 +295,36 @@ fn block_rows<B: PairBlock, W>(
     out: &mut [f32],
     leftover: impl Fn(&[W], &[&[BlockQ8_1]], &mut [f32]),
 ) {
+    if n > TILE && !n.is_multiple_of(TILE) {
+        // A few tokens past whole tiles (a decode batch, a speculative verification): the
+        // tail costs the 256-bit kernel a pass of its own over the weights, where padding
+        // the tokens to whole tiles (the last one repeated, its results dropped) costs
+        // lanes of the same pass; each lane's arithmetic is its own token's, so the bits
+        // are the same. (One token to three stay with the 256-bit kernel: measured cheaper
+        // than a padded tile.)
+        let padded = n.next_multiple_of(TILE);
+        let mut xp = Vec::with_capacity(padded * nb);
+        xp.extend_from_slice(&x[..n * nb]);
+        for _ in n..padded {
+            xp.extend_from_slice(&x[(n - 1) * nb..n * nb]);
+        }
+        let rows = tiled.len() / nb;
+        let mut wide = vec![0f32; rows * padded];
+        pair_tiles(
+            tiled,
+            nb,
+            &xp,
+            padded,
+            &mut Out::RowMajor {
+                out: &mut wide,
+                n: padded,
+            },
+        );
+        for (o, row) in out.chunks_exact_mut(n).zip(wide.chunks_exact(padded)) {
+            o.copy_from_slice(&row[..n]);
+        }
+        return;
+    }
     let done = pair_tiles(tiled, nb, x, n, &mut Out::RowMajor { out, n });
     let acts = leftover_tokens(x, nb, done, n);
     if n > done {
@@ -500,6 +530,9 @@ fn micro_tile<B: PairBlock, const R: usize, const P: usize>(
         let d = unsafe { _mm512_loadu_ps(pb.d.as_ptr()) };
         for (row, acc) in rows.iter().zip(acc.iter_mut()) {
             let block = &row[i];
+            // A few tokens per weight (decode batches, speculative verification) leave the
+            // loads exposed, as in the one-token kernels.
+            super::x86::prefetch_ahead(block);
             // SAFETY: this function has the features `unsigned` and `scale_lanes` need.
             let (wu, dw) = unsafe { (block.unsigned(), block.scale_lanes()) };
             let products = _mm512_mul_ps(dw, d);
