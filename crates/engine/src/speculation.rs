@@ -38,7 +38,8 @@ pub enum SpeculationMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SpeculationConfig {
     pub mode: SpeculationMode,
-    /// The most draft tokens one row carries in a step.
+    /// The most draft tokens one row carries in a step (at most `VERIFY_COST.len() - 1`:
+    /// longer drafts are never chosen).
     pub max_draft: usize,
 }
 

@@ -62,8 +62,9 @@ pub struct ServeArgs {
     /// every decode row, `off` never. The tokens are the same in every mode.
     #[arg(long, value_enum, default_value_t = SpeculationArg::Auto)]
     pub(crate) speculation: SpeculationArg,
-    /// The most draft tokens one request carries in a step.
-    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=64))]
+    /// The most draft tokens one request carries in a step (1 to 12: the lengths whose
+    /// verification cost the policy knows).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=12))]
     pub(crate) max_draft_tokens: u16,
     /// Run one side of the disaggregated mode instead of the OpenAI API: `--port` is then
     /// the internal API (gRPC over mutual TLS, for `kvwarden router` and other nodes).
