@@ -30,7 +30,9 @@
 //! each row's blocks 2 KiB ahead (one row and 3 drafts 19.9 -> 15.4 ms a step on the default
 //! model, 8 rows decoding 31.7 -> 28.8 ms; prefill unchanged), and 5 to 7 tokens are padded
 //! to a pair of tiles (the last token repeated, its lanes dropped) instead of a 256-bit pass
-//! over the weights per token after the last tile (7 rows 27.7 -> 23.0 ms).
+//! over the weights per token after the last tile (7 rows 27.7 -> 23.0 ms), here and in the
+//! k-quant tiles (`padded_to_tiles`; on the default model's Q4_K_M file 7 rows 29.4 -> 24.4
+//! ms).
 
 use std::arch::x86_64::*;
 
@@ -302,34 +304,9 @@ fn block_rows<B: PairBlock, W>(
     out: &mut [f32],
     leftover: impl Fn(&[W], &[&[BlockQ8_1]], &mut [f32]),
 ) {
-    if n > TILE && !n.is_multiple_of(TILE) {
-        // A few tokens past whole tiles (a decode batch, a speculative verification): the
-        // tail costs the 256-bit kernel a pass of its own over the weights, where padding
-        // the tokens to whole tiles (the last one repeated, its results dropped) costs
-        // lanes of the same pass; each lane's arithmetic is its own token's, so the bits
-        // are the same. (One token to three stay with the 256-bit kernel: measured cheaper
-        // than a padded tile.)
-        let padded = n.next_multiple_of(TILE);
-        let mut xp = Vec::with_capacity(padded * nb);
-        xp.extend_from_slice(&x[..n * nb]);
-        for _ in n..padded {
-            xp.extend_from_slice(&x[(n - 1) * nb..n * nb]);
-        }
-        let rows = tiled.len() / nb;
-        let mut wide = vec![0f32; rows * padded];
-        pair_tiles(
-            tiled,
-            nb,
-            &xp,
-            padded,
-            &mut Out::RowMajor {
-                out: &mut wide,
-                n: padded,
-            },
-        );
-        for (o, row) in out.chunks_exact_mut(n).zip(wide.chunks_exact(padded)) {
-            o.copy_from_slice(&row[..n]);
-        }
+    if padded_to_tiles(x, nb, n, out, |xp, np, wide| {
+        pair_tiles(tiled, nb, xp, np, &mut Out::RowMajor { out: wide, n: np });
+    }) {
         return;
     }
     let done = pair_tiles(tiled, nb, x, n, &mut Out::RowMajor { out, n });
@@ -341,9 +318,54 @@ fn block_rows<B: PairBlock, W>(
     }
 }
 
-/// The rows of `w` (`nb` blocks each) against the whole tiles of the `n` tokens,
-/// `out[r * n + t]`; returns how many tokens it did (a multiple of [`TILE`]); the caller does
-/// the rest with the 256-bit kernel. (Q5_0 and Q5_1, whose blocks the tiles read as stored.)
+/// For `n` tokens past a whole tile and not a multiple of one (a decode batch, a speculative
+/// verification): `tiles(x, n_padded, scratch)` on the tokens padded to whole tiles (the
+/// last one repeated), each row's first `n` results copied into row-major `out`
+/// (`out[r * n + t]`, `per_token` activation blocks a token); false, nothing done, for other
+/// `n`. The tail would otherwise cost the 256-bit kernel a pass over the weights per token,
+/// where padding costs lanes of the same pass; each lane's arithmetic is its own token's, so
+/// the bits are the same. (One token to three stay with the 256-bit kernel: measured
+/// cheaper than a padded tile.)
+pub(crate) fn padded_to_tiles<X: Clone>(
+    x: &[X],
+    per_token: usize,
+    n: usize,
+    out: &mut [f32],
+    tiles: impl FnOnce(&[X], usize, &mut [f32]),
+) -> bool {
+    if n <= TILE || n.is_multiple_of(TILE) {
+        return false;
+    }
+    let padded = n.next_multiple_of(TILE);
+    let mut xp = Vec::with_capacity(padded * per_token);
+    xp.extend_from_slice(&x[..n * per_token]);
+    for _ in n..padded {
+        xp.extend_from_slice(&x[(n - 1) * per_token..n * per_token]);
+    }
+    let rows = out.len() / n;
+    let mut wide = vec![0f32; rows * padded];
+    tiles(&xp, padded, &mut wide);
+    for (o, row) in out.chunks_exact_mut(n).zip(wide.chunks_exact(padded)) {
+        o.copy_from_slice(&row[..n]);
+    }
+    true
+}
+
+/// The tokens [`row_major_tiles`] and the k-quant tiles compute for `n`: every one where
+/// [`padded_to_tiles`] pads, else the whole tiles.
+#[cfg(test)]
+pub(crate) fn tiled_tokens(n: usize) -> usize {
+    if n > TILE {
+        n
+    } else {
+        n / TILE * TILE
+    }
+}
+
+/// The rows of `w` (`nb` blocks each) against the `n` tokens, `out[r * n + t]`; returns how
+/// many tokens it did ([`tiled_tokens`]: all of them past a tile, padded, else the whole
+/// tiles); the caller does the rest with the 256-bit kernel. (Q5_0 and Q5_1, whose blocks
+/// the tiles read as stored.)
 ///
 /// # Safety
 /// The CPU must support the features [`super::cpu::wide_available`] checks. Slices are
@@ -356,6 +378,11 @@ pub unsafe fn row_major_tiles<B: PairBlock>(
     n: usize,
     out: &mut [f32],
 ) -> usize {
+    if padded_to_tiles(x, nb, n, out, |xp, np, wide| {
+        pair_tiles(w, nb, xp, np, &mut Out::RowMajor { out: wide, n: np });
+    }) {
+        return n;
+    }
     pair_tiles(w, nb, x, n, &mut Out::RowMajor { out, n })
 }
 

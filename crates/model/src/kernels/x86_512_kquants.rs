@@ -71,7 +71,9 @@ pub(super) unsafe fn k_quant_tiles(
     tiles * TILE
 }
 
-/// [`k_quant_tiles`] into a row-major block, `out[r * n + t]`.
+/// [`k_quant_tiles`] into a row-major block, `out[r * n + t]`: all `n` tokens past a tile
+/// (padded to whole tiles, `super::x86_512::padded_to_tiles`), else the whole tiles;
+/// returns how many it did.
 ///
 /// # Safety
 /// As [`k_quant_tiles`].
@@ -83,7 +85,14 @@ pub unsafe fn k_quant_rows(
     six: bool,
     out: &mut [f32],
 ) -> usize {
-    // SAFETY: the caller guarantees the CPU features, the function's only requirement.
+    // SAFETY (both calls): the caller guarantees the CPU features, the function's only
+    // requirement.
+    let padded = super::x86_512::padded_to_tiles(x, nb, n, out, |xp, np, wide| unsafe {
+        k_quant_tiles(w, nb, xp, np, six, &mut Out::RowMajor { out: wide, n: np });
+    });
+    if padded {
+        return n;
+    }
     unsafe { k_quant_tiles(w, nb, x, n, six, &mut Out::RowMajor { out, n }) }
 }
 

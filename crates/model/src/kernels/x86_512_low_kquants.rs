@@ -88,7 +88,9 @@ pub(super) unsafe fn low_k_quant_tiles(
     }
 }
 
-/// [`low_k_quant_tiles`] into a row-major block, `out[r * n + t]`.
+/// [`low_k_quant_tiles`] into a row-major block, `out[r * n + t]`: all `n` tokens past a
+/// tile (padded to whole tiles, `super::x86_512::padded_to_tiles`), else the whole tiles;
+/// returns how many it did.
 ///
 /// # Safety
 /// As [`low_k_quant_tiles`].
@@ -100,7 +102,14 @@ pub unsafe fn low_k_quant_rows(
     two: bool,
     out: &mut [f32],
 ) -> usize {
-    // SAFETY: the caller guarantees the CPU features, the function's only requirement.
+    // SAFETY (both calls): the caller guarantees the CPU features, the function's only
+    // requirement.
+    let padded = super::x86_512::padded_to_tiles(x, nb, n, out, |xp, np, wide| unsafe {
+        low_k_quant_tiles(w, nb, xp, np, two, &mut Out::RowMajor { out: wide, n: np });
+    });
+    if padded {
+        return n;
+    }
     unsafe { low_k_quant_tiles(w, nb, x, n, two, &mut Out::RowMajor { out, n }) }
 }
 

@@ -305,7 +305,7 @@ fn wide_five_bit_tiles_match_the_256_bit_kernel_bit_for_bit() {
                     )
                 }
             };
-            assert_eq!(done, n / TILE * TILE);
+            assert_eq!(done, crate::kernels::x86_512::tiled_tokens(n));
             let mut all = vec![f32::NAN; rows * n];
             if ty == GgmlType::Q5_0 {
                 Q5_0::rows(as_blocks(&w), &xq, nb, n, &mut all);
@@ -371,7 +371,7 @@ fn wide_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
                 let six = ty == GgmlType::Q6_K;
                 crate::kernels::x86_512_kquants::k_quant_rows(&w, nb, &xk, n, six, &mut wide)
             };
-            assert_eq!(done, n / TILE * TILE);
+            assert_eq!(done, crate::kernels::x86_512::tiled_tokens(n));
             let mut all = vec![f32::NAN; rows * n];
             if ty == GgmlType::Q4_K {
                 Q4K::rows(as_blocks(&w), &xk, nb, n, &mut all);
@@ -532,7 +532,7 @@ fn wide_low_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
                     &w, nb, &xk, n, two, &mut wide,
                 )
             };
-            assert_eq!(done, n / TILE * TILE);
+            assert_eq!(done, crate::kernels::x86_512::tiled_tokens(n));
             let mut all = vec![f32::NAN; rows * n];
             if two {
                 Q2K::rows(as_blocks(&w), &xk, nb, n, &mut all);
