@@ -132,13 +132,13 @@ impl Default for Drafter {
 }
 
 impl Drafter {
-    /// A draft of at most `limit` tokens continuing the stream `token(0..len)`, or none.
+    /// A draft of at most `limit` tokens continuing the stream `prompt ++ output`, or none.
     /// When the estimate says no draft pays, a one-token draft now and then (after the
     /// cooldown) keeps the estimate current.
     pub(crate) fn propose(
         &mut self,
-        token: impl Fn(usize) -> u32,
-        len: usize,
+        prompt: &[u32],
+        output: &[u32],
         config: &SpeculationConfig,
         limit: usize,
     ) -> Vec<u32> {
@@ -153,7 +153,11 @@ impl Drafter {
         if want == 0 {
             return Vec::new();
         }
-        prompt_lookup(token, len, want)
+        let token = |t: usize| match t.checked_sub(prompt.len()) {
+            None => prompt[t],
+            Some(o) => output[o],
+        };
+        prompt_lookup(token, prompt.len() + output.len(), want)
     }
 
     /// Updates the estimate with what verification kept of a `drafted`-token draft:
@@ -234,6 +238,17 @@ mod tests {
     }
 
     #[test]
+    fn a_draft_reads_the_prompt_and_the_answer_as_one_stream() {
+        let config = SpeculationConfig::default();
+        // The answer so far ends "7 8", which the prompt holds followed by "9 1".
+        let draft = Drafter::default().propose(&[6, 7, 8, 9, 1, 5], &[3, 7, 8], &config, 2);
+        assert_eq!(draft, vec![9, 1]);
+        // A match wholly inside the answer, continued into the draft itself.
+        let draft = Drafter::default().propose(&[4], &[2, 6, 2, 6], &config, 2);
+        assert_eq!(draft, vec![2, 6]);
+    }
+
+    #[test]
     fn the_draft_length_is_the_most_tokens_per_cost() {
         // Hopeless or marginal acceptance: no draft pays.
         assert_eq!(best_length(0.2, 8), 0);
@@ -256,17 +271,16 @@ mod tests {
             max_draft: 8,
         };
         let repeat: Vec<u32> = [1, 2, 3, 4, 5, 6, 7, 8, 9].repeat(8);
-        let n = repeat.len();
         let mut d = Drafter::default();
-        let first = d.propose(|i| repeat[i], n, &config, 100).len();
+        let first = d.propose(&repeat, &[], &config, 100).len();
         assert!((1..=2).contains(&first), "a short first draft: {first}");
         for _ in 0..6 {
-            let len = d.propose(|i| repeat[i], n, &config, 100).len();
+            let len = d.propose(&repeat, &[], &config, 100).len();
             d.record(len, len, &config);
         }
-        assert_eq!(d.propose(|i| repeat[i], n, &config, 100).len(), 7);
+        assert_eq!(d.propose(&repeat, &[], &config, 100).len(), 7);
         assert_eq!(
-            d.propose(|i| repeat[i], n, &config, 3).len(),
+            d.propose(&repeat, &[], &config, 3).len(),
             3,
             "the limit holds"
         );
@@ -274,7 +288,7 @@ mod tests {
         let mut gaps = Vec::new();
         let mut gap = 0;
         for _ in 0..40 {
-            let len = d.propose(|i| repeat[i], n, &config, 100).len();
+            let len = d.propose(&repeat, &[], &config, 100).len();
             if len == 0 {
                 gap += 1;
                 continue;

@@ -141,8 +141,11 @@ impl Worker {
             }
             let p = &mut r.progress;
             // A constraint's mask depends on the tokens before it: drafting through one
-            // would mean advancing its parser speculatively; such rows decode plainly.
-            if p.request.constraint.is_some() {
+            // would mean advancing its parser speculatively; such rows decode plainly. A
+            // prompt's last token (its first answer token not yet sampled) does too: the
+            // prompt's pages are offered to the prefix cache right after that step, and
+            // must then hold the prompt alone.
+            if p.request.constraint.is_some() || p.output.is_empty() {
                 continue;
             }
             let next = r.kv.len() + 1;
@@ -152,18 +155,9 @@ impl Worker {
             if limit == 0 {
                 continue;
             }
-            let len = p.stream_len();
-            let draft = {
-                let (prompt, output) = (&p.request.prompt, &p.output);
-                let token = |t: usize| {
-                    if t < prompt.len() {
-                        prompt[t]
-                    } else {
-                        output[t - prompt.len()]
-                    }
-                };
-                p.drafter.propose(token, len, &spec, limit)
-            };
+            let draft = p
+                .drafter
+                .propose(&p.request.prompt, &p.output, &spec, limit);
             budget -= draft.len();
             range.end += draft.len();
             p.drafter.pending = draft;
