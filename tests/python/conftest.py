@@ -10,6 +10,7 @@ import re
 import resource
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -349,6 +350,13 @@ class Cluster(Server):
     def stop(self) -> int:
         rc = super().stop()
         for n in self.nodes:
+            # A node that died before the test ended: its log's tail, which pytest shows
+            # with a failing test's output (a test's own SIGKILL shows as -9).
+            if n.proc.poll() is not None:
+                n.log.flush()
+                tail = n.log_path.read_text(errors="replace").splitlines()[-30:]
+                print(f"{n.role} node {n.addr} exited early ({n.proc.returncode}):", *tail, sep="\n",
+                      file=sys.stderr)
             n.stop()
         return rc
 

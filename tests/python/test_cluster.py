@@ -238,13 +238,16 @@ def test_killing_a_decode_node_mid_stream(tmp_path, mono):
             other = pool.submit(complete_ids, c, survivor_case["prompt_tokens"], n)
             time.sleep(0.5)
             busy[0].proc.send_signal(signal.SIGKILL)
+            # Reaped before anything asks which nodes live: a killed process closes its
+            # sockets before it becomes a zombie, so poll() alone can still call it alive.
+            busy[0].proc.wait(timeout=30)
             text = other.result(timeout=120)[0]
         victim.join(timeout=60)
         assert not victim.is_alive(), "the victim's client hung"
         assert ("status", 200) in victim_events
         assert ended_with_error(victim_events), victim_events[-3:]
         assert text == own_greedy(survivor_case["prompt_tokens"], len(survivor_case["completion_tokens"]))
-        survivors = [x for x in c.nodes if x.proc.poll() is None]
+        survivors = [x for x in c.nodes if x is not busy[0]]
         assert wait_idle(survivors), "survivors kept pages"
         # The cluster keeps serving on the surviving decode node.
         assert complete_ids(c, GOLDEN[0]["prompt_tokens"], 4)[0] == complete_ids(mono, GOLDEN[0]["prompt_tokens"], 4)[0]
@@ -279,6 +282,7 @@ def test_killing_a_prefill_node_mid_handoff(tmp_path):
             time.sleep(0.05)
         assert busy, "the long prefill never started"
         busy[0].proc.send_signal(signal.SIGKILL)
+        busy[0].proc.wait(timeout=30)
         t.join(timeout=120)
         assert not t.is_alive(), "the client hung"
         assert "r" in result, result
