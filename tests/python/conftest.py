@@ -237,6 +237,7 @@ class Node:
 # Flags that belong to the router; every other flag configures the nodes.
 ROUTER_FLAGS = {
     "--api-keys", "--max-body-bytes", "--max-context", "--max-connections", "--header-timeout",
+    "--first-header-timeout",
     "--body-timeout", "--send-timeout", "--metrics-listen", "--tenant-max-requests",
     "--tenant-max-tokens", "--max-connections-per-address", "--chat-template", "--tool-format",
 }

@@ -198,6 +198,55 @@ def test_a_tenants_flood_does_not_queue_another_by_default(make_server, tmp_path
     assert worst < max(15 * unloaded, 4.0), (unloaded, loaded)
 
 
+def test_a_flood_cannot_take_every_place_in_the_queue(make_server, tmp_path_factory):
+    """No tenant limit configured, 32 places in the engine (4 running + 28 waiting): Alice's
+    40 concurrent streams get at most the 30 places outside the kept sixteenth and 429
+    `queue_full` beyond; Bob, holding none, still gets a place and his answer (with a
+    first-come queue he got 429 until Alice's drained)."""
+    keys = tmp_path_factory.mktemp("places-keys") / "api-keys.txt"
+    keys.write_text("".join(f"{k} {t}\n" for t, k in TENANT_KEYS.items()))
+    s = make_server("--kv-pool-tokens", "12288", "--max-running", "4", "--max-waiting", "28",
+                    "--api-keys", keys, api_key=ALICE, name="places")
+    responses, lock = [], threading.Lock()
+
+    def alice(i):
+        r = requests.post(
+            s.url + "/v1/completions",
+            json={"model": MODEL_NAME, "prompt": f"Alice's essay number {i} begins:",
+                  "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True},
+            headers={"Authorization": f"Bearer {ALICE}"}, stream=True, timeout=120,
+        )
+        with lock:
+            responses.append(r)
+
+    flood = [threading.Thread(target=alice, args=(i,)) for i in range(40)]
+    for t in flood:
+        t.start()
+    for t in flood:
+        t.join(timeout=120)
+    try:
+        assert len(responses) == 40
+        ok = [r for r in responses if r.status_code == 200]
+        refused = [r for r in responses if r.status_code != 200]
+        for r in refused:
+            assert r.status_code == 429, r.text
+            err = r.json()["error"]
+            assert err["code"] == "queue_full", err
+            assert r.headers["Retry-After"] == "1"
+        assert len(ok) <= 30 and len(refused) >= 10, (len(ok), len(refused))
+        bob = requests.post(
+            s.url + "/v1/completions",
+            json={"model": MODEL_NAME, "prompt": "Bob asks a question.", "max_tokens": 2,
+                  "temperature": 0},
+            headers={"Authorization": f"Bearer {BOB}"}, timeout=120,
+        )
+        assert bob.status_code == 200, bob.text
+        print(f"Alice: {len(ok)} streams admitted, {len(refused)} refused; Bob answered")
+    finally:
+        for r in responses:
+            r.close()
+
+
 def timed_completion(server, key, prompt, max_tokens=1):
     t = time.monotonic()
     r = requests.post(

@@ -143,6 +143,39 @@ def test_more_hostile_connections_than_the_cap_cannot_starve_a_client(make_serve
             sock.close()
 
 
+def test_a_connection_that_sends_no_request_gives_its_place_back_soon(make_server):
+    """A new connection has --first-header-timeout for its first request's headers, a
+    keep-alive one --header-timeout to idle between requests."""
+    s = make_server("--kv-pool-tokens", "1024", "--first-header-timeout", "1",
+                    "--header-timeout", "6", name="first-headers")
+    t = time.monotonic()
+    silent = socket.create_connection(address(s), timeout=10)
+    partial = socket.create_connection(address(s), timeout=10)
+    partial.sendall(b"GET /health HTTP/1.1\r\nHo")
+    kept = socket.create_connection(address(s), timeout=10)
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += kept.recv(65536)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    try:
+        for sock in (silent, partial):
+            assert read_all(sock, 5) is not None, "a connection with no request stayed open"
+        closed = time.monotonic() - t
+        assert closed < 3.0, closed
+        # Past the first request's deadline, the keep-alive connection idles on.
+        kept.settimeout(max(0.1, 2.5 - (time.monotonic() - t)))
+        with pytest.raises(socket.timeout):
+            kept.recv(65536)
+        assert read_all(kept, 10) is not None, "the keep-alive connection outlived --header-timeout"
+        idled = time.monotonic() - t
+        assert 5.0 < idled < 9.0, idled
+        print(f"no request: closed after {closed:.2f} s; keep-alive idle: closed after {idled:.2f} s")
+    finally:
+        for sock in (silent, partial, kept):
+            sock.close()
+
+
 def test_a_short_body_times_out_with_408(make_server):
     s = make_server("--kv-pool-tokens", "1024", "--body-timeout", "1", name="body-timeout")
     reply = exchange(

@@ -215,6 +215,7 @@ mod tests {
 
     fn req(prompt: usize, max_tokens: usize) -> GenerateRequest {
         GenerateRequest {
+            weight: 1,
             domain: IsolationDomain::tenant("t"),
             prompt: vec![5; prompt],
             max_tokens,

@@ -15,7 +15,8 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Admitted requests that may wait for a running slot. Beyond `max_running +
     /// max_waiting` requests in the engine, [`crate::EngineHandle::submit`] answers
-    /// [`crate::QueueFull`].
+    /// [`crate::QueueFull`]; the last sixteenth of those places is shared between tenants
+    /// so that no one tenant can take them all (`crate::slot`).
     pub max_waiting: usize,
     /// Reuse the K/V of earlier prompts within an isolation domain.
     pub prefix_cache: bool,

@@ -1,7 +1,7 @@
 //! The client side of the engine: the startup checks, and the handles that submit requests
 //! to the engine thread ([`crate::worker`]) and receive their events.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
 use kv::{KvPool, PoolConfig, PoolCounts, PrefixCache, PublicPrefixes, RequestId};
@@ -12,7 +12,7 @@ use crate::admission::{Admission, Admitted};
 use crate::command::{Command, Lifecycle};
 use crate::config::EngineConfig;
 use crate::handoff::{ImportReservation, ReserveError, VerifiedImport};
-use crate::slot::{QueueFull, Slot};
+use crate::slot::{Places, QueueFull, Slot};
 use crate::worker::Worker;
 use crate::{EngineError, EngineMetrics, Event, SharedMetrics, StepModel};
 
@@ -57,9 +57,8 @@ pub struct EngineHandle {
     pool: KvPool,
     metrics: SharedMetrics,
     next_id: Arc<std::sync::atomic::AtomicU64>,
-    /// Requests submitted and not yet ended, and the most there may be.
-    in_engine: Arc<AtomicUsize>,
-    capacity: usize,
+    /// Requests submitted and not yet ended, by tenant, and the most there may be.
+    places: Arc<Places>,
     lifecycle: Arc<Lifecycle>,
 }
 
@@ -94,17 +93,11 @@ impl EngineHandle {
         self.lifecycle.alive.load(Ordering::Acquire)
     }
 
-    /// A place in the engine, or `QueueFull` when it already holds `max_running +
-    /// max_waiting` requests (reservations included).
-    fn take_slot(&self) -> Result<Slot, QueueFull> {
-        self.in_engine
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.capacity).then_some(n + 1)
-            })
-            .map_err(|_| QueueFull {
-                limit: self.capacity,
-            })?;
-        Ok(Slot(self.in_engine.clone()))
+    /// A place in the engine for a request of `domain`'s tenant, or `QueueFull` when the
+    /// engine already holds `max_running + max_waiting` requests (reservations included) or
+    /// that tenant holds its share of them (`crate::slot`).
+    fn take_slot(&self, domain: &kv::IsolationDomain) -> Result<Slot, QueueFull> {
+        self.places.take(domain.tenant_name())
     }
 
     fn next_id(&self) -> RequestId {
@@ -129,8 +122,8 @@ impl EngineHandle {
             // The channel has a place for every slot, so this cannot happen; the command
             // (and its slot) is dropped, and the client is told to retry.
             Err(mpsc::TrySendError::Full(_)) => {
-                return Err(QueueFull {
-                    limit: self.capacity,
+                return Err(QueueFull::Full {
+                    limit: self.places.capacity(),
                 })
             }
             Err(mpsc::TrySendError::Disconnected(_)) => {}
@@ -157,7 +150,7 @@ impl EngineHandle {
         admitted: Admitted,
         prefill_only: bool,
     ) -> Result<RequestHandle, QueueFull> {
-        let slot = self.take_slot()?;
+        let slot = self.take_slot(&admitted.request.domain)?;
         let id = self.next_id();
         let (tx, rx) = unbounded_channel();
         let command = Command::Submit {
@@ -178,7 +171,7 @@ impl EngineHandle {
         admitted: Admitted,
         request_id: String,
     ) -> Result<ImportReservation, ReserveError> {
-        let slot = self.take_slot()?;
+        let slot = self.take_slot(&admitted.request.domain)?;
         let (reply, answer) = oneshot::channel();
         let command = Command::Reserve {
             id: self.next_id(),
@@ -190,8 +183,8 @@ impl EngineHandle {
         match self.commands.try_send(command) {
             Ok(()) => {}
             Err(mpsc::TrySendError::Full(_)) => {
-                return Err(ReserveError::Full(QueueFull {
-                    limit: self.capacity,
+                return Err(ReserveError::Full(QueueFull::Full {
+                    limit: self.places.capacity(),
                 }))
             }
             Err(mpsc::TrySendError::Disconnected(_)) => {
@@ -303,8 +296,7 @@ pub fn start(model: impl StepModel, config: EngineConfig) -> Result<EngineHandle
         pool,
         metrics,
         next_id: Arc::new(std::sync::atomic::AtomicU64::new(1)),
-        in_engine: Arc::new(AtomicUsize::new(0)),
-        capacity,
+        places: Places::new(capacity),
         lifecycle,
     })
 }

@@ -76,6 +76,10 @@ impl StepModel for model::Model {
 #[derive(Debug, Clone)]
 pub struct GenerateRequest {
     pub domain: IsolationDomain,
+    /// The tenant's weight (0 counts as 1): when tenants compete, their shares of the
+    /// running slots, of each step's prefill budget and of the pool under preemption are
+    /// in proportion to their weights. Every request of one tenant carries the same one.
+    pub weight: u32,
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub sampling: SamplingParams,

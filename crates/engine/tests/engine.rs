@@ -44,6 +44,7 @@ fn start(config: EngineConfig) -> EngineHandle {
 
 fn request(domain: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
     GenerateRequest {
+        weight: 1,
         domain: IsolationDomain::tenant(domain),
         prompt,
         max_tokens,
@@ -473,14 +474,17 @@ fn a_full_queue_refuses_requests_until_a_place_frees() {
     };
     let running = engine.submit(long(1)).unwrap();
     let _waiting = engine.submit(long(2)).unwrap();
-    assert_eq!(engine.submit(long(3)).unwrap_err(), QueueFull { limit: 2 });
+    assert_eq!(
+        engine.submit(long(3)).unwrap_err(),
+        QueueFull::Full { limit: 2 }
+    );
     // Hanging up frees the place at the engine's next step.
     drop(running);
     let deadline = Instant::now() + Duration::from_secs(30);
     let third = loop {
         match engine.submit(long(3)) {
             Ok(h) => break h,
-            Err(QueueFull { .. }) => {
+            Err(_) => {
                 assert!(Instant::now() < deadline, "the place never freed");
                 std::thread::sleep(Duration::from_millis(5));
             }
@@ -493,6 +497,55 @@ fn a_full_queue_refuses_requests_until_a_place_frees() {
 /// not queue another tenant's request behind it: the flood's youngest running request
 /// gives its slot back, the other tenant's request finishes long before any of the flood's,
 /// and the preempted requests recompute to exactly their solo tokens.
+/// Weights share the running slots: two tenants flooding four slots, one of weight 3 and
+/// one of weight 1, decode three tokens to one while both are waiting for slots (equal
+/// weights give one to one).
+#[test]
+fn running_slots_follow_the_tenants_weights() {
+    let engine = start(EngineConfig {
+        max_running: 4,
+        pool_tokens: 16384,
+        prefix_cache: false,
+        ..EngineConfig::default()
+    });
+    let submit = |tenant: &str, weight: u32, i: u32| {
+        let r = GenerateRequest {
+            weight,
+            ..request(tenant, prompt(i, 16), 4000)
+        };
+        engine.submit(engine.admission().admit(r).unwrap()).unwrap()
+    };
+    let mut light: Vec<_> = (0..6).map(|i| submit("light", 1, i)).collect();
+    let mut heavy: Vec<_> = (0..6).map(|i| submit("heavy", 3, i + 20)).collect();
+    let count = |handles: &mut Vec<engine::RequestHandle>| {
+        let mut n = 0;
+        for h in handles.iter_mut() {
+            while let Ok(ev) = h.events.try_recv() {
+                match ev {
+                    Event::Token(_) => n += 1,
+                    other => panic!("a flood request ended: {other:?}"),
+                }
+            }
+        }
+        n
+    };
+    // Past the start, when the slots have moved to their shares.
+    std::thread::sleep(Duration::from_millis(200));
+    count(&mut light);
+    count(&mut heavy);
+    std::thread::sleep(Duration::from_millis(800));
+    let (l, h) = (count(&mut light), count(&mut heavy));
+    assert!(l > 0, "the light tenant starved");
+    let ratio = h as f64 / l as f64;
+    assert!(
+        (2.5..=3.5).contains(&ratio),
+        "heavy {h} tokens, light {l}: {ratio:.2}"
+    );
+    drop(light);
+    drop(heavy);
+    wait_for_no_leases(&engine);
+}
+
 #[test]
 fn one_tenants_flood_does_not_queue_another_tenant() {
     let engine = start(EngineConfig {

@@ -70,6 +70,7 @@ fn request(i: u32) -> GenerateRequest {
         },
     };
     GenerateRequest {
+        weight: 1,
         domain: IsolationDomain::tenant(if i.is_multiple_of(2) { "a" } else { "b" }),
         prompt,
         max_tokens: MAX_TOKENS,

@@ -15,8 +15,10 @@ pub struct EdgeArgs {
     /// 0 picks a free port (the address is printed when ready).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// File of `KEY TENANT` lines: requests must carry `Authorization: Bearer KEY`, and
-    /// each tenant is its own isolation domain. Without it: one tenant, no authentication.
+    /// File of `KEY TENANT [WEIGHT]` lines: requests must carry `Authorization: Bearer KEY`,
+    /// and each tenant is its own isolation domain. WEIGHT (1 to 100, default 1) is the
+    /// tenant's share of the engine when tenants compete for it. Without the file: one
+    /// tenant, no authentication.
     #[arg(long)]
     pub api_keys: Option<PathBuf>,
     #[arg(long, default_value_t = 4 * 1024 * 1024)]
@@ -35,6 +37,11 @@ pub struct EdgeArgs {
     /// opens or its previous response ends (so also the idle limit of keep-alive).
     #[arg(long, default_value_t = 10)]
     pub header_timeout: u64,
+    /// Seconds a new connection may take to send its first request's headers (at most
+    /// --header-timeout): a connection that opens and sends nothing, or trickles its
+    /// headers, gives its place back this soon.
+    #[arg(long, default_value_t = 3)]
+    pub first_header_timeout: u64,
     /// Seconds a request body may take to arrive (408 beyond).
     #[arg(long, default_value_t = 30)]
     pub body_timeout: u64,
@@ -105,8 +112,12 @@ impl EdgeArgs {
                 )
             })?;
         }
-        if self.max_connections == 0 || self.header_timeout == 0 || self.body_timeout == 0 {
-            bail!("--max-connections, --header-timeout and --body-timeout must be positive");
+        if self.max_connections == 0
+            || self.header_timeout == 0
+            || self.first_header_timeout == 0
+            || self.body_timeout == 0
+        {
+            bail!("--max-connections, --header-timeout, --first-header-timeout and --body-timeout must be positive");
         }
         // Past the descriptor limit, accept fails and even /health hangs: the cap must keep
         // clear of it (listeners, the runtime and the model file need a few too).
@@ -143,6 +154,9 @@ impl EdgeArgs {
             max_connections: self.max_connections,
             max_per_address,
             header_timeout: std::time::Duration::from_secs(self.header_timeout),
+            first_header_timeout: std::time::Duration::from_secs(
+                self.first_header_timeout.min(self.header_timeout),
+            ),
             send_timeout: std::time::Duration::from_secs(self.send_timeout.max(1)),
             ..server::ConnectionLimits::default()
         };

@@ -215,6 +215,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         },
     )?;
     let request = GenerateRequest {
+        weight: 1,
         domain: IsolationDomain::tenant("cli"),
         prompt,
         max_tokens: args.max_tokens,

@@ -1,6 +1,7 @@
 //! API keys and the tenant they authenticate. The tenant, never a client-chosen string,
 //! decides a request's isolation domain.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use axum::http::{header, HeaderMap};
@@ -20,8 +21,17 @@ pub enum KeysError {
         #[source]
         source: std::io::Error,
     },
-    #[error("API key file line {line}: expected `KEY TENANT`")]
+    #[error("API key file line {line}: expected `KEY TENANT` or `KEY TENANT WEIGHT`")]
     Malformed { line: usize },
+    #[error("API key file line {line}: the weight must be a whole number from 1 to {MAX_WEIGHT}")]
+    Weight { line: usize },
+    #[error("API key file line {line}: tenant {tenant} has weight {weight} on line {first}; one tenant has one weight")]
+    ConflictingWeight {
+        line: usize,
+        tenant: String,
+        weight: u32,
+        first: usize,
+    },
     #[error("API key file line {line}: this key already appears on line {first}")]
     Duplicate { line: usize, first: usize },
     #[error("API key file has no keys: every request would be refused")]
@@ -39,7 +49,13 @@ pub enum Auth {
 #[derive(Debug)]
 pub struct ApiKeys {
     entries: Vec<(Vec<u8>, String)>,
+    /// Tenants given a weight other than 1, with the line that gave it.
+    weights: HashMap<String, (u32, usize)>,
 }
+
+/// The largest tenant weight: a tenant of this weight against one of weight 1 takes all
+/// but a hundredth of what they compete for.
+pub const MAX_WEIGHT: u32 = 100;
 
 impl ApiKeys {
     pub fn load(path: &Path) -> Result<Self, KeysError> {
@@ -50,9 +66,12 @@ impl ApiKeys {
         Self::parse(&text)
     }
 
-    /// Lines of `KEY TENANT`; blank lines and `#` comments are skipped.
+    /// Lines of `KEY TENANT [WEIGHT]`; blank lines and `#` comments are skipped. A tenant's
+    /// weight (1 unless given; the same on each of its keys' lines that gives one) sets its
+    /// share of the engine when tenants compete (`engine::GenerateRequest::weight`).
     pub fn parse(text: &str) -> Result<Self, KeysError> {
         let mut entries: Vec<(Vec<u8>, String)> = Vec::new();
+        let mut weights: HashMap<String, (u32, usize)> = HashMap::new();
         let mut lines_of: Vec<usize> = Vec::new();
         for (i, raw) in text.lines().enumerate() {
             let line = i + 1;
@@ -61,10 +80,32 @@ impl ApiKeys {
                 continue;
             }
             let mut fields = content.split_whitespace();
-            let (Some(key), Some(tenant), None) = (fields.next(), fields.next(), fields.next())
+            let (Some(key), Some(tenant), weight, None) =
+                (fields.next(), fields.next(), fields.next(), fields.next())
             else {
                 return Err(KeysError::Malformed { line });
             };
+            if let Some(weight) = weight {
+                let weight = weight
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|w| (1..=MAX_WEIGHT).contains(w))
+                    .ok_or(KeysError::Weight { line })?;
+                match weights.get(tenant) {
+                    Some(&(w, first)) if w != weight => {
+                        return Err(KeysError::ConflictingWeight {
+                            line,
+                            tenant: tenant.to_owned(),
+                            weight: w,
+                            first,
+                        })
+                    }
+                    Some(_) => {}
+                    None => {
+                        weights.insert(tenant.to_owned(), (weight, line));
+                    }
+                }
+            }
             if let Some(pos) = entries.iter().position(|(k, _)| k == key.as_bytes()) {
                 return Err(KeysError::Duplicate {
                     line,
@@ -77,7 +118,7 @@ impl ApiKeys {
         if entries.is_empty() {
             return Err(KeysError::Empty);
         }
-        Ok(Self { entries })
+        Ok(Self { entries, weights })
     }
 
     pub fn len(&self) -> usize {
@@ -120,6 +161,14 @@ fn ct_eq_padded(key: &[u8], presented: &[u8]) -> subtle::Choice {
 }
 
 impl Auth {
+    /// The weight of `tenant` (`ApiKeys::parse`); 1 without a key file.
+    pub fn weight_of(&self, tenant: &str) -> u32 {
+        match self {
+            Auth::Open => 1,
+            Auth::Keys(keys) => keys.weights.get(tenant).map_or(1, |&(w, _)| w),
+        }
+    }
+
     /// The isolation domain of the request's tenant, or 401.
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<IsolationDomain, ApiError> {
         // Proxies and servers disagree on which of two keys counts; the request is refused
@@ -177,14 +226,39 @@ mod tests {
     }
 
     #[test]
+    fn weights_are_per_tenant_and_default_to_one() {
+        let auth = Auth::Keys(ApiKeys::parse("a alice 3\nb alice\nc bob\nd carol 1\n").unwrap());
+        assert_eq!(auth.weight_of("alice"), 3);
+        assert_eq!(auth.weight_of("bob"), 1);
+        assert_eq!(auth.weight_of("carol"), 1);
+        assert_eq!(auth.weight_of("nobody"), 1);
+        assert_eq!(Auth::Open.weight_of(DEFAULT_TENANT), 1);
+    }
+
+    #[test]
     fn rejects_bad_files() {
         assert!(matches!(
             ApiKeys::parse("k\n"),
             Err(KeysError::Malformed { line: 1 })
         ));
         assert!(matches!(
-            ApiKeys::parse("k t extra\n"),
+            ApiKeys::parse("k t 2 extra\n"),
             Err(KeysError::Malformed { line: 1 })
+        ));
+        for bad in ["k t extra\n", "k t 0\n", "k t 101\n", "k t -1\n"] {
+            assert!(
+                matches!(ApiKeys::parse(bad), Err(KeysError::Weight { line: 1 })),
+                "{bad}"
+            );
+        }
+        assert!(matches!(
+            ApiKeys::parse("a t 3\nb t\nc t 2\n"),
+            Err(KeysError::ConflictingWeight {
+                line: 3,
+                weight: 3,
+                first: 1,
+                ..
+            })
         ));
         assert!(matches!(
             ApiKeys::parse("a t\n# c\na u\n"),

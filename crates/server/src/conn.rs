@@ -12,7 +12,10 @@
 //!   to the whole cap there, and limit clients in the proxy.
 //! * A connection has [`ConnectionLimits::header_timeout`] to send a request's headers,
 //!   counted from when it opens or when its previous response ended: a connection that sends
-//!   nothing, sends headers byte by byte, or idles between keep-alive requests is closed.
+//!   nothing, sends headers byte by byte, or idles between keep-alive requests is closed. Its
+//!   first request's headers get only [`ConnectionLimits::first_header_timeout`] (a client
+//!   sends them as soon as it connects), so a place taken by a connection that never sends
+//!   a request comes back that soon.
 //! * A request body must arrive within `AppState::body_timeout` (the handlers read it;
 //!   a 408 otherwise), so a Content-Length larger than the body, or a body trickled one
 //!   byte at a time, cannot hold a connection.
@@ -57,6 +60,9 @@ pub struct ConnectionLimits {
     /// For a request's headers, from when the connection opens or its previous response
     /// ends; so also the longest a keep-alive connection may idle.
     pub header_timeout: Duration,
+    /// For the first request's headers, from when the connection opens (at most
+    /// `header_timeout`).
+    pub first_header_timeout: Duration,
     /// The longest a response write may make no progress.
     pub send_timeout: Duration,
     /// Bytes of a request's start line and headers (431 beyond).
@@ -69,6 +75,7 @@ impl Default for ConnectionLimits {
             max_connections: 256,
             max_per_address: 128,
             header_timeout: Duration::from_secs(10),
+            first_header_timeout: Duration::from_secs(3),
             send_timeout: Duration::from_secs(30),
             // Room for hyper's own 64 KiB URI limit (414), so that limit stays the one
             // that answers an over-long URI.
@@ -165,6 +172,15 @@ pub async fn serve_router(
         let control = ConnectionControl::new(limits.send_timeout);
         let (reset, sent) = (control.reset.clone(), control.sent.clone());
         let service = TowerToHyperService::new(router.clone().layer(Extension(control)));
+        // Set when hyper has a request's headers whole and calls the service.
+        let requested = Arc::new(AtomicBool::new(false));
+        let service = {
+            let requested = requested.clone();
+            hyper::service::service_fn(move |request| {
+                requested.store(true, Ordering::Relaxed);
+                hyper::service::Service::call(&service, request)
+            })
+        };
         let limits = limits.clone();
         let mut stop = stop_rx.clone();
         tokio::spawn(async move {
@@ -185,8 +201,22 @@ pub async fn serve_router(
             let stopping = async move {
                 let _ = stop.wait_for(|stop| *stop).await.map(|_| ());
             };
+            let first_headers = limits.first_header_timeout.min(limits.header_timeout);
+            let never_requested = async move {
+                sleep(first_headers).await;
+                if requested.load(Ordering::Relaxed) {
+                    std::future::pending::<()>().await;
+                }
+            };
             let ended = tokio::select! {
+                // Headers that arrived by the deadline reach the service before it is checked.
+                biased;
                 ended = conn.as_mut() => ended,
+                // Dropping the connection closes it; nothing was asked, so nothing is lost.
+                () = never_requested => {
+                    tracing::debug!("connection closed: no request headers within {first_headers:?}");
+                    return;
+                }
                 () = stopping => {
                     conn.as_mut().graceful_shutdown();
                     conn.await

@@ -42,8 +42,9 @@ pub enum ApiError {
     UnsupportedTransferEncoding { got: String },
     #[error("{}", engine_message(.0))]
     Engine(#[from] EngineError),
-    /// The engine holds as many requests as it may; the client should retry shortly.
-    #[error("The server is at capacity ({} requests running or queued); retry shortly.", .0.limit)]
+    /// The engine holds as many requests as it may, or as many as this tenant may while
+    /// others could need the rest; the client should retry shortly.
+    #[error("{}", queue_full_message(.0))]
     QueueFull(#[from] QueueFull),
     /// The tenant already holds as many requests (or tokens) as `--tenant-max-requests`
     /// (`--tenant-max-tokens`) allow; other tenants are not affected.
@@ -97,6 +98,17 @@ fn http_message(status: StatusCode) -> &'static str {
         414 => "The request URL is too long.",
         431 => "The request's headers are too large.",
         _ => "The request is not valid HTTP/1.1 (its request line, a header or its Content-Length could not be parsed).",
+    }
+}
+
+fn queue_full_message(full: &QueueFull) -> String {
+    match *full {
+        QueueFull::Full { limit } => {
+            format!("The server is at capacity ({limit} requests running or queued); retry shortly.")
+        }
+        QueueFull::TenantShare { limit, held, reserve } => format!(
+            "Your requests hold {held} of the server's {limit} places for requests; the last {reserve} are kept for other tenants. Retry when one of yours has finished."
+        ),
     }
 }
 
@@ -516,7 +528,7 @@ mod tests {
 
     #[test]
     fn a_full_queue_is_429_with_retry_after() {
-        let e = ApiError::from(QueueFull { limit: 3 });
+        let e = ApiError::from(QueueFull::Full { limit: 3 });
         assert_eq!(
             shape(&e),
             (429, "queue_full".into(), None, "rate_limit_error".into())

@@ -349,6 +349,7 @@ async fn start(
         let mut sampling = settings.sampling.clone();
         sampling.seed = validation::choice_seed(sampling.seed, choice);
         let request = GenerateRequest {
+            weight: app.auth.weight_of(domain.tenant_name()),
             domain: domain.clone(),
             prompt: prompt.clone(),
             max_tokens,

@@ -24,6 +24,7 @@ pub fn request_to_pb(request_id: &str, r: &GenerateRequest) -> pb::GenerateReque
         request_id: request_id.to_owned(),
         tenant: r.domain.tenant_name().to_owned(),
         salt: r.domain.salt().map(str::to_owned),
+        weight: r.weight,
         prompt: r.prompt.clone(),
         max_tokens: r.max_tokens as u64,
         sampling: Some(pb::Sampling {
@@ -105,6 +106,7 @@ pub fn request_from_pb(
         }
     };
     let request = GenerateRequest {
+        weight: r.weight.max(1),
         domain: domain(r.tenant, r.salt),
         prompt: r.prompt,
         max_tokens: usize::try_from(r.max_tokens).unwrap_or(usize::MAX),
@@ -370,6 +372,7 @@ mod tests {
 
     fn request() -> GenerateRequest {
         GenerateRequest {
+            weight: 1,
             domain: IsolationDomain::tenant("alice"),
             prompt: vec![1, 2, 3],
             max_tokens: 4,

@@ -101,6 +101,7 @@ fn client(addr: &str, tls: &TlsIdentity) -> NodeClient<Channel> {
 
 fn request(tenant: &str, len: usize, max_tokens: usize) -> GenerateRequest {
     GenerateRequest {
+        weight: 1,
         domain: IsolationDomain::tenant(tenant),
         prompt: (0..len as u32).map(|i| 3 + (i * 53 + 1) % 290).collect(),
         max_tokens,

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use kv::{Owner, SequenceKv, Visibility};
 
 use super::{Running, Worker};
-use crate::preemption::{self, Holding};
+use crate::preemption::{self, Holding, Load};
 use crate::{EngineError, EngineMetrics, Event};
 
 impl Worker {
@@ -36,9 +36,10 @@ impl Worker {
         pages <= self.pool.counts().free
     }
 
-    /// The waiting request to run next: the oldest of the tenant that runs the fewest, so
-    /// that running slots are shared between tenants (and arrival order decides within
-    /// one). With its tenant's count of running requests.
+    /// The waiting request to run next: the oldest of the tenant that runs the fewest for
+    /// its weight, so that running slots are shared between tenants in proportion to their
+    /// weights (and arrival order decides within one). With its tenant's count of running
+    /// requests.
     fn next_waiting(&self) -> Option<(usize, usize)> {
         let mut running: HashMap<&str, usize> = HashMap::new();
         for r in &self.running {
@@ -46,18 +47,19 @@ impl Worker {
                 .entry(r.progress.request.domain.tenant_name())
                 .or_default() += 1;
         }
-        // `waiting` is in arrival order: the first of each count is the oldest.
-        let mut best: Option<(usize, usize)> = None;
+        // `waiting` is in arrival order: the first of each load is the oldest.
+        let mut best: Option<(usize, usize, Load)> = None;
         for (i, w) in self.waiting.iter().enumerate() {
             let count = running
                 .get(w.request.domain.tenant_name())
                 .copied()
                 .unwrap_or(0);
-            if best.is_none_or(|(_, fewest)| count < fewest) {
-                best = Some((i, count));
+            let load = Load::new(count, w.request.weight);
+            if best.is_none_or(|(_, _, least)| load.lighter_than(least)) {
+                best = Some((i, count, load));
             }
         }
-        best
+        best.map(|(i, count, _)| (i, count))
     }
 
     /// Moves waiting requests into the running set, the oldest of the tenant running the
@@ -69,12 +71,17 @@ impl Worker {
     pub(super) fn promote(&mut self) {
         while let Some((w, tenant_running)) = self.next_waiting() {
             if self.running.len() >= self.config.max_running {
-                let tenants: Vec<&str> = self
+                let tenants: Vec<Holding<'_>> = self
                     .running
                     .iter()
-                    .map(|r| r.progress.request.domain.tenant_name())
+                    .map(|r| Holding {
+                        tenant: r.progress.request.domain.tenant_name(),
+                        weight: r.progress.request.weight,
+                        pages: 0,
+                    })
                     .collect();
-                let Some(v) = preemption::slot_victim(&tenants, tenant_running) else {
+                let weight = self.waiting[w].request.weight;
+                let Some(v) = preemption::slot_victim(&tenants, tenant_running, weight) else {
                     break;
                 };
                 let victim = self.running.remove(v);
@@ -175,6 +182,7 @@ impl Worker {
                 .iter()
                 .map(|r| Holding {
                     tenant: r.progress.request.domain.tenant_name(),
+                    weight: r.progress.request.weight,
                     pages: r.kv.owned_pages(),
                 })
                 .collect();

@@ -1,7 +1,7 @@
 //! One engine step: plan a batch within the token budget, run the forward pass, and
 //! turn its logits into each request's next event.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -10,6 +10,7 @@ use model::{BatchItem, LogitsWanted, ModelError};
 
 use super::sample::{hand_over, sample_next, verify_draft};
 use super::{finish, Outcome, Running, Worker};
+use crate::preemption::Load;
 use crate::{EngineError, EngineMetrics, Event, StepModel};
 
 type MaskResult = Result<constraint::TokenMask, constraint::ConstraintError>;
@@ -28,23 +29,32 @@ impl Worker {
     ///
     /// Normally decode rows first (one token each), then prefill and replay chunks within
     /// the token budget and the pages already reserved, shared between tenants: each
-    /// tenant's requests first get up to an equal part of what the decode rows left, in
+    /// tenant's requests first get up to its weight's part of what the decode rows left, in
     /// arrival order, then the rest goes in arrival order. So one tenant's long prompts
     /// slow another tenant's prefill by a share of the step, not by their length; with one
     /// tenant this is plain arrival order.
     ///
-    /// But when a request of a lighter tenant (one running fewer requests than another)
+    /// But when a request of a lighter tenant (one running fewer requests for its weight
+    /// than another)
     /// waits for its first token, and the last step was not such a step, this step
     /// computes only those first tokens: a heavy tenant's full batch of decode rows would
     /// make the light one's first token wait for the whole batch. The heavy tenant's rows
     /// then wait one step, which is short (a few prompt chunks), and never two in a row.
     fn plan(&mut self) -> Vec<(usize, std::ops::Range<usize>)> {
         let tenant = |i: usize| self.running[i].progress.request.domain.tenant_name();
-        let mut counts: HashMap<&str, usize> = HashMap::new();
+        let weight = |i: usize| self.running[i].progress.request.weight.max(1);
+        let mut counts: HashMap<&str, (usize, u32)> = HashMap::new();
         for i in 0..self.running.len() {
-            *counts.entry(tenant(i)).or_default() += 1;
+            counts.entry(tenant(i)).or_insert((0, weight(i))).0 += 1;
         }
-        let heaviest = counts.values().copied().max().unwrap_or(0);
+        let load = |t: &str| {
+            let (count, w) = counts[t];
+            Load::new(count, w)
+        };
+        let heaviest = counts
+            .values()
+            .map(|&(count, w)| Load::new(count, w))
+            .reduce(|a, b| if a.lighter_than(b) { b } else { a });
         // A prompt chunk deep in a long prompt is capped by its cost (`step_cost`), so it
         // never holds the step longer than the budget would at a prompt's start.
         let cost = &self.cost;
@@ -62,7 +72,7 @@ impl Worker {
                 r.progress.output.is_empty()
                     && r.remaining() > 1
                     && room(r) > 0
-                    && counts[tenant(i)] < heaviest
+                    && heaviest.is_some_and(|h| load(tenant(i)).lighter_than(h))
             })
             .collect();
         let first_tokens_only = !light_first.is_empty() && !self.first_tokens_last;
@@ -83,13 +93,15 @@ impl Worker {
                 .collect()
         };
         let mut take = vec![0usize; self.running.len()];
-        let tenants: HashSet<&str> = filling.iter().map(|&i| tenant(i)).collect();
+        let tenants: HashMap<&str, u32> = filling.iter().map(|&i| (tenant(i), weight(i))).collect();
         if !tenants.is_empty() {
-            let share = (budget / tenants.len()).max(1);
+            let weights: u64 = tenants.values().map(|&w| u64::from(w)).sum();
+            let left = budget as u64;
+            let share = |w: u32| (left * u64::from(w) / weights).max(1) as usize;
             let mut used: HashMap<&str, usize> = HashMap::new();
             for &i in &filling {
                 let used = used.entry(tenant(i)).or_default();
-                let n = share
+                let n = share(weight(i))
                     .saturating_sub(*used)
                     .min(budget)
                     .min(room(&self.running[i]));
