@@ -372,7 +372,7 @@ mod tests {
 
     fn request() -> GenerateRequest {
         GenerateRequest {
-            weight: 1,
+            weight: 7,
             domain: IsolationDomain::tenant("alice"),
             prompt: vec![1, 2, 3],
             max_tokens: 4,
@@ -401,6 +401,7 @@ mod tests {
         let sent = request();
         let (_, got) = request_from_pb(request_to_pb("r1", &sent), &vocabulary()).unwrap();
         assert_eq!(got.sampling, sent.sampling);
+        assert_eq!(got.weight, 7, "the tenant's weight reaches the nodes");
         assert!(got.constraint.is_none());
     }
 
