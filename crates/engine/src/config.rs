@@ -12,6 +12,8 @@ pub struct EngineConfig {
     pub scrub: ScrubPolicy,
     /// Tokens per forward pass (decode rows plus prefill chunks).
     pub max_batch_tokens: usize,
+    /// Requests computed in one step; up to an eighth more (at least one) for tenants
+    /// running fewer than their share, instead of preempting a heavier tenant's request.
     pub max_running: usize,
     /// Admitted requests that may wait for a running slot. Beyond `max_running +
     /// max_waiting` requests in the engine, [`crate::EngineHandle::submit`] answers

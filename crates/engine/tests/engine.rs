@@ -574,8 +574,21 @@ fn one_tenants_flood_does_not_queue_another_tenant() {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
+    // One quiet request runs in an extra row: nobody recomputes for it.
     let quiet = run(&engine, request("quiet", prompt(99, 16), 4));
     assert_eq!(quiet.tokens.len(), 4);
+    assert_eq!(engine.metrics().preemptions.load(Ordering::Relaxed), 0);
+    // Two at once: the extra row (one, for four slots) holds one, a flood request gives
+    // its slot to the other.
+    let quiet: Vec<_> = (0..2)
+        .map(|i| {
+            let r = request("quiet", prompt(97 + i, 16), 4);
+            engine.submit(engine.admission().admit(r).unwrap()).unwrap()
+        })
+        .collect();
+    for q in quiet {
+        assert_eq!(collect(q).tokens.len(), 4);
+    }
     let mut early: Vec<Vec<(u32, u32)>> = Vec::new();
     for h in &mut handles {
         let mut tokens = Vec::new();

@@ -65,11 +65,16 @@ impl Worker {
     /// Moves waiting requests into the running set, the oldest of the tenant running the
     /// fewest first, while the pool has room for their stream so far plus one page to grow
     /// into, and a spare page for each request already running. When every slot is taken
-    /// and another tenant runs at least two more than the waiting request's, that tenant's
-    /// youngest running request gives its slot back (`crate::preemption::slot_victim`), so
-    /// one tenant's flood delays another's next request by one step, not by its queue.
+    /// and another tenant runs at least two more than the waiting request's (for their
+    /// weights: `crate::preemption::slot_victim`), the waiting request runs in one of
+    /// [`burst_rows`] extra rows while one is free and the pool has room, and otherwise
+    /// that tenant's youngest running request gives its slot back. So one tenant's flood
+    /// delays another's next request by one step, not by its queue, and a light tenant's
+    /// occasional request costs the flood one row, not the recomputation of a request.
     pub(super) fn promote(&mut self) {
+        let burst = burst_rows(self.config.max_running);
         while let Some((w, tenant_running)) = self.next_waiting() {
+            let mut bursting = None;
             if self.running.len() >= self.config.max_running {
                 let tenants: Vec<Holding<'_>> = self
                     .running
@@ -84,10 +89,14 @@ impl Worker {
                 let Some(v) = preemption::slot_victim(&tenants, tenant_running, weight) else {
                     break;
                 };
-                let victim = self.running.remove(v);
-                self.preempt(victim);
-                // The victim went back into `waiting`: choose again.
-                continue;
+                if self.running.len() < self.config.max_running + burst {
+                    bursting = Some(v);
+                } else {
+                    let victim = self.running.remove(v);
+                    self.preempt(victim);
+                    // The victim went back into `waiting`: choose again.
+                    continue;
+                }
             }
             let head = &self.waiting[w];
             let owner = Owner {
@@ -122,11 +131,22 @@ impl Worker {
             let target = (stream.len() + self.config.page_tokens).min(head.total_tokens);
             let headroom = self.running.len();
             let domain = kv.owner().domain.clone();
-            if !self.make_room(kv.pages_needed(target) + headroom, &domain) {
-                break;
-            }
-            if let Err(e) = kv.reserve(target) {
-                tracing::debug!("reservation deferred: {e}");
+            let placed = self.make_room(kv.pages_needed(target) + headroom, &domain)
+                && match kv.reserve(target) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::debug!("reservation deferred: {e}");
+                        false
+                    }
+                };
+            if !placed {
+                // No room for an extra row: the slot's holder gives its pages back after all.
+                if let Some(v) = bursting {
+                    drop(kv);
+                    let victim = self.running.remove(v);
+                    self.preempt(victim);
+                    continue;
+                }
                 break;
             }
             let Some(mut progress) = self.waiting.remove(w) else {
@@ -255,4 +275,10 @@ impl Worker {
             tracing::warn!("prompt pages not cached: {e}");
         }
     }
+}
+
+/// Rows beyond `max_running` that requests of tenants running less than their share may
+/// take instead of preempting a heavier tenant's request: an eighth, at least one.
+pub(crate) fn burst_rows(max_running: usize) -> usize {
+    max_running.div_ceil(8).max(1)
 }
