@@ -35,10 +35,9 @@ impl Worker {
     /// tenant this is plain arrival order.
     ///
     /// But when a request of a lighter tenant (one running fewer requests for its weight
-    /// than another)
-    /// waits for its first token, and the last step was not such a step, this step
-    /// computes only those first tokens: a heavy tenant's full batch of decode rows would
-    /// make the light one's first token wait for the whole batch. The heavy tenant's rows
+    /// than another) waits for its first token, and the last step was not such a step, this
+    /// step computes only those first tokens: a heavy tenant's full batch of decode rows
+    /// would make the light one's first token wait for the whole batch. The heavy tenant's rows
     /// then wait one step, which is short (a few prompt chunks), and never two in a row.
     fn plan(&mut self) -> Vec<(usize, std::ops::Range<usize>)> {
         let tenant = |i: usize| self.running[i].progress.request.domain.tenant_name();
