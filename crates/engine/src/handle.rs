@@ -235,6 +235,14 @@ pub fn start(model: impl StepModel, config: EngineConfig) -> Result<EngineHandle
             "page size, batch tokens and running limit must be positive".into(),
         ));
     }
+    let per_element = config.kv_dtype.values_per_element();
+    if !model.config().head_dim.is_multiple_of(per_element) {
+        return Err(StartupError::Config(format!(
+            "--kv-dtype {} stores K/V in blocks of {per_element} values; this model's attention heads have {}",
+            config.kv_dtype.name(),
+            model.config().head_dim
+        )));
+    }
     let pages = config.pool_tokens.div_ceil(config.page_tokens);
     let pool_tokens = pages * config.page_tokens;
     let model_context = model.config().context_length;

@@ -39,7 +39,7 @@ pub use handle::{start, EngineHandle, RequestHandle, StartupError};
 pub use slot::QueueFull;
 pub use speculation::{SpeculationConfig, SpeculationMode, AUTO_MAX_ROWS};
 
-pub use kv::{IsolationDomain, RequestId};
+pub use kv::{IsolationDomain, KvDtype, RequestId};
 pub use model::{Penalties, SamplingParams};
 
 /// What the engine needs from a model: its shape and one batched forward step.

@@ -2,19 +2,44 @@
 //! page's memory, and the borrowed row views that reads hand out.
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use crate::q8::{quantize_into, Q8Block, Q8_BLOCK_BYTES, Q8_VALUES};
 
 /// Element type of stored K/V values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvDtype {
     F16,
     F32,
+    /// 32-value blocks of bytes and an f16 scale (`crate::q8`); rows must hold a multiple
+    /// of 32 values.
+    Q8_0,
 }
 
 impl KvDtype {
-    pub fn bytes(self) -> usize {
+    /// Bytes of `values` stored values (for Q8_0, a multiple of 32).
+    pub fn bytes_for(self, values: usize) -> usize {
         match self {
-            KvDtype::F16 => 2,
-            KvDtype::F32 => 4,
+            KvDtype::F16 => 2 * values,
+            KvDtype::F32 => 4 * values,
+            KvDtype::Q8_0 => values / Q8_VALUES * Q8_BLOCK_BYTES,
+        }
+    }
+
+    /// Values per stored element (a Q8_0 element is a block).
+    pub fn values_per_element(self) -> usize {
+        match self {
+            KvDtype::F16 | KvDtype::F32 => 1,
+            KvDtype::Q8_0 => Q8_VALUES,
+        }
+    }
+
+    /// As `--kv-dtype` names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F16 => "f16",
+            KvDtype::F32 => "f32",
+            KvDtype::Q8_0 => "q8_0",
         }
     }
 }
@@ -35,11 +60,17 @@ impl KvLayout {
     }
 
     pub fn bytes_per_token(&self) -> usize {
-        self.n_layers * 2 * self.kv_dim * self.dtype.bytes()
+        self.dtype.bytes_for(self.n_layers * 2 * self.kv_dim)
     }
 
     pub fn page_bytes(&self) -> usize {
-        self.page_elems() * self.dtype.bytes()
+        self.dtype.bytes_for(self.page_elems())
+    }
+
+    /// Whether rows of this layout can be stored in its element type (Q8_0 needs whole
+    /// blocks per row).
+    pub fn is_storable(&self) -> bool {
+        self.kv_dim.is_multiple_of(self.dtype.values_per_element())
     }
 
     /// Offset of the first value of the K (`kv = 0`) or V (`kv = 1`) rows of `layer`.
@@ -52,13 +83,26 @@ impl KvLayout {
 pub(crate) enum PageData {
     F16(Box<[f16]>),
     F32(Box<[f32]>),
+    Q8_0(Box<[Q8Block]>),
 }
 
 impl PageData {
+    /// A page of `elems` values, all zero.
+    pub(crate) fn zeroed(dtype: KvDtype, elems: usize) -> Self {
+        match dtype {
+            KvDtype::F16 => PageData::F16(vec![f16::ZERO; elems].into_boxed_slice()),
+            KvDtype::F32 => PageData::F32(vec![0f32; elems].into_boxed_slice()),
+            KvDtype::Q8_0 => {
+                PageData::Q8_0(vec![Q8Block::ZERO; elems / Q8_VALUES].into_boxed_slice())
+            }
+        }
+    }
+
     pub(crate) fn fill(&mut self, value: f32) {
         match self {
             PageData::F16(d) => d.fill(f16::from_f32(value)),
             PageData::F32(d) => d.fill(value),
+            PageData::Q8_0(d) => d.fill(Q8Block::filled(value)),
         }
     }
 
@@ -67,6 +111,45 @@ impl PageData {
         match self {
             PageData::F16(d) => d.iter().map(|x| x.to_f32()).collect(),
             PageData::F32(d) => d.to_vec(),
+            PageData::Q8_0(_) => {
+                let mut out = vec![0f32; self.values()];
+                KvSlice::from(self).to_f32(&mut out);
+                out
+            }
+        }
+    }
+
+    #[cfg(feature = "test-support")]
+    fn values(&self) -> usize {
+        match self {
+            PageData::F16(d) => d.len(),
+            PageData::F32(d) => d.len(),
+            PageData::Q8_0(d) => d.len() * Q8_VALUES,
+        }
+    }
+
+    /// Stores rows of f32 values at value offset `at` (for Q8_0, a block boundary).
+    pub(crate) fn store(&mut self, at: usize, rows: &[f32]) {
+        match self {
+            // The slice conversion checks the CPU once per row and converts several values
+            // per instruction (per element, it was a call each); same rounding.
+            PageData::F16(d) => d[at..at + rows.len()].convert_from_f32_slice(rows),
+            PageData::F32(d) => d[at..at + rows.len()].copy_from_slice(rows),
+            PageData::Q8_0(d) => {
+                let b = at / Q8_VALUES;
+                quantize_into(rows, &mut d[b..b + rows.len() / Q8_VALUES]);
+            }
+        }
+    }
+}
+
+#[cfg(feature = "test-support")]
+impl<'a> From<&'a PageData> for KvSlice<'a> {
+    fn from(d: &'a PageData) -> Self {
+        match d {
+            PageData::F16(d) => KvSlice::F16(d),
+            PageData::F32(d) => KvSlice::F32(d),
+            PageData::Q8_0(d) => KvSlice::Q8_0(d),
         }
     }
 }
@@ -76,13 +159,16 @@ impl PageData {
 pub enum KvSlice<'a> {
     F16(&'a [f16]),
     F32(&'a [f32]),
+    Q8_0(&'a [Q8Block]),
 }
 
 impl KvSlice<'_> {
+    /// Values (not elements) in the slice.
     pub fn len(&self) -> usize {
         match self {
             KvSlice::F16(s) => s.len(),
             KvSlice::F32(s) => s.len(),
+            KvSlice::Q8_0(s) => s.len() * Q8_VALUES,
         }
     }
 
@@ -91,7 +177,7 @@ impl KvSlice<'_> {
     }
 
     /// Copies the first `min(self.len(), out.len())` values into `out` as f32 (exact for
-    /// both types) and returns how many it copied.
+    /// every type) and returns how many it copied.
     pub fn to_f32(&self, out: &mut [f32]) -> usize {
         match self {
             KvSlice::F16(s) => {
@@ -102,6 +188,13 @@ impl KvSlice<'_> {
             KvSlice::F32(s) => {
                 for (o, v) in out.iter_mut().zip(s.iter()) {
                     *o = *v;
+                }
+            }
+            KvSlice::Q8_0(s) => {
+                let mut block = [0f32; Q8_VALUES];
+                for (o, b) in out.chunks_mut(Q8_VALUES).zip(s.iter()) {
+                    b.dequantize(&mut block);
+                    o.copy_from_slice(&block[..o.len()]);
                 }
             }
         }
@@ -129,5 +222,12 @@ pub(crate) fn rows<'a>(
             KvSlice::F32(&d[k0..k0 + len]),
             KvSlice::F32(&d[v0..v0 + len]),
         ),
+        PageData::Q8_0(d) => {
+            let (k0, v0, len) = (k0 / Q8_VALUES, v0 / Q8_VALUES, len / Q8_VALUES);
+            (
+                KvSlice::Q8_0(&d[k0..k0 + len]),
+                KvSlice::Q8_0(&d[v0..v0 + len]),
+            )
+        }
     }
 }

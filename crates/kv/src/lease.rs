@@ -1,9 +1,7 @@
 //! Exclusive, writable ownership of one page by one request: append-only writes, reads
 //! bounded by what was written, and freezing a full page into a shared one.
 
-use half::slice::HalfFloatSliceExt;
-
-use crate::layout::{rows, KvSlice, PageData};
+use crate::layout::{rows, KvSlice};
 use crate::shared::SharedPage;
 use crate::state::{PageBuf, PoolInner};
 use crate::sync::Arc;
@@ -87,18 +85,8 @@ impl PageLease {
         let ko = layout.offset(layer, 0, slot);
         let vo = layout.offset(layer, 1, slot);
         let d = &mut self.buf.as_mut().expect("a live lease holds its page").data;
-        match d {
-            PageData::F16(d) => {
-                // The slice conversion checks the CPU once per row and converts several
-                // values per instruction (per element, it was a call each); same rounding.
-                d[ko..ko + k.len()].convert_from_f32_slice(k);
-                d[vo..vo + v.len()].convert_from_f32_slice(v);
-            }
-            PageData::F32(d) => {
-                d[ko..ko + k.len()].copy_from_slice(k);
-                d[vo..vo + v.len()].copy_from_slice(v);
-            }
-        }
+        d.store(ko, k);
+        d.store(vo, v);
         self.written[layer] += 1;
         Ok(())
     }

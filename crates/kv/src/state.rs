@@ -2,10 +2,8 @@
 //! page buffers, the accounting, the eviction lists, and the one way back into the free
 //! list (scrubbed).
 
-use half::f16;
-
 use crate::evict::{Eviction, Holder};
-use crate::layout::{KvDtype, KvLayout, PageData};
+use crate::layout::{KvLayout, PageData};
 use crate::sync::{Mutex, MutexGuard};
 
 /// What happens to a page's contents when its lease ends.
@@ -44,14 +42,18 @@ pub(crate) struct PoolInner {
 impl PoolInner {
     /// Every page's buffer, allocated now and all free.
     pub(crate) fn new(layout: KvLayout, scrub: ScrubPolicy, pages: usize) -> Self {
+        assert!(
+            layout.is_storable(),
+            "{} K/V rows need a multiple of {} values; this layout has {}",
+            layout.dtype.name(),
+            layout.dtype.values_per_element(),
+            layout.kv_dim
+        );
         let elems = layout.page_elems();
         let free = (0..pages)
             .rev()
             .map(|i| {
-                let data = match layout.dtype {
-                    KvDtype::F16 => PageData::F16(vec![f16::ZERO; elems].into_boxed_slice()),
-                    KvDtype::F32 => PageData::F32(vec![0f32; elems].into_boxed_slice()),
-                };
+                let data = PageData::zeroed(layout.dtype, elems);
                 PageBuf {
                     index: i as u32,
                     data,

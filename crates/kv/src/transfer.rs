@@ -9,12 +9,14 @@
 
 use half::f16;
 
+use crate::q8::{Q8Block, Q8_BLOCK_BYTES, Q8_VALUES};
 use crate::{KvDtype, KvError, KvLayout, KvSlice, SequenceKv};
 
 impl KvLayout {
     /// Bytes of one page payload holding `tokens` slots.
     pub fn payload_bytes(&self, tokens: usize) -> usize {
-        self.n_layers * 2 * tokens * self.kv_dim * self.dtype.bytes()
+        self.dtype
+            .bytes_for(self.n_layers * 2 * tokens * self.kv_dim)
     }
 }
 
@@ -26,6 +28,7 @@ fn push_slice(out: &mut Vec<u8>, s: KvSlice<'_>) {
         KvSlice::F32(v) => v
             .iter()
             .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        KvSlice::Q8_0(v) => v.iter().for_each(|b| b.push_bytes(out)),
     }
 }
 
@@ -39,6 +42,16 @@ fn read_row(dtype: KvDtype, bytes: &[u8], out: &mut [f32]) {
         KvDtype::F32 => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
                 *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        // Written again, the dequantized values quantize to these very blocks
+        // (`q8::tests::dequantized_values_quantize_to_the_same_block`).
+        KvDtype::Q8_0 => {
+            for (o, b) in out
+                .chunks_mut(Q8_VALUES)
+                .zip(bytes.chunks_exact(Q8_BLOCK_BYTES))
+            {
+                Q8Block::from_bytes(b).dequantize(o);
             }
         }
     }
@@ -81,7 +94,7 @@ impl SequenceKv {
                 want,
             });
         }
-        let row_bytes = layout.kv_dim * layout.dtype.bytes();
+        let row_bytes = layout.dtype.bytes_for(layout.kv_dim);
         let (mut k, mut v) = (vec![0f32; layout.kv_dim], vec![0f32; layout.kv_dim]);
         let base = index * layout.page_tokens;
         for (layer, rows) in bytes.chunks_exact(2 * tokens * row_bytes).enumerate() {

@@ -40,6 +40,7 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
     let kv_dtype = match args.kv_dtype {
         KvDtypeArg::F16 => kv::KvDtype::F16,
         KvDtypeArg::F32 => kv::KvDtype::F32,
+        KvDtypeArg::Q8_0 => kv::KvDtype::Q8_0,
     };
     let layout = model.kv_layout(args.kv_page_tokens.max(1), kv_dtype);
     let pool_tokens = match args.kv_pool_mib {
@@ -95,7 +96,7 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
             page_tokens: layout.page_tokens,
             n_layers: layout.n_layers,
             kv_dim: layout.kv_dim,
-            kv_dtype_bytes: layout.dtype.bytes(),
+            kv_dtype: layout.dtype,
         };
         let eos = tok.eos_id();
         let vocabulary =

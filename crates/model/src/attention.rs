@@ -106,6 +106,16 @@ pub(crate) fn attention(
                         .collect();
                     attend_group::<f32>(&typed, rows, first, dim, &shape)
                 }
+                Some(KvSlice::Q8_0(_)) => {
+                    let typed: Vec<_> = runs
+                        .iter()
+                        .filter_map(|r| match (r.k, r.v) {
+                            (KvSlice::Q8_0(k), KvSlice::Q8_0(v)) => Some((k, v, r.tokens)),
+                            _ => None,
+                        })
+                        .collect();
+                    attend_group::<kv::Q8Block>(&typed, rows, first, dim, &shape)
+                }
                 _ => {
                     let typed: Vec<_> = runs
                         .iter()
@@ -193,9 +203,11 @@ fn attend_group<T: KvElem>(
     for (k, v, n) in runs {
         if at_pos + n > base {
             for j in base.saturating_sub(at_pos)..*n {
-                let at = j * kv_dim + g * hd;
-                k_rows.push(&k[at..at + hd]);
-                v_rows.push(&v[at..at + hd]);
+                // In elements: a Q8_0 element holds 32 values.
+                let at = (j * kv_dim + g * hd) / T::VALUES;
+                let len = hd / T::VALUES;
+                k_rows.push(&k[at..at + len]);
+                v_rows.push(&v[at..at + len]);
             }
         }
         at_pos += n;

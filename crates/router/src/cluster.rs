@@ -223,8 +223,8 @@ impl Expectation {
 
 fn layout_of(info: &pb::NodeInfo) -> String {
     format!(
-        "{} layers x {} values, {}-byte elements, {}-token pages",
-        info.n_layers, info.kv_dim, info.kv_dtype_bytes, info.page_tokens
+        "{} layers x {} values, {} elements, {}-token pages",
+        info.n_layers, info.kv_dim, info.kv_dtype, info.page_tokens
     )
 }
 

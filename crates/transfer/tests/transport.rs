@@ -70,7 +70,7 @@ async fn start_node(role: Role, ca: &ClusterCa, deadlines: Deadlines) -> TestNod
             page_tokens: 16,
             n_layers: 2,
             kv_dim: 32,
-            kv_dtype_bytes: 2,
+            kv_dtype: kv::KvDtype::F16,
         },
         engine.clone(),
         metrics.clone(),

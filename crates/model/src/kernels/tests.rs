@@ -551,6 +551,10 @@ fn rows_of(rows: &[Vec<half::f16>]) -> Vec<&[half::f16]> {
     rows.iter().map(|r| r.as_slice()).collect()
 }
 
+fn row_refs<T>(rows: &[Vec<T>]) -> Vec<&[T]> {
+    rows.iter().map(|r| r.as_slice()).collect()
+}
+
 /// A build of `attend_rows` for f16 caches.
 type AttendRows = dyn Fn(&[f32], &RowsShape, &[&[half::f16]], &[&[half::f16]], &mut [f32]);
 
@@ -611,6 +615,48 @@ fn attention_512_bit_build_gives_the_portable_bits() {
             _ => build::<f16, 0>(q, sh, k, v, o),
         }
     });
+}
+
+/// A Q8_0 cache's attention is an f32 cache's attention over the Q8_0 values, bit for
+/// bit, on this CPU's build and the portable one: dequantization is exact and nothing after
+/// it depends on the element type.
+#[test]
+fn q8_0_attention_is_f32_attention_over_its_values() {
+    use kv::{Q8Block, Q8_VALUES};
+    for (c, shape) in attention_cases(53) {
+        if !shape.hd.is_multiple_of(Q8_VALUES) {
+            continue;
+        }
+        let quantize = |rows: &[Vec<half::f16>]| -> Vec<Vec<Q8Block>> {
+            rows.iter()
+                .map(|r| {
+                    let x: Vec<f32> = r.iter().map(|v| v.to_f32()).collect();
+                    x.chunks(Q8_VALUES).map(Q8Block::quantize).collect()
+                })
+                .collect()
+        };
+        let widen = |rows: &[Vec<Q8Block>]| -> Vec<Vec<f32>> {
+            rows.iter()
+                .map(|r| {
+                    let mut x = vec![0f32; r.len() * Q8_VALUES];
+                    for (o, b) in x.chunks_mut(Q8_VALUES).zip(r) {
+                        b.dequantize(o);
+                    }
+                    x
+                })
+                .collect()
+        };
+        let (kq, vq) = (quantize(&c.k), quantize(&c.v));
+        let (kf, vf) = (widen(&kq), widen(&vq));
+        let mut q8 = vec![0f32; c.q.len()];
+        attend_rows(&c.q, &shape, &row_refs(&kq), &row_refs(&vq), &mut q8);
+        let mut f32s = vec![0f32; c.q.len()];
+        attend_rows(&c.q, &shape, &row_refs(&kf), &row_refs(&vf), &mut f32s);
+        let mut portable = vec![0f32; c.q.len()];
+        attend_rows_portable(&c.q, &shape, &row_refs(&kq), &row_refs(&vq), &mut portable);
+        assert_eq!(attention_bits(&q8), attention_bits(&f32s), "{shape:?}");
+        assert_eq!(attention_bits(&q8), attention_bits(&portable), "{shape:?}");
+    }
 }
 
 /// A query row's output is the same computed alone, in a tile with others, with its heads

@@ -62,7 +62,7 @@ pub struct NodeIdentity {
     pub page_tokens: usize,
     pub n_layers: usize,
     pub kv_dim: usize,
-    pub kv_dtype_bytes: usize,
+    pub kv_dtype: engine::KvDtype,
 }
 pub struct NodeService {
     identity: NodeIdentity,
@@ -101,11 +101,9 @@ impl NodeService {
     /// The largest message this node accepts: a request of the whole context with the
     /// largest constraint, or a page.
     pub fn max_message_bytes(&self) -> usize {
-        let page = self.identity.n_layers
-            * 2
-            * self.identity.page_tokens
-            * self.identity.kv_dim
-            * self.identity.kv_dtype_bytes;
+        let page = self.identity.kv_dtype.bytes_for(
+            self.identity.n_layers * 2 * self.identity.page_tokens * self.identity.kv_dim,
+        );
         let request = self.engine.max_context() * 6 + constraint::limits::MAX_SOURCE_BYTES;
         page.max(request) + 64 * 1024
     }
@@ -181,7 +179,7 @@ impl Node for Arc<NodeService> {
             page_tokens: id.page_tokens as u32,
             n_layers: id.n_layers as u32,
             kv_dim: id.kv_dim as u32,
-            kv_dtype_bytes: id.kv_dtype_bytes as u32,
+            kv_dtype: id.kv_dtype.name().to_owned(),
             load,
             pages_total: pages.total as u64,
             pages_free: pages.free as u64,

@@ -54,6 +54,8 @@ const _: () = assert!(KEY_BLOCK.is_multiple_of(SUM_LANES) && KEY_BLOCK <= 64);
 
 /// Element types of the KV cache.
 pub trait KvElem: Copy + Send + Sync + 'static {
+    /// Values one element holds: a row of `hd` values is `hd / VALUES` elements.
+    const VALUES: usize = 1;
     /// `out[i]` = `q[i]` as the product sees it (an f16 cache rounds it to f16).
     fn round_queries(q: &[f32], out: &mut [f32]);
     /// `dst[i] = src[i]` as f32 (exact).
@@ -69,7 +71,7 @@ pub trait KvElem: Copy + Send + Sync + 'static {
 fn widen_transposed_rows<T: KvElem>(rows: &[&[T]], hd: usize, off: usize, kt: &mut [f32]) {
     let mut row = vec![0f32; hd];
     for (i, r) in rows.iter().enumerate() {
-        T::widen(&r[..hd], &mut row);
+        T::widen(&r[..hd / T::VALUES], &mut row);
         for (d, &x) in row.iter().enumerate() {
             kt[d * KEY_BLOCK + off + i] = x;
         }
@@ -83,6 +85,22 @@ impl KvElem for f32 {
 
     fn widen(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(&src[..dst.len()]);
+    }
+}
+
+/// Q8_0 rows are widened to their exact f32 values, and the queries stay f32: from there
+/// on the arithmetic is the f32 cache's (`kv::Q8Block`).
+impl KvElem for kv::Q8Block {
+    const VALUES: usize = kv::Q8_VALUES;
+
+    fn round_queries(q: &[f32], out: &mut [f32]) {
+        out.copy_from_slice(&q[..out.len()]);
+    }
+
+    fn widen(src: &[kv::Q8Block], dst: &mut [f32]) {
+        for (d, b) in dst.chunks_exact_mut(kv::Q8_VALUES).zip(src) {
+            b.dequantize(d);
+        }
     }
 }
 
@@ -297,7 +315,7 @@ pub(crate) fn attend_rows_with<T: KvElem, B: Build, const HD: usize>(
         #[cfg(target_arch = "x86_64")]
         for j in (to..(to + KEY_BLOCK).min(keys_to)).map(|j| j - shape.base) {
             for row in [k[j], v[j]] {
-                for line in (0..hd).step_by(64 / std::mem::size_of::<T>().max(1)) {
+                for line in (0..row.len()).step_by((64 / std::mem::size_of::<T>()).max(1)) {
                     // SAFETY: a prefetch reads nothing and cannot fault; the address lies in `row`.
                     unsafe {
                         std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
@@ -315,7 +333,7 @@ pub(crate) fn attend_rows_with<T: KvElem, B: Build, const HD: usize>(
         );
         for j in from..to {
             let at = (j - kb) * hd;
-            T::widen(&v[j - shape.base][..hd], &mut vf[at..at + hd]);
+            T::widen(&v[j - shape.base][..hd / T::VALUES], &mut vf[at..at + hd]);
         }
         for r in 0..rows {
             let p = shape.first + r;

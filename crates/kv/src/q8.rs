@@ -1,0 +1,140 @@
+//! The Q8_0 K/V element: llama.cpp's `block_q8_0` (an f16 scale and 32 signed bytes, 34
+//! bytes for 32 values against 64 in f16), as its `-ctk q8_0 -ctv q8_0` stores K and V.
+//!
+//! One quantization, defined here and used on every CPU path (K/V rows are written once
+//! per token, so a scalar loop costs nothing that matters), so that the same request stores
+//! the same bytes on every node. Dequantization is exact in f32 (an 11-bit scale times a
+//! byte), so attention reading a Q8_0 page computes on exactly the values it would read
+//! from an f32 page holding the dequantized rows: every arithmetic after the read is the
+//! f32 cache's.
+
+use half::f16;
+
+/// Values per block.
+pub const Q8_VALUES: usize = 32;
+
+/// 32 values `d * qs[i]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[repr(C)]
+pub struct Q8Block {
+    pub d: f16,
+    pub qs: [i8; Q8_VALUES],
+}
+
+/// Bytes of one block on the wire: `d` little-endian, then the 32 bytes.
+pub const Q8_BLOCK_BYTES: usize = 2 + Q8_VALUES;
+
+impl Q8Block {
+    pub const ZERO: Q8Block = Q8Block {
+        d: f16::ZERO,
+        qs: [0; Q8_VALUES],
+    };
+
+    /// llama.cpp's `quantize_row_q8_0_ref`: the scale maps the largest magnitude to 127,
+    /// each value rounds half away from zero.
+    pub fn quantize(x: &[f32]) -> Q8Block {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut qs = [0i8; Q8_VALUES];
+        for (q, &v) in qs.iter_mut().zip(x) {
+            *q = (v * id).round() as i8;
+        }
+        Q8Block {
+            d: f16::from_f32(d),
+            qs,
+        }
+    }
+
+    /// A block whose every value reads as `value` (scrubbing: 0, or NaN for poison).
+    pub(crate) fn filled(value: f32) -> Q8Block {
+        if value.is_nan() {
+            Q8Block {
+                d: f16::NAN,
+                qs: [0; Q8_VALUES],
+            }
+        } else {
+            Q8Block::quantize(&[value; Q8_VALUES])
+        }
+    }
+
+    /// The 32 values, exactly.
+    pub fn dequantize(&self, out: &mut [f32]) {
+        let d = self.d.to_f32();
+        for (o, &q) in out.iter_mut().zip(&self.qs) {
+            *o = d * f32::from(q);
+        }
+    }
+
+    pub(crate) fn push_bytes(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.d.to_le_bytes());
+        out.extend(self.qs.iter().map(|&q| q as u8));
+    }
+
+    pub(crate) fn from_bytes(b: &[u8]) -> Q8Block {
+        let mut qs = [0i8; Q8_VALUES];
+        for (q, &x) in qs.iter_mut().zip(&b[2..Q8_BLOCK_BYTES]) {
+            *q = x as i8;
+        }
+        Q8Block {
+            d: f16::from_le_bytes([b[0], b[1]]),
+            qs,
+        }
+    }
+}
+
+/// `rows` (a multiple of 32 values) into `out`, block by block.
+pub(crate) fn quantize_into(rows: &[f32], out: &mut [Q8Block]) {
+    for (block, x) in out.iter_mut().zip(rows.chunks_exact(Q8_VALUES)) {
+        *block = Q8Block::quantize(x);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(s: &mut u64) -> f32 {
+        *s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
+    }
+
+    #[test]
+    fn dequantized_values_quantize_to_the_same_block() {
+        // What an import does: bytes to f32 and written again must store the same block.
+        let mut s = 7;
+        for _ in 0..2000 {
+            let x: Vec<f32> = (0..Q8_VALUES).map(|_| lcg(&mut s)).collect();
+            let b = Q8Block::quantize(&x);
+            let mut y = [0f32; Q8_VALUES];
+            b.dequantize(&mut y);
+            assert_eq!(Q8Block::quantize(&y), b);
+            let mut bytes = Vec::new();
+            b.push_bytes(&mut bytes);
+            assert_eq!(bytes.len(), Q8_BLOCK_BYTES);
+            assert_eq!(Q8Block::from_bytes(&bytes), b);
+        }
+    }
+
+    #[test]
+    fn largest_magnitude_is_127_and_error_is_within_half_a_step() {
+        let x: Vec<f32> = (0..Q8_VALUES).map(|i| i as f32 - 20.5).collect();
+        let b = Q8Block::quantize(&x);
+        assert_eq!(b.qs.iter().map(|q| q.unsigned_abs()).max(), Some(127));
+        let mut y = [0f32; Q8_VALUES];
+        b.dequantize(&mut y);
+        let step = b.d.to_f32();
+        for (a, e) in x.iter().zip(y) {
+            assert!(
+                (a - e).abs() <= 0.5 * step + 1e-3 * step.abs() + 20.5 / 1024.0,
+                "{a} {e}"
+            );
+        }
+        assert_eq!(Q8Block::quantize(&[0.0; Q8_VALUES]), Q8Block::ZERO);
+        let mut nan = [0f32; Q8_VALUES];
+        Q8Block::filled(f32::NAN).dequantize(&mut nan);
+        assert!(nan.iter().all(|v| v.is_nan()));
+    }
+}
