@@ -23,6 +23,11 @@ The files are llama-perplexity's own format (documented in crates/eval/src/logit
 every token's log-probability, 2 bytes each, so a 49,152-token vocabulary takes 96 KiB per
 scored position. They are regenerated, not committed: the suite builds llama.cpp anyway.
 
+  q8.kld, q8.json  the first model given, with llama.cpp's Q8_0 K/V (-ctk q8_0 -ctv
+               q8_0), and its own KL figures of that path against plain.kld: what Q8_0
+               storage costs llama.cpp (--check's bar for `kvwarden eval --kv-dtype q8_0`,
+               see check_q8)
+
 --check runs `kvwarden eval --text <the text> --kl-base plain.kld` on each file and asserts
 the bar of every arithmetic change (the issue that introduced `kvwarden eval`):
   * perplexity equal to llama-perplexity's plain-path value to its printed digits while the
@@ -68,6 +73,8 @@ DEFAULT_FLAGS = list(COMMON)
 # Where llama.cpp's two arithmetics coincide on a file, the bar is this instead (nats; the
 # 16-bit storage alone leaves about 1e-6).
 FLOOR = {"kld_mean": 1e-4}
+# llama.cpp's Q8_0 K/V (`--kv-dtype q8_0`), checked on the first model given.
+Q8_FLAGS = ["-ctk", "q8_0", "-ctv", "q8_0"]
 TOP1_FLOOR = 0.99
 # The kernels' instruction-set paths (KVWARDEN_CPU), narrowest first.
 PATHS = ["portable", "avx2", "avx512"]
@@ -229,6 +236,65 @@ def kvwarden_eval(kvwarden, args, env=None):
     return json.loads(p.stdout)
 
 
+def bar(b, spread, n):
+    """The bar (mean KL at most, top-1 agreement at least) for kvwarden's figures `b`."""
+    if not spread:
+        return FLOOR["kld_mean"], TOP1_FLOOR
+    # Both figures are estimates over n positions: the bar allows two standard errors of
+    # their difference, so an arithmetic as close to llama.cpp's plain path as its own
+    # default path is passes, and one measurably farther fails.
+    slack_mean = 2 * math.hypot(b["kld_unc"], spread["kld_unc"])
+    bar_mean = max(spread["kld_mean"] + slack_mean, FLOOR["kld_mean"])
+    p, q = b["same_top"], spread["same_top"]
+    slack_top = 2 * math.sqrt((p * (1 - p) + q * (1 - q)) / n)
+    return bar_mean, min(q - slack_top, TOP1_FLOOR)
+
+
+def check_q8(name, meta, kvwarden, binary):
+    """kvwarden's --kv-dtype q8_0 against llama.cpp's plain path with `-ctk q8_0 -ctv
+    q8_0`: the f16 bar of the file (`bar`), widened by what Q8_0 storage costs llama.cpp
+    itself (its Q8_0 path's KL divergence from its f16 path, added to the mean; its top-1
+    disagreement, taken from the agreement). kvwarden's attention reads the dequantized
+    values in f32 where llama.cpp quantizes the queries as well, so the two Q8_0 paths
+    differ by more than the two f16 paths. Returns (table line, failures)."""
+    out = ROOT / "target" / "eval-refs" / name
+    model = ROOT / "models" / f"{name}.gguf"
+    key = {"plain": meta["key"], "q8": Q8_FLAGS}
+    q8_meta_path = out / "q8.json"
+    q8 = json.loads(q8_meta_path.read_text()) if q8_meta_path.is_file() else {}
+    if q8.get("key") != key or not (out / "q8.kld").is_file() or not q8.get("cost"):
+        print(f"eval-references: recording {name} with Q8_0 K/V", file=sys.stderr)
+        p, cmd = run_llama(binary, model, PLAIN_FLAGS + Q8_FLAGS, PLAIN_ENV,
+                           ["--kl-divergence-base", str(out / "q8.kld")], out / "q8.log")
+        if p.returncode != 0:
+            sys.exit(f"eval-references: llama-perplexity (q8_0) failed; see {out / 'q8.log'}")
+        p, _ = run_llama(binary, model, PLAIN_FLAGS + Q8_FLAGS, PLAIN_ENV,
+                         ["--kl-divergence-base", str(out / "plain.kld"), "--kl-divergence"],
+                         out / "q8-cost.log")
+        if p.returncode != 0 or not FINISHED.search(p.stdout + p.stderr):
+            sys.exit(f"eval-references: llama.cpp's Q8_0-vs-f16 figures on {name} were not "
+                     f"measured; see {out / 'q8-cost.log'}")
+        q8 = {"key": key, "command": " ".join(cmd) + " (env GGML_CPU_TILED_MM=0)",
+              "cost": kl_figures(p.stdout + p.stderr, out / "q8-cost.log")}
+        q8_meta_path.write_text(json.dumps(q8, indent=1) + "\n")
+    ours = kvwarden_eval(kvwarden, ["--model", str(model), "--text", str(TEXT),
+                                    "--kv-dtype", "q8_0", "--kl-base", str(out / "q8.kld")])
+    b, cost = ours["base"], q8["cost"]
+    bar_mean, bar_top = bar(b, meta["spread"], ours["tokens_scored"])
+    bar_mean += cost["kld_mean"]
+    bar_top -= 1 - cost["same_top"]
+    failures = []
+    if b["kld_mean"] > bar_mean:
+        failures.append(f"q8_0 K/V: mean KL divergence {b['kld_mean']:.3g} > the bar {bar_mean:.3g}")
+    if b["same_top"] < bar_top:
+        failures.append(f"q8_0 K/V: top-1 agreement {b['same_top']:.4f} < the bar {bar_top:.4f}")
+    line = (f"{name}, --kv-dtype q8_0 against llama.cpp -ctk q8_0 -ctv q8_0: PPL "
+            f"{ours['ppl']:.4f}, KLD mean {b['kld_mean']:.2e} (bar {bar_mean:.2e}), same top-1 "
+            f"{100 * b['same_top']:.2f} % (bar {100 * bar_top:.2f}); llama.cpp's own q8_0 vs "
+            f"f16: KLD mean {cost['kld_mean']:.2e}, same top-1 {100 * cost['same_top']:.2f} %")
+    return line, failures
+
+
 def check(name, meta, kvwarden):
     """kvwarden against llama.cpp's plain path; returns (table row, failures)."""
     out = ROOT / "target" / "eval-refs" / name
@@ -238,18 +304,7 @@ def check(name, meta, kvwarden):
                                     "--write-base", str(out / "kvwarden.kld")])
     b = ours["base"]
     spread = meta["spread"]
-    n = ours["tokens_scored"]
-    if spread:
-        # Both figures are estimates over n positions: the bar allows two standard errors
-        # of their difference, so an arithmetic as close to llama.cpp's plain path as its
-        # own default path is passes, and one measurably farther fails.
-        slack_mean = 2 * math.hypot(b["kld_unc"], spread["kld_unc"])
-        bar_mean = max(spread["kld_mean"] + slack_mean, FLOOR["kld_mean"])
-        p, q = b["same_top"], spread["same_top"]
-        slack_top = 2 * math.sqrt((p * (1 - p) + q * (1 - q)) / n)
-        bar_top = min(q - slack_top, TOP1_FLOOR)
-    else:
-        bar_mean, bar_top = FLOOR["kld_mean"], TOP1_FLOOR
+    bar_mean, bar_top = bar(b, spread, ours["tokens_scored"])
     failures = []
     if b["kld_mean"] > bar_mean:
         failures.append(f"mean KL divergence {b['kld_mean']:.3g} > the bar {bar_mean:.3g}")
@@ -329,6 +384,11 @@ def main():
             row, bad = check(name, meta, args.kvwarden)
             rows.append(row)
             failures += [f"{name}: {b}" for b in bad]
+    q8_line = None
+    if args.check:
+        name, fetch = wanted[0]
+        q8_line, bad = check_q8(name, record(name, fetch, binary), args.kvwarden, binary)
+        failures += [f"{name}: {b}" for b in bad]
     if args.invariance:
         failures += invariance(wanted[0][0], args.kvwarden, args.portable)
     if rows:
@@ -337,6 +397,8 @@ def main():
               "KLD mean | KLD 99% | same top-1 % | PPL default |")
         print("| --- " * 12 + "|")
         print("\n".join(rows))
+    if q8_line:
+        print(q8_line)
     if failures:
         sys.exit("eval-references: FAILED\n" + "\n".join(failures))
 

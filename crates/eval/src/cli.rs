@@ -52,6 +52,9 @@ pub struct EvalArgs {
     /// Windows per forward pass (batching); the results must not change.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
+    /// The K/V element type, as `kvwarden serve --kv-dtype` stores it.
+    #[arg(long, default_value = "f16", value_parser = ["f16", "f32", "q8_0"])]
+    pub kv_dtype: String,
     /// Print the figures as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -150,7 +153,20 @@ fn eval_model(model_path: &Path, args: &EvalArgs) -> Result<Report, EvalError> {
     let feeding = Feeding {
         chunk: args.prefill_chunk,
         batch: args.batch,
+        kv_dtype: match args.kv_dtype.as_str() {
+            "f32" => kv::KvDtype::F32,
+            "q8_0" => kv::KvDtype::Q8_0,
+            _ => kv::KvDtype::F16,
+        },
     };
+    let per_element = feeding.kv_dtype.values_per_element();
+    if !model.config.head_dim.is_multiple_of(per_element) {
+        return Err(EvalError::Usage(format!(
+            "--kv-dtype {} stores K/V in blocks of {per_element} values; this model's attention heads have {}",
+            feeding.kv_dtype.name(),
+            model.config.head_dim
+        )));
+    }
     let mut totals = if base.is_some() {
         Totals::with_base()
     } else {

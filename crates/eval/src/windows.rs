@@ -21,6 +21,8 @@ pub struct Feeding {
     pub chunk: Option<usize>,
     /// Windows per forward pass.
     pub batch: usize,
+    /// The K/V element type.
+    pub kv_dtype: KvDtype,
 }
 
 impl Default for Feeding {
@@ -28,6 +30,7 @@ impl Default for Feeding {
         Self {
             chunk: None,
             batch: 1,
+            kv_dtype: KvDtype::F16,
         }
     }
 }
@@ -49,7 +52,7 @@ pub fn run(
     let fed = shape.n_ctx - 1;
     let step = feeding.chunk.unwrap_or(fed).clamp(1, fed);
     let pool = KvPool::new(PoolConfig {
-        layout: model.kv_layout(PAGE_TOKENS, KvDtype::F16),
+        layout: model.kv_layout(PAGE_TOKENS, feeding.kv_dtype),
         pages: batch * shape.n_ctx.div_ceil(PAGE_TOKENS),
         scrub: ScrubPolicy::Zero,
     });
