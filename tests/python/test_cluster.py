@@ -397,3 +397,58 @@ def test_a_node_down_at_start_joins_when_it_answers(tmp_path, mono):
             router.wait()
         for n in nodes:
             n.stop()
+
+
+def test_q8_0_kv_through_the_router_equals_serve(tmp_path):
+    """--kv-dtype q8_0 on every node: each golden prompt's tokens and logprob bits through
+    prefill -> handoff -> decode equal a monolithic q8_0 server's; the handoff moves 34 bytes
+    per 32 values; a pool of 64 MiB holds the tokens that many 34-byte blocks make (1.88x
+    f16's)."""
+    flags = ["--kv-pool-mib", "64", "--kv-dtype", "q8_0"]
+    mono = Server(flags, tmp_path / "mono.log")
+    c = Cluster(flags, tmp_path / "cluster")
+    try:
+        # 30 layers x (K + V) x 192 values, in 34-byte blocks of 32; 16-token pages.
+        per_token = 30 * 2 * 192 // 32 * 34
+        pages = (64 << 20) // (16 * per_token)
+        assert mono.client.models.list().data[0].model_extra["max_model_len"] == 16 * pages
+        f16_pages = (64 << 20) // (16 * 30 * 2 * 192 * 2)
+        assert pages / f16_pages > 1.87
+        before = c.metrics()['kvwarden_transfer_bytes_total{direction="received"}']
+        prompt_tokens = 0
+        for case in GOLDEN:
+            n = len(case["completion_tokens"])
+            got = complete_ids(c, case["prompt_tokens"], n)
+            want = complete_ids(mono, case["prompt_tokens"], n)
+            assert got[:3] == want[:3], case["prompt"]
+            prompt_tokens += len(case["prompt_tokens"])
+        moved = c.metrics()['kvwarden_transfer_bytes_total{direction="received"}'] - before
+        assert moved == prompt_tokens * per_token
+    finally:
+        c.stop()
+        mono.stop()
+
+
+def test_router_refuses_nodes_of_different_kv_types(tmp_path):
+    certs = make_certs(tmp_path / "certs", ["router", "prefill0", "decode0"])
+    nodes = [
+        Node("prefill", ["--kv-pool-tokens", "512", "--kv-dtype", "q8_0"], certs, "prefill0",
+             tmp_path / "p.log"),
+        Node("decode", ["--kv-pool-tokens", "512"], certs, "decode0", tmp_path / "d.log"),
+    ]
+    try:
+        r = subprocess.run(
+            [
+                str(BIN), "router", "--model", str(MODEL), "--port", "0",
+                "--prefill", nodes[0].addr, "--decode", nodes[1].addr,
+                "--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / "router.pem"),
+                "--tls-key", str(certs / "router.key"),
+            ],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )
+        assert r.returncode != 0
+        assert "q8_0" in r.stderr and "f16" in r.stderr, r.stderr
+        assert "listening" not in r.stderr
+    finally:
+        for n in nodes:
+            n.stop()
