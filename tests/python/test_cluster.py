@@ -130,6 +130,22 @@ def test_over_length_never_reaches_a_decode_node(tmp_path):
         c.stop()
 
 
+def router_refusal(certs: Path, nodes, *args) -> str:
+    """`kvwarden router` over `nodes` (a prefill and a decode node) with `certs`' router
+    identity: asserts it refuses to start, and returns what it printed."""
+    r = subprocess.run(
+        [
+            str(BIN), "router", "--model", str(MODEL), "--port", "0",
+            "--prefill", nodes[0].addr, "--decode", nodes[1].addr,
+            "--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / "router.pem"),
+            "--tls-key", str(certs / "router.key"), *args,
+        ],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )
+    assert r.returncode != 0 and "listening" not in r.stderr, r.stderr
+    return r.stderr
+
+
 def test_router_refuses_to_advertise_more_than_a_node_holds(tmp_path):
     certs = make_certs(tmp_path / "certs", ["router", "prefill0", "decode0"])
     nodes = [
@@ -137,18 +153,8 @@ def test_router_refuses_to_advertise_more_than_a_node_holds(tmp_path):
         Node("decode", ["--kv-pool-tokens", "256"], certs, "decode0", tmp_path / "d.log"),
     ]
     try:
-        r = subprocess.run(
-            [
-                str(BIN), "router", "--model", str(MODEL), "--port", "0", "--max-context", "300",
-                "--prefill", nodes[0].addr, "--decode", nodes[1].addr,
-                "--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / "router.pem"),
-                "--tls-key", str(certs / "router.key"),
-            ],
-            capture_output=True, text=True, timeout=60, cwd=ROOT,
-        )
-        assert r.returncode != 0
-        assert "300" in r.stderr and "256" in r.stderr, r.stderr
-        assert "listening" not in r.stderr
+        err = router_refusal(certs, nodes, "--max-context", "300")
+        assert "300" in err and "256" in err, err
     finally:
         for n in nodes:
             n.stop()
@@ -162,17 +168,8 @@ def test_router_refuses_a_node_outside_the_cluster_ca(tmp_path):
         Node("decode", ["--kv-pool-tokens", "256"], certs, "decode0", tmp_path / "d.log"),
     ]
     try:
-        r = subprocess.run(
-            [
-                str(BIN), "router", "--model", str(MODEL), "--port", "0",
-                "--prefill", nodes[0].addr, "--decode", nodes[1].addr,
-                "--tls-ca", str(other / "ca.pem"), "--tls-cert", str(other / "router.pem"),
-                "--tls-key", str(other / "router.key"),
-            ],
-            capture_output=True, text=True, timeout=60, cwd=ROOT,
-        )
-        assert r.returncode != 0
-        assert "not reachable" in r.stderr, r.stderr
+        err = router_refusal(other, nodes)
+        assert "not reachable" in err, err
         m = nodes[0].metrics()
         assert m['kvwarden_transfer_failures_total{reason="auth"}'] >= 1
     finally:
@@ -437,18 +434,8 @@ def test_router_refuses_nodes_of_different_kv_types(tmp_path):
         Node("decode", ["--kv-pool-tokens", "512"], certs, "decode0", tmp_path / "d.log"),
     ]
     try:
-        r = subprocess.run(
-            [
-                str(BIN), "router", "--model", str(MODEL), "--port", "0",
-                "--prefill", nodes[0].addr, "--decode", nodes[1].addr,
-                "--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / "router.pem"),
-                "--tls-key", str(certs / "router.key"),
-            ],
-            capture_output=True, text=True, timeout=60, cwd=ROOT,
-        )
-        assert r.returncode != 0
-        assert "q8_0" in r.stderr and "f16" in r.stderr, r.stderr
-        assert "listening" not in r.stderr
+        err = router_refusal(certs, nodes)
+        assert "q8_0" in err and "f16" in err, err
     finally:
         for n in nodes:
             n.stop()

@@ -96,36 +96,11 @@ pub(crate) fn attention(
             // Position of the task's first row in the sequence.
             let first = it.kv.len() + task.rows.start;
             let out = match runs.first().map(|r| r.k) {
-                Some(KvSlice::F32(_)) => {
-                    let typed: Vec<_> = runs
-                        .iter()
-                        .filter_map(|r| match (r.k, r.v) {
-                            (KvSlice::F32(k), KvSlice::F32(v)) => Some((k, v, r.tokens)),
-                            _ => None,
-                        })
-                        .collect();
-                    attend_group::<f32>(&typed, rows, first, dim, &shape)
-                }
+                Some(KvSlice::F32(_)) => attend_typed::<f32>(runs, rows, first, dim, &shape),
                 Some(KvSlice::Q8_0(_)) => {
-                    let typed: Vec<_> = runs
-                        .iter()
-                        .filter_map(|r| match (r.k, r.v) {
-                            (KvSlice::Q8_0(k), KvSlice::Q8_0(v)) => Some((k, v, r.tokens)),
-                            _ => None,
-                        })
-                        .collect();
-                    attend_group::<kv::Q8Block>(&typed, rows, first, dim, &shape)
+                    attend_typed::<kv::Q8Block>(runs, rows, first, dim, &shape)
                 }
-                _ => {
-                    let typed: Vec<_> = runs
-                        .iter()
-                        .filter_map(|r| match (r.k, r.v) {
-                            (KvSlice::F16(k), KvSlice::F16(v)) => Some((k, v, r.tokens)),
-                            _ => None,
-                        })
-                        .collect();
-                    attend_group::<f16>(&typed, rows, first, dim, &shape)
-                }
+                _ => attend_typed::<f16>(runs, rows, first, dim, &shape),
             };
             (task, out)
         })
@@ -138,6 +113,53 @@ pub(crate) fn attention(
             attn[r * dim + from..r * dim + from + width].copy_from_slice(row);
         }
     }
+}
+
+/// A K/V element type as the pool's slices carry it.
+trait TypedRows: KvElem {
+    fn of(s: KvSlice<'_>) -> Option<&[Self]>;
+}
+
+impl TypedRows for f32 {
+    fn of(s: KvSlice<'_>) -> Option<&[f32]> {
+        match s {
+            KvSlice::F32(x) => Some(x),
+            _ => None,
+        }
+    }
+}
+
+impl TypedRows for f16 {
+    fn of(s: KvSlice<'_>) -> Option<&[f16]> {
+        match s {
+            KvSlice::F16(x) => Some(x),
+            _ => None,
+        }
+    }
+}
+
+impl TypedRows for kv::Q8Block {
+    fn of(s: KvSlice<'_>) -> Option<&[kv::Q8Block]> {
+        match s {
+            KvSlice::Q8_0(x) => Some(x),
+            _ => None,
+        }
+    }
+}
+
+/// [`attend_group`] over `runs`, whose slices are all of type `T` (one pool, one type).
+fn attend_typed<T: TypedRows>(
+    runs: &[KvRun<'_>],
+    rows: &[f32],
+    first: usize,
+    dim: usize,
+    shape: &HeadShape,
+) -> Vec<f32> {
+    let typed: Vec<_> = runs
+        .iter()
+        .filter_map(|r| Some((T::of(r.k)?, T::of(r.v)?, r.tokens)))
+        .collect();
+    attend_group::<T>(&typed, rows, first, dim, shape)
 }
 
 /// One unit of parallel attention work.
