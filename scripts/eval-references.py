@@ -377,17 +377,17 @@ def main():
         sys.exit(f"unknown model(s) {unknown}; known: {names}")
     wanted = [(n, f) for n, f in known if not args.models or n in args.models]
     binary = perplexity_binary()
-    rows, failures = [], []
+    rows, failures, metas = [], [], {}
     for name, fetch in wanted:
-        meta = record(name, fetch, binary)
+        meta = metas[name] = record(name, fetch, binary)
         if args.check:
             row, bad = check(name, meta, args.kvwarden)
             rows.append(row)
             failures += [f"{name}: {b}" for b in bad]
     q8_line = None
     if args.check:
-        name, fetch = wanted[0]
-        q8_line, bad = check_q8(name, record(name, fetch, binary), args.kvwarden, binary)
+        name = wanted[0][0]
+        q8_line, bad = check_q8(name, metas[name], args.kvwarden, binary)
         failures += [f"{name}: {b}" for b in bad]
     if args.invariance:
         failures += invariance(wanted[0][0], args.kvwarden, args.portable)

@@ -128,17 +128,61 @@ impl PageData {
         }
     }
 
-    /// Stores rows of f32 values at value offset `at` (for Q8_0, a block boundary).
-    pub(crate) fn store(&mut self, at: usize, rows: &[f32]) {
-        match self {
+    /// Stores one row of `values` values at value offset `at` (for Q8_0, a block boundary);
+    /// the caller checked the row's shape (`Row::fits`).
+    pub(crate) fn store(&mut self, at: usize, values: usize, row: Row<'_>) {
+        match (self, row) {
             // The slice conversion checks the CPU once per row and converts several values
             // per instruction (per element, it was a call each); same rounding.
-            PageData::F16(d) => d[at..at + rows.len()].convert_from_f32_slice(rows),
-            PageData::F32(d) => d[at..at + rows.len()].copy_from_slice(rows),
-            PageData::Q8_0(d) => {
+            (PageData::F16(d), Row::Values(x)) => d[at..at + values].convert_from_f32_slice(x),
+            (PageData::F32(d), Row::Values(x)) => d[at..at + values].copy_from_slice(x),
+            (PageData::Q8_0(d), Row::Values(x)) => {
                 let b = at / Q8_VALUES;
-                quantize_into(rows, &mut d[b..b + rows.len() / Q8_VALUES]);
+                quantize_into(x, &mut d[b..b + values / Q8_VALUES]);
             }
+            (PageData::F16(d), Row::Wire(bytes)) => {
+                for (o, b) in d[at..at + values].iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([b[0], b[1]]);
+                }
+            }
+            (PageData::F32(d), Row::Wire(bytes)) => {
+                for (o, b) in d[at..at + values].iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            (PageData::Q8_0(d), Row::Wire(bytes)) => {
+                let b = at / Q8_VALUES;
+                for (o, x) in d[b..b + values / Q8_VALUES]
+                    .iter_mut()
+                    .zip(bytes.chunks_exact(Q8_BLOCK_BYTES))
+                {
+                    *o = Q8Block::from_bytes(x);
+                }
+            }
+        }
+    }
+}
+
+/// One K or V row to store: values a forward pass computed, or a row as
+/// `SequenceKv::export_pages` sent it (the pool's element type, little-endian), stored as it
+/// came, so a page moved between nodes holds the bytes it left with.
+#[derive(Clone, Copy)]
+pub(crate) enum Row<'a> {
+    Values(&'a [f32]),
+    Wire(&'a [u8]),
+}
+
+impl Row<'_> {
+    /// Whether this is one row of `layout`; otherwise the length found.
+    pub(crate) fn fits(&self, layout: &KvLayout) -> Result<(), usize> {
+        let (got, want) = match self {
+            Row::Values(x) => (x.len(), layout.kv_dim),
+            Row::Wire(b) => (b.len(), layout.dtype.bytes_for(layout.kv_dim)),
+        };
+        if got == want {
+            Ok(())
+        } else {
+            Err(got)
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Exclusive, writable ownership of one page by one request: append-only writes, reads
 //! bounded by what was written, and freezing a full page into a shared one.
 
-use crate::layout::{rows, KvSlice};
+use crate::layout::{rows, KvSlice, Row};
 use crate::shared::SharedPage;
 use crate::state::{PageBuf, PoolInner};
 use crate::sync::Arc;
@@ -61,6 +61,16 @@ impl PageLease {
     /// Appends one slot's K and V rows on `layer`. Writes are append-only and in order, so
     /// the written extent is always a prefix of the page.
     pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<(), KvError> {
+        self.append_row(layer, Row::Values(k), Row::Values(v))
+    }
+
+    /// [`Self::append`] of rows computed or received (`Row`).
+    pub(crate) fn append_row(
+        &mut self,
+        layer: usize,
+        k: Row<'_>,
+        v: Row<'_>,
+    ) -> Result<(), KvError> {
         let layout = self.pool.layout;
         if layer >= layout.n_layers {
             return Err(KvError::NoSuchLayer {
@@ -68,9 +78,9 @@ impl PageLease {
                 layers: layout.n_layers,
             });
         }
-        if k.len() != layout.kv_dim || v.len() != layout.kv_dim {
+        if let Err(got) = k.fits(&layout).and(v.fits(&layout)) {
             return Err(KvError::RowShape {
-                got: k.len().min(v.len()),
+                got,
                 want: layout.kv_dim,
             });
         }
@@ -85,8 +95,8 @@ impl PageLease {
         let ko = layout.offset(layer, 0, slot);
         let vo = layout.offset(layer, 1, slot);
         let d = &mut self.buf.as_mut().expect("a live lease holds its page").data;
-        d.store(ko, k);
-        d.store(vo, v);
+        d.store(ko, layout.kv_dim, k);
+        d.store(vo, layout.kv_dim, v);
         self.written[layer] += 1;
         Ok(())
     }

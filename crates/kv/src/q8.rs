@@ -103,7 +103,7 @@ mod tests {
 
     #[test]
     fn dequantized_values_quantize_to_the_same_block() {
-        // What an import does: bytes to f32 and written again must store the same block.
+        // Quantizing its own output changes nothing, and the wire format round-trips.
         let mut s = 7;
         for _ in 0..2000 {
             let x: Vec<f32> = (0..Q8_VALUES).map(|_| lcg(&mut s)).collect();

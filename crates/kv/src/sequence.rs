@@ -1,4 +1,4 @@
-use crate::layout::{KvLayout, KvSlice};
+use crate::layout::{KvLayout, KvSlice, Row};
 use crate::lease::PageLease;
 use crate::pool::KvPool;
 use crate::shared::SharedPage;
@@ -163,6 +163,17 @@ impl SequenceKv {
         k: &[f32],
         v: &[f32],
     ) -> Result<(), KvError> {
+        self.write_row(layer, position, Row::Values(k), Row::Values(v))
+    }
+
+    /// [`Self::write`] of rows computed or received (`Row`).
+    pub(crate) fn write_row(
+        &mut self,
+        layer: usize,
+        position: usize,
+        k: Row<'_>,
+        v: Row<'_>,
+    ) -> Result<(), KvError> {
         let p = self.pool.layout().page_tokens;
         let capacity = self.capacity();
         let request = self.owner.request;
@@ -193,7 +204,7 @@ impl SequenceKv {
                 expected: (position / p) * p + expected,
             });
         }
-        lease.append(layer, k, v)
+        lease.append_row(layer, k, v)
     }
 
     /// Declares positions `[len, new_len)` complete; refused unless every layer holds them.

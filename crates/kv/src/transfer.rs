@@ -7,10 +7,8 @@
 //! Payload of one page: for each layer, the K rows then the V rows of its first `tokens`
 //! slots, in the pool's element type, little-endian.
 
-use half::f16;
-
-use crate::q8::{Q8Block, Q8_BLOCK_BYTES, Q8_VALUES};
-use crate::{KvDtype, KvError, KvLayout, KvSlice, SequenceKv};
+use crate::layout::Row;
+use crate::{KvError, KvLayout, KvSlice, SequenceKv};
 
 impl KvLayout {
     /// Bytes of one page payload holding `tokens` slots.
@@ -29,31 +27,6 @@ fn push_slice(out: &mut Vec<u8>, s: KvSlice<'_>) {
             .iter()
             .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
         KvSlice::Q8_0(v) => v.iter().for_each(|b| b.push_bytes(out)),
-    }
-}
-
-fn read_row(dtype: KvDtype, bytes: &[u8], out: &mut [f32]) {
-    match dtype {
-        KvDtype::F16 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
-            }
-        }
-        KvDtype::F32 => {
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
-        }
-        // Written again, the dequantized values quantize to these very blocks
-        // (`q8::tests::dequantized_values_quantize_to_the_same_block`).
-        KvDtype::Q8_0 => {
-            for (o, b) in out
-                .chunks_mut(Q8_VALUES)
-                .zip(bytes.chunks_exact(Q8_BLOCK_BYTES))
-            {
-                Q8Block::from_bytes(b).dequantize(o);
-            }
-        }
     }
 }
 
@@ -95,15 +68,18 @@ impl SequenceKv {
             });
         }
         let row_bytes = layout.dtype.bytes_for(layout.kv_dim);
-        let (mut k, mut v) = (vec![0f32; layout.kv_dim], vec![0f32; layout.kv_dim]);
         let base = index * layout.page_tokens;
         for (layer, rows) in bytes.chunks_exact(2 * tokens * row_bytes).enumerate() {
             let (ks, vs) = rows.split_at(tokens * row_bytes);
             for slot in 0..tokens {
                 let at = slot * row_bytes..(slot + 1) * row_bytes;
-                read_row(layout.dtype, &ks[at.clone()], &mut k);
-                read_row(layout.dtype, &vs[at], &mut v);
-                self.write(layer, base + slot, &k, &v)?;
+                // Stored as received: the page holds the bytes the sender's held.
+                self.write_row(
+                    layer,
+                    base + slot,
+                    Row::Wire(&ks[at.clone()]),
+                    Row::Wire(&vs[at]),
+                )?;
             }
         }
         Ok(())
