@@ -4,6 +4,8 @@ llama.cpp's `llama-server` (no speculation), side by side in one run.
 
     bench/speculation.py
     ROUNDS=2 bench/speculation.py
+    MODEL=models/SmolLM2-135M-Instruct.Q8_0.gguf DRAFT_MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf \
+        bench/speculation.py
 
 On the default model (bench/serve.py's build, servers and settings: THREADS, 32 slots, a
 32,768-token KV, flash attention for llama.cpp) each server in turn answers, through
@@ -18,6 +20,11 @@ It prints each figure, the ratios against `--speculation off` and against llama.
 draft tokens kvwarden verified and kept, and writes it all to
 bench/results/speculation-<time>.json (git-ignored). Where llama.cpp's default (repacked)
 path crashes it runs with --no-repack and says so. Timings are never pass/fail tests.
+
+With DRAFT_MODEL set, the drafts come from that model (`--draft-model`) instead of prompt
+lookup, kvwarden also runs with `--speculation on`, and llama.cpp speculates with the same
+draft model (`-md`; its verification batches rows, so its tokens may drift from its plain
+decoding's, which kvwarden's cannot).
 """
 
 import json
@@ -41,14 +48,19 @@ WORKLOADS = {
     "c_32_clients": (32, 64, ["--prompt-tokens", 200, "--token-id-range", serve.TOKEN_ID_RANGE], 64,
                      ["--ignore-eos"]),
 }
-SERVERS = ["kvwarden off", "kvwarden auto", "llama.cpp"]
+DRAFT = os.environ.get("DRAFT_MODEL")
+DRAFT = str(Path(DRAFT).resolve()) if DRAFT else None
+SERVERS = ["kvwarden off", "kvwarden auto"] + (["kvwarden on"] if DRAFT else []) + ["llama.cpp"]
 
 
 def command(name, llama_server, port):
     cmds = serve.server_commands(llama_server, port)
     if name.startswith("kvwarden"):
-        return cmds["kvwarden"] + ["--speculation", name.split()[1]]
-    return cmds["llama.cpp"] + (["--no-repack"] if serve.LLAMA_FALLBACK else [])
+        mode = name.split()[1]
+        drafting = ["--draft-model", DRAFT] if DRAFT and mode != "off" else []
+        return cmds["kvwarden"] + ["--speculation", mode, *drafting]
+    drafting = ["-md", DRAFT] if DRAFT else []
+    return cmds["llama.cpp"] + drafting + (["--no-repack"] if serve.LLAMA_FALLBACK else [])
 
 
 def start(name, llama_server, tmp):
@@ -112,6 +124,7 @@ def main():
         rows.append({
             "workload": w, **{f"{n} output tok/s": tok_s[n] for n in SERVERS},
             "auto / off": tok_s["kvwarden auto"] / tok_s["kvwarden off"],
+            **({"on / off": tok_s["kvwarden on"] / tok_s["kvwarden off"]} if DRAFT else {}),
             "auto / llama.cpp": tok_s["kvwarden auto"] / tok_s["llama.cpp"],
             "draft tokens": d.get("kvwarden_draft_tokens_total"),
             "kept": d.get("kvwarden_accepted_draft_tokens_total"),
@@ -121,12 +134,15 @@ def main():
         print(f"{r['workload']:<22}{r['kvwarden off output tok/s']:>9.1f}{r['kvwarden auto output tok/s']:>9.1f}"
               f"{r['llama.cpp output tok/s']:>11.1f}{r['auto / off']:>10.2f}{r['auto / llama.cpp']:>12.2f}"
               f"{r['draft tokens'] or 0:>9.0f}{r['kept'] or 0:>8.0f}")
+    if DRAFT:
+        print("with --draft-model " + DRAFT + ": on / off " +
+              ", ".join(f"{r['workload']} {r['on / off']:.2f}" for r in rows))
     if serve.LLAMA_FALLBACK:
         print(f"llama.cpp ran with --no-repack: {serve.LLAMA_FALLBACK[0]}")
     out = ROOT / "bench" / "results" / f"speculation-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "rounds": rounds, "llama_fallback": serve.LLAMA_FALLBACK},
-                              indent=2))
+    out.write_text(json.dumps({"rows": rows, "rounds": rounds, "llama_fallback": serve.LLAMA_FALLBACK,
+                               "model": str(serve.MODEL), "draft_model": DRAFT}, indent=2))
     print(f"written to {out}")
 
 

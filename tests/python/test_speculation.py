@@ -1,15 +1,23 @@
 """Speculative decoding through the public API (and, in the cluster form, on the decode
-node behind the router): with drafts on every decode row, every answer to 112 requests (56
-prompts, greedy and seeded) is the answer of a server that never speculates, token for token
-and log-probability for log-probability, one at a time and concurrently; drafts are kept
-and rejected."""
+node behind the router): with drafts on every decode row, from prompt lookup and from a
+draft model, every answer to 112 requests (56 prompts, greedy and seeded) is the answer of
+a server that never speculates, token for token and log-probability for log-probability,
+one at a time and concurrently; drafts are kept and rejected. A draft model of another
+vocabulary is refused at start."""
 
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
-from conftest import MODEL_NAME
+from conftest import BIN, MODEL, MODEL_NAME, ROOT, require_binary
+
+# The default model requantized (scripts/fetch-quant-models.sh): the same vocabulary, other
+# weights, so its drafts are mostly, not always, what the served model decodes.
+DRAFT = ROOT / "models" / "SmolLM2-135M-Instruct.Q2_K.gguf"
+# A synthetic model (scripts/make-synthetic-models.sh) with a vocabulary of its own.
+FOREIGN = ROOT / "models" / "synth-qwen3-q6_k.gguf"
 
 PASSAGES = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of "
@@ -82,7 +90,36 @@ def speculating(make_server):
     return make_server("--kv-pool-tokens", "4096", "--speculation", "on", name="speculating")
 
 
+@pytest.fixture(scope="module")
+def drafting(make_server):
+    assert DRAFT.is_file(), f"{DRAFT} missing: run scripts/fetch-quant-models.sh"
+    # The same size as the model: drafts would never pay, so the test says they cost little.
+    return make_server("--kv-pool-tokens", "4096", "--speculation", "on", "--draft-model", DRAFT,
+                       "--draft-cost", "0.05", name="drafting")
+
+
 def test_speculation_gives_the_answers_of_plain_decoding(plain, speculating):
+    check_speculation(plain, speculating)
+
+
+def test_a_draft_model_gives_the_answers_of_plain_decoding(plain, drafting):
+    check_speculation(plain, drafting)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused():
+    require_binary()
+    assert FOREIGN.is_file(), f"{FOREIGN} missing: run scripts/make-synthetic-models.sh"
+    r = subprocess.run(
+        [str(BIN), "serve", "--model", str(MODEL), "--port", "0", "--kv-pool-tokens", "256",
+         "--draft-model", str(FOREIGN)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )
+    assert r.returncode != 0
+    assert "--draft-model" in r.stderr and "vocabulary is not the model's" in r.stderr, r.stderr
+    assert "listening" not in r.stderr
+
+
+def check_speculation(plain, speculating):
     # Plain decoding's answers do not depend on the batch (invariant 16): computed
     # concurrently, they are its answers alone.
     with ThreadPoolExecutor(8) as pool:

@@ -55,6 +55,8 @@ pub struct EngineHandle {
     commands: mpsc::SyncSender<Command>,
     admission: Admission,
     pool: KvPool,
+    /// The draft model's pool, when drafts come from one.
+    draft_pool: Option<KvPool>,
     metrics: SharedMetrics,
     next_id: Arc<std::sync::atomic::AtomicU64>,
     /// Requests submitted and not yet ended, by tenant, and the most there may be.
@@ -81,6 +83,11 @@ impl EngineHandle {
     /// ```
     pub fn pool_counts(&self) -> PoolCounts {
         self.pool.counts()
+    }
+
+    /// The draft model's pool's accounting, when drafts come from a draft model.
+    pub fn draft_pool_counts(&self) -> Option<PoolCounts> {
+        self.draft_pool.as_ref().map(KvPool::counts)
     }
 
     pub fn metrics(&self) -> &EngineMetrics {
@@ -225,6 +232,17 @@ impl EngineHandle {
 /// and [`EngineHandle::is_alive`] turns false. A panic anywhere else ends the engine
 /// thread the same way.
 pub fn start(model: impl StepModel, config: EngineConfig) -> Result<EngineHandle, StartupError> {
+    start_with_draft(model, None, config)
+}
+
+/// [`start`], with the drafts of speculative decoding proposed by `draft` instead of by
+/// prompt lookup. Refused unless the two models have one vocabulary size (the server
+/// checks the tokens themselves) and the draft model's K/V can be stored as `kv_dtype`.
+pub fn start_with_draft(
+    model: impl StepModel,
+    draft: Option<crate::DraftModel>,
+    config: EngineConfig,
+) -> Result<EngineHandle, StartupError> {
     if !kv::CHECKS_ENABLED {
         return Err(StartupError::Config(
             "this build has the KV read checks compiled out (benchmark-only feature); it must not serve".into(),
@@ -236,12 +254,28 @@ pub fn start(model: impl StepModel, config: EngineConfig) -> Result<EngineHandle
         ));
     }
     let per_element = config.kv_dtype.values_per_element();
-    if !model.config().head_dim.is_multiple_of(per_element) {
-        return Err(StartupError::Config(format!(
-            "--kv-dtype {} stores K/V in blocks of {per_element} values; this model's attention heads have {}",
-            config.kv_dtype.name(),
-            model.config().head_dim
-        )));
+    let draft_config = draft.as_ref().map(|d| d.model.config());
+    for (whose, c) in [
+        ("this model", Some(model.config())),
+        ("the draft model", draft_config),
+    ] {
+        let Some(c) = c else { continue };
+        if !c.head_dim.is_multiple_of(per_element) {
+            return Err(StartupError::Config(format!(
+                "--kv-dtype {} stores K/V in blocks of {per_element} values; {whose}'s attention heads have {}",
+                config.kv_dtype.name(),
+                c.head_dim
+            )));
+        }
+    }
+    if let Some(d) = draft_config {
+        if d.vocab_size != model.config().vocab_size {
+            return Err(StartupError::Config(format!(
+                "the draft model has a vocabulary of {} tokens, the model {}: drafts must be the model's own tokens",
+                d.vocab_size,
+                model.config().vocab_size
+            )));
+        }
     }
     let pages = config.pool_tokens.div_ceil(config.page_tokens);
     let pool_tokens = pages * config.page_tokens;
@@ -282,6 +316,15 @@ pub fn start(model: impl StepModel, config: EngineConfig) -> Result<EngineHandle
             PublicPrefixes::new(config.public_prefixes.clone()),
         )
     });
+    let draft = draft.map(|d| {
+        let draft_pool = KvPool::new(PoolConfig {
+            layout: d.model.kv_layout(config.page_tokens, config.kv_dtype),
+            pages: d.pool_tokens.div_ceil(config.page_tokens).max(1),
+            scrub: config.scrub,
+        });
+        (d.model, draft_pool, d.relative_cost.max(0.0))
+    });
+    let draft_pool = draft.as_ref().map(|(_, pool, _)| pool.clone());
     let worker = Worker::new(
         Box::new(model),
         pool.clone(),
@@ -289,6 +332,7 @@ pub fn start(model: impl StepModel, config: EngineConfig) -> Result<EngineHandle
         metrics.clone(),
         cache,
         lifecycle.clone(),
+        draft,
     );
     let guard = AliveGuard(lifecycle.clone());
     std::thread::Builder::new()
@@ -302,6 +346,7 @@ pub fn start(model: impl StepModel, config: EngineConfig) -> Result<EngineHandle
         commands: tx,
         admission,
         pool,
+        draft_pool,
         metrics,
         next_id: Arc::new(std::sync::atomic::AtomicU64::new(1)),
         places: Places::new(capacity),

@@ -35,9 +35,9 @@ use std::sync::Arc;
 
 pub use admission::{Admission, Admitted, Rejection};
 pub use config::EngineConfig;
-pub use handle::{start, EngineHandle, RequestHandle, StartupError};
+pub use handle::{start, start_with_draft, EngineHandle, RequestHandle, StartupError};
 pub use slot::QueueFull;
-pub use speculation::{SpeculationConfig, SpeculationMode, AUTO_MAX_ROWS};
+pub use speculation::{DraftModel, SpeculationConfig, SpeculationMode, AUTO_MAX_ROWS};
 
 pub use kv::{IsolationDomain, KvDtype, RequestId};
 pub use model::{Penalties, SamplingParams};

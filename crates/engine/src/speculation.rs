@@ -10,10 +10,11 @@
 //! (ARCHITECTURE invariant 16), so each position's logits are bit for bit those of plain
 //! decoding, and the tokens are the non-speculative tokens for any sampler and seed.
 //!
-//! Drafts come from the request's own stream only (prompt lookup: the continuation of the
-//! latest earlier occurrence of its last few tokens), never from another request's: a draft
-//! is a guess that verification checks, but a guess built from another tenant's text could
-//! still be made visible by timing, so no drafter state is shared.
+//! Drafts come from the request's own stream only, never from another request's: prompt
+//! lookup (the continuation of the latest earlier occurrence of its last few tokens), or a
+//! draft model ([`DraftModel`]) run over that stream in K/V pages of the request's own. A
+//! draft is a guess that verification checks, but a guess built from another tenant's text
+//! could still be made visible by timing, so no drafter state is shared.
 //!
 //! Cost (`cargo bench -p model --bench verify_step`, default model, 2-core Xeon): a step
 //! with one row and `d` drafts costs 1.39x plain decoding at `d = 1`, 1.55x at 2 and 2.24x
@@ -49,6 +50,35 @@ impl Default for SpeculationConfig {
             mode: SpeculationMode::Auto,
             max_draft: 8,
         }
+    }
+}
+
+/// A smaller model with the target's vocabulary that proposes the drafts instead of prompt
+/// lookup (`serve --draft-model`). It proposes greedily; verification decides, so what it
+/// proposes changes how fast a request runs, never what it answers.
+///
+/// Its K/V lives in a pool of its own (its layout is its own), in pages leased under each
+/// request's own id and domain (`kv::Owner`), written and read only through that request's
+/// `kv::SequenceKv`, rolled back with the target's K/V after verification and dropped (so
+/// scrubbed) with the request. It computes only the request's own stream and drafts, so
+/// nothing in it is shared between requests.
+pub struct DraftModel {
+    pub model: Box<dyn crate::StepModel>,
+    /// Positions its pool holds. Pages are leased as requests draft and never preempt
+    /// anything: a request whose draft finds no room decodes plainly.
+    pub pool_tokens: usize,
+    /// One of its one-token steps in plain decoding steps of the target: what a draft token
+    /// costs in the draft-length policy (`serve` gives the ratio of the files' sizes, the
+    /// bytes a decode step reads).
+    pub relative_cost: f32,
+}
+
+impl std::fmt::Debug for DraftModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DraftModel")
+            .field("pool_tokens", &self.pool_tokens)
+            .field("relative_cost", &self.relative_cost)
+            .finish_non_exhaustive()
     }
 }
 
@@ -91,15 +121,17 @@ const ACCEPTANCE_WEIGHT: f32 = 0.3;
 
 /// The draft length with the most expected tokens per unit of step cost when each draft
 /// token is kept with probability `acceptance` given the ones before it were (expected
-/// tokens `1 + a + ... + a^d`), or 0 when none gains [`MIN_GAIN`].
-fn best_length(acceptance: f32, max: usize) -> usize {
+/// tokens `1 + a + ... + a^d`), or 0 when none gains [`MIN_GAIN`]. Each draft token costs
+/// `draft_cost` plain decoding steps to propose (0 for prompt lookup; a draft model's
+/// one-token step relative to the target's).
+fn best_length(acceptance: f32, max: usize, draft_cost: f32) -> usize {
     let mut best = (0, MIN_GAIN);
     let mut expected = 1.0f32;
     let mut term = 1.0f32;
     for (d, cost) in VERIFY_COST.iter().enumerate().take(max + 1).skip(1) {
         term *= acceptance;
         expected += term;
-        let gain = expected / cost;
+        let gain = expected / (cost + d as f32 * draft_cost);
         if gain > best.1 {
             best = (d, gain);
         }
@@ -132,9 +164,27 @@ impl Default for Drafter {
 }
 
 impl Drafter {
-    /// A draft of at most `limit` tokens continuing the stream `prompt ++ output`, or none.
-    /// When the estimate says no draft pays, a one-token draft now and then (after the
-    /// cooldown) keeps the estimate current.
+    /// How many tokens to draft this step (at most `limit`), each costing `draft_cost`
+    /// plain steps to propose. When the estimate says no draft pays, a one-token draft now
+    /// and then (after the cooldown) keeps the estimate current.
+    pub(crate) fn wanted(
+        &mut self,
+        config: &SpeculationConfig,
+        limit: usize,
+        draft_cost: f32,
+    ) -> usize {
+        if self.cooldown > 0 {
+            self.cooldown -= 1;
+            return 0;
+        }
+        best_length(self.acceptance, config.max_draft, draft_cost)
+            .max(1)
+            .min(config.max_draft)
+            .min(limit)
+    }
+
+    /// A prompt-lookup draft of at most `limit` tokens continuing the stream `prompt ++
+    /// output`, or none.
     pub(crate) fn propose(
         &mut self,
         prompt: &[u32],
@@ -142,14 +192,7 @@ impl Drafter {
         config: &SpeculationConfig,
         limit: usize,
     ) -> Vec<u32> {
-        if self.cooldown > 0 {
-            self.cooldown -= 1;
-            return Vec::new();
-        }
-        let want = best_length(self.acceptance, config.max_draft)
-            .max(1)
-            .min(config.max_draft)
-            .min(limit);
+        let want = self.wanted(config, limit, 0.0);
         if want == 0 {
             return Vec::new();
         }
@@ -162,7 +205,13 @@ impl Drafter {
 
     /// Updates the estimate with what verification kept of a `drafted`-token draft:
     /// `accepted` kept of `accepted + 1` tried (or of `drafted`, when all were kept).
-    pub(crate) fn record(&mut self, drafted: usize, accepted: usize, config: &SpeculationConfig) {
+    pub(crate) fn record(
+        &mut self,
+        drafted: usize,
+        accepted: usize,
+        config: &SpeculationConfig,
+        draft_cost: f32,
+    ) {
         if drafted == 0 {
             return;
         }
@@ -173,7 +222,7 @@ impl Drafter {
         };
         let rate = accepted as f32 / tried as f32;
         self.acceptance += ACCEPTANCE_WEIGHT * (rate - self.acceptance);
-        if best_length(self.acceptance, config.max_draft) == 0 {
+        if best_length(self.acceptance, config.max_draft, draft_cost) == 0 {
             self.next_cooldown = (self.next_cooldown * 2).clamp(1, MAX_COOLDOWN);
             self.cooldown = self.next_cooldown;
         } else {
@@ -251,17 +300,17 @@ mod tests {
     #[test]
     fn the_draft_length_is_the_most_tokens_per_cost() {
         // Hopeless or marginal acceptance: no draft pays.
-        assert_eq!(best_length(0.2, 8), 0);
+        assert_eq!(best_length(0.2, 8, 0.0), 0);
         // Middling: a short draft.
         assert!(
-            (1..=2).contains(&best_length(0.6, 8)),
+            (1..=2).contains(&best_length(0.6, 8, 0.0)),
             "{}",
-            best_length(0.6, 8)
+            best_length(0.6, 8, 0.0)
         );
         // High: the 8-row step, the cheapest per row.
-        assert_eq!(best_length(0.9, 8), 7);
-        assert!(best_length(0.9, 3) <= 3);
-        assert!(best_length(0.99, 12) >= 7);
+        assert_eq!(best_length(0.9, 8, 0.0), 7);
+        assert!(best_length(0.9, 3, 0.0) <= 3);
+        assert!(best_length(0.99, 12, 0.0) >= 7);
     }
 
     #[test]
@@ -276,7 +325,7 @@ mod tests {
         assert!((1..=2).contains(&first), "a short first draft: {first}");
         for _ in 0..6 {
             let len = d.propose(&repeat, &[], &config, 100).len();
-            d.record(len, len, &config);
+            d.record(len, len, &config, 0.0);
         }
         assert_eq!(d.propose(&repeat, &[], &config, 100).len(), 7);
         assert_eq!(
@@ -295,7 +344,7 @@ mod tests {
             }
             gaps.push(gap);
             gap = 0;
-            d.record(len, 0, &config);
+            d.record(len, 0, &config, 0.0);
         }
         assert!(gaps.windows(2).skip(3).all(|w| w[1] >= w[0]), "{gaps:?}");
         assert!(gaps.last().copied().unwrap_or(0) >= 8, "{gaps:?}");

@@ -37,6 +37,16 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
     };
     let model = model::Model::load(&file)?;
     drop(file);
+    let draft = match &args.draft_model {
+        Some(path) if args.role != Some(RoleArg::Prefill) => {
+            Some(load_draft(path, load, &tok, &args.model)?)
+        }
+        Some(_) => {
+            tracing::info!("a prefill node never decodes: --draft-model is not loaded");
+            None
+        }
+        None => None,
+    };
     let kv_dtype = match args.kv_dtype {
         KvDtypeArg::F16 => kv::KvDtype::F16,
         KvDtypeArg::F32 => kv::KvDtype::F32,
@@ -57,8 +67,13 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
         }
     };
     let role = args.role;
-    let engine = engine::start(
+    let engine = engine::start_with_draft(
         model,
+        draft.map(|(model, size_ratio)| engine::DraftModel {
+            model: Box::new(model),
+            pool_tokens,
+            relative_cost: args.draft_cost.unwrap_or(size_ratio),
+        }),
         EngineConfig {
             max_context: args.max_context,
             pool_tokens,
@@ -133,6 +148,35 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
     ))?;
     engine.shutdown();
     Ok(())
+}
+
+/// The draft model of `--draft-model`, refused unless its token ids mean what the served
+/// model's do, and its cost per step relative to the served model's (the ratio of the
+/// files' sizes: a one-token step reads every weight once).
+fn load_draft(
+    path: &std::path::Path,
+    load: gguf::Load,
+    target_tokens: &tokenizer::Tokenizer,
+    target_path: &std::path::Path,
+) -> Result<(model::Model, f32)> {
+    let file = open_model(&path.to_path_buf(), load)?;
+    let tok = tokenizer::Tokenizer::from_gguf(&file)
+        .with_context(|| format!("--draft-model {}", path.display()))?;
+    if let Some(difference) = target_tokens.vocabulary_difference(&tok) {
+        bail!(
+            "--draft-model {}: its vocabulary is not the model's ({difference}); a draft model must share the model's tokens",
+            path.display()
+        );
+    }
+    let model =
+        model::Model::load(&file).with_context(|| format!("--draft-model {}", path.display()))?;
+    drop(file);
+    let size = |p: &std::path::Path| {
+        std::fs::metadata(p)
+            .map(|m| m.len() as f32)
+            .with_context(|| format!("reading {}", p.display()))
+    };
+    Ok((model, size(path)? / size(target_path)?.max(1.0)))
 }
 
 /// The model id clients must send: the flag, else the file's name without `.gguf`.

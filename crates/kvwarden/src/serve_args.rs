@@ -57,15 +57,28 @@ pub struct ServeArgs {
     /// across tenants. Everything else is shared only within one tenant.
     #[arg(long)]
     pub(crate) public_prefixes: Option<PathBuf>,
-    /// Exact speculative decoding (prompt lookup): `auto` drafts while a step has spare
-    /// room (at most 4 decode rows, no prompt being computed, nobody waiting), `on` on
-    /// every decode row, `off` never. The tokens are the same in every mode.
+    /// Exact speculative decoding (prompt lookup, or `--draft-model`): `auto` drafts while
+    /// a step has spare room (at most 4 decode rows, no prompt being computed, nobody
+    /// waiting), `on` on every decode row, `off` never. The tokens are the same in every
+    /// mode.
     #[arg(long, value_enum, default_value_t = SpeculationArg::Auto)]
     pub(crate) speculation: SpeculationArg,
     /// The most draft tokens one request carries in a step (1 to 12: the lengths whose
     /// verification cost the policy knows).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=12))]
     pub(crate) max_draft_tokens: u16,
+    /// A smaller GGUF with this model's vocabulary (refused at start otherwise, naming the
+    /// difference) that proposes the drafts instead of prompt lookup. Its K/V has a pool of
+    /// its own, as many positions as the model's. A prefill node never decodes and does not
+    /// load it.
+    #[arg(long)]
+    pub(crate) draft_model: Option<PathBuf>,
+    /// What one of the draft model's one-token steps costs, in steps of the served model,
+    /// as the draft-length policy weighs it (more than 0, at most 10). By default the ratio
+    /// of the two files' sizes, the bytes a decode step reads; on small models, where a
+    /// step's fixed cost dominates, the true ratio is higher.
+    #[arg(long, requires = "draft_model", value_parser = draft_cost)]
+    pub(crate) draft_cost: Option<f32>,
     /// Run one side of the disaggregated mode instead of the OpenAI API: `--port` is then
     /// the internal API (gRPC over mutual TLS, for `kvwarden router` and other nodes).
     #[arg(long, value_enum, requires_all = ["tls_ca", "tls_cert", "tls_key"])]
@@ -139,5 +152,16 @@ impl TlsArgs {
             cert: cert.clone(),
             key: key.clone(),
         })?)
+    }
+}
+
+fn draft_cost(value: &str) -> Result<f32, String> {
+    let cost: f32 = value
+        .parse()
+        .map_err(|_| format!("{value:?} is not a number"))?;
+    if cost > 0.0 && cost <= 10.0 {
+        Ok(cost)
+    } else {
+        Err(format!("{value} is not in (0, 10]"))
     }
 }

@@ -301,6 +301,36 @@ impl Tokenizer {
         self.texts.get(id as usize).map(String::as_str)
     }
 
+    /// The first way in which `other`'s token ids do not mean what this vocabulary's mean
+    /// (its size, a token's entry or type, the end-of-sequence token), or `None` when every
+    /// id means the same: what a draft model's tokens must satisfy to be the target's.
+    pub fn vocabulary_difference(&self, other: &Tokenizer) -> Option<String> {
+        if self.vocab_size() != other.vocab_size() {
+            return Some(format!(
+                "{} tokens against {}",
+                other.vocab_size(),
+                self.vocab_size()
+            ));
+        }
+        for id in 0..self.vocab_size() as u32 {
+            let (mine, theirs) = (self.token_text(id), other.token_text(id));
+            if mine != theirs {
+                return Some(format!("token {id} is {theirs:?} against {mine:?}"));
+            }
+            let (mine, theirs) = (self.token_type(id), other.token_type(id));
+            if mine != theirs {
+                return Some(format!("token {id} is of type {theirs:?} against {mine:?}"));
+            }
+        }
+        if self.eos != other.eos {
+            return Some(format!(
+                "the end-of-sequence token is {:?} against {:?}",
+                other.eos, self.eos
+            ));
+        }
+        None
+    }
+
     /// The GGUF's `tokenizer.chat_template` source, if it has one.
     pub fn chat_template(&self) -> Option<&str> {
         self.chat_template.as_deref()

@@ -306,3 +306,27 @@ fn missing_token_types_mean_normal() {
         [id(&tok, "<"), id(&tok, "c"), id(&tok, ">")]
     );
 }
+
+#[test]
+fn a_vocabulary_differs_from_another_where_an_id_means_something_else() {
+    let base = Vocab::new(&[("ab", NORMAL), ("<|end|>", CONTROL)], &["a b"]);
+    let tok = base.load();
+    assert_eq!(tok.vocabulary_difference(&base.load()), None);
+    let longer = Vocab::new(
+        &[("ab", NORMAL), ("<|end|>", CONTROL), ("cd", NORMAL)],
+        &["a b"],
+    );
+    let d = tok.vocabulary_difference(&longer.load()).unwrap();
+    assert!(d.contains("259 tokens against 258"), "{d}");
+    let renamed = Vocab::new(&[("ba", NORMAL), ("<|end|>", CONTROL)], &["a b"]);
+    let d = tok.vocabulary_difference(&renamed.load()).unwrap();
+    assert!(d.contains("token 256") && d.contains("\"ba\""), "{d}");
+    let retyped = Vocab::new(&[("ab", NORMAL), ("<|end|>", USER_DEFINED)], &["a b"]);
+    let d = tok.vocabulary_difference(&retyped.load()).unwrap();
+    assert!(d.contains("token 257 is of type"), "{d}");
+    let other_end = base
+        .load_with(|m| m.set("tokenizer.ggml.eos_token_id", MetaValue::U32(257)))
+        .unwrap();
+    let d = tok.vocabulary_difference(&other_end).unwrap();
+    assert!(d.contains("end-of-sequence"), "{d}");
+}

@@ -88,8 +88,8 @@ impl Worker {
             self.model.config(),
             &self.metrics,
         ) {
-            Outcome::Continue => self.running.push(Running { progress, kv }),
-            Outcome::Done(ev) => finish(Running { progress, kv }, ev),
+            Outcome::Continue => self.running.push(Running::new(progress, kv)),
+            Outcome::Done(ev) => finish(Running::new(progress, kv), ev),
         }
     }
 }

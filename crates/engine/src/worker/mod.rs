@@ -15,6 +15,7 @@
 //! (`crate::preemption::slot_victim`, the same preempt-and-recompute). Such a tenant keeps
 //! its own oldest request running, so each tenant's requests still all finish.
 
+mod draft;
 mod event_loop;
 mod import;
 mod sample;
@@ -100,9 +101,20 @@ impl Progress {
 struct Running {
     progress: Progress,
     kv: SequenceKv,
+    /// The draft model's K/V of a prefix of the stream (`draft::DraftWorker`), in pages of
+    /// the draft pool leased to this request; made when the request first drafts.
+    draft_kv: Option<SequenceKv>,
 }
 
 impl Running {
+    fn new(progress: Progress, kv: SequenceKv) -> Self {
+        Self {
+            progress,
+            kv,
+            draft_kv: None,
+        }
+    }
+
     /// Tokens of the stream still to feed: the (rest of the) prompt or a replay after
     /// preemption, or the one token sampled last.
     fn remaining(&self) -> usize {
@@ -138,6 +150,8 @@ pub(crate) struct Worker {
     reservations: VecDeque<PendingReservation>,
     /// How long a prompt chunk may be at its depth (`Worker::plan`).
     cost: crate::step_cost::StepCost,
+    /// The draft model, when drafts come from one rather than from prompt lookup.
+    draft: Option<draft::DraftWorker>,
 }
 
 struct PendingReservation {
@@ -156,6 +170,7 @@ impl Worker {
         metrics: SharedMetrics,
         cache: Option<PrefixCache>,
         lifecycle: Arc<Lifecycle>,
+        draft: Option<(Box<dyn StepModel>, KvPool, f32)>,
     ) -> Self {
         Self {
             arrivals: 0,
@@ -171,6 +186,7 @@ impl Worker {
             panics_in_a_row: 0,
             first_tokens_last: false,
             reservations: VecDeque::new(),
+            draft: draft.map(|(model, pool, cost)| draft::DraftWorker { model, pool, cost }),
         }
     }
 
@@ -190,7 +206,11 @@ impl Worker {
 
 /// Sends the terminal event and drops the request (and with it, its pages).
 fn finish(r: Running, ev: Event) {
-    let Running { progress, kv } = r;
-    drop(kv);
+    let Running {
+        progress,
+        kv,
+        draft_kv,
+    } = r;
+    drop((kv, draft_kv));
     progress.end(ev);
 }

@@ -77,6 +77,7 @@ pub(super) fn verify_draft(
     config: &model::LlamaConfig,
     metrics: &EngineMetrics,
     spec: &crate::SpeculationConfig,
+    draft_cost: f32,
 ) -> Outcome {
     let draft = std::mem::take(&mut r.progress.drafter.pending);
     let vocab = config.vocab_size;
@@ -102,10 +103,20 @@ pub(super) fn verify_draft(
         accepted += 1;
     }
     EngineMetrics::add(&metrics.accepted_draft_tokens, accepted as u64);
-    r.progress.drafter.record(draft.len(), accepted, spec);
+    r.progress
+        .drafter
+        .record(draft.len(), accepted, spec, draft_cost);
     // The K/V the next step needs is the stream's but for its last token; the positions of
-    // the draft's rejected tokens become unwritten again.
-    match r.kv.rollback(r.progress.stream_len() - 1) {
+    // the draft's rejected tokens become unwritten again, in the draft model's K/V too
+    // (which holds the kept ones: they are the stream's tokens now).
+    let keep = r.progress.stream_len() - 1;
+    let rolled_back =
+        r.kv.rollback(keep)
+            .and_then(|()| match r.draft_kv.as_mut() {
+                Some(draft_kv) => draft_kv.rollback(draft_kv.len().min(keep)),
+                None => Ok(()),
+            });
+    match rolled_back {
         Ok(()) => Outcome::Continue,
         Err(e) => Outcome::Done(Event::Failed(EngineError::Isolation(e))),
     }

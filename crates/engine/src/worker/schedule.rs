@@ -164,7 +164,7 @@ impl Worker {
                 );
                 EngineMetrics::add(&self.metrics.cached_prompt_tokens, cached as u64);
             }
-            self.running.push(Running { progress, kv });
+            self.running.push(Running::new(progress, kv));
         }
         self.running.sort_by_key(|r| r.progress.arrival);
         self.metrics
@@ -250,8 +250,12 @@ impl Worker {
     /// Returns a request's pages and puts it back at the head of the queue, to recompute.
     fn preempt(&mut self, r: Running) {
         EngineMetrics::add(&self.metrics.preemptions, 1);
-        let Running { progress, kv } = r;
-        drop(kv);
+        let Running {
+            progress,
+            kv,
+            draft_kv,
+        } = r;
+        drop((kv, draft_kv));
         let at = self
             .waiting
             .iter()

@@ -127,7 +127,11 @@ impl Worker {
     /// lets this step carry them: each row's draft within its reserved pages, its
     /// `max_tokens` and the step's token budget. A row with a draft feeds it after its last
     /// token (`Progress::drafter`'s `pending`), and its range grows by the draft's length.
-    fn attach_drafts(&mut self, plan: &mut [(usize, std::ops::Range<usize>)]) {
+    /// Returns the rows whose draft K/V failed a check, to fail.
+    fn attach_drafts(
+        &mut self,
+        plan: &mut [(usize, std::ops::Range<usize>)],
+    ) -> Vec<(usize, EngineError)> {
         let spec = self.config.speculation;
         let is_decode = |r: &super::Running, range: &std::ops::Range<usize>| {
             range.len() == 1 && r.remaining() == 1
@@ -139,13 +143,16 @@ impl Worker {
         let busy =
             !self.waiting.is_empty() || !self.reservations.is_empty() || decode_rows < plan.len();
         if decode_rows == 0 || !spec.allows(decode_rows, busy) {
-            return;
+            return Vec::new();
         }
         let mut budget = self
             .config
             .max_batch_tokens
             .saturating_sub(plan.iter().map(|(_, r)| r.len()).sum());
-        for (i, range) in plan.iter_mut() {
+        let draft_cost = self.draft.as_ref().map_or(0.0, |d| d.cost);
+        // Rows that ask the draft model: (index in the plan, tokens wanted).
+        let mut asks: Vec<(usize, usize)> = Vec::new();
+        for (at, (i, range)) in plan.iter_mut().enumerate() {
             let r = &mut self.running[*i];
             if !is_decode(r, range) || r.progress.prefill_only {
                 continue;
@@ -166,6 +173,14 @@ impl Worker {
             if limit == 0 {
                 continue;
             }
+            if self.draft.is_some() {
+                let want = p.drafter.wanted(&spec, limit, draft_cost);
+                if want > 0 {
+                    budget -= want;
+                    asks.push((at, want));
+                }
+                continue;
+            }
             let draft = p
                 .drafter
                 .propose(&p.request.prompt, &p.output, &spec, limit);
@@ -173,6 +188,36 @@ impl Worker {
             range.end += draft.len();
             p.drafter.pending = draft;
         }
+        let Some(drafter) = &self.draft else {
+            return Vec::new();
+        };
+        if asks.is_empty() {
+            return Vec::new();
+        }
+        let drafts = {
+            let mut slots: Vec<Option<&mut Running>> = self.running.iter_mut().map(Some).collect();
+            let mut rows: Vec<(&mut Running, usize)> = asks
+                .iter()
+                .filter_map(|&(at, want)| slots[plan[at].0].take().map(|r| (r, want)))
+                .collect();
+            drafter.draft(&mut rows, self.config.max_batch_tokens)
+        };
+        let mut failed = Vec::new();
+        for (&(at, _), draft) in asks.iter().zip(drafts) {
+            let (i, range) = &mut plan[at];
+            match draft {
+                Ok(draft) => {
+                    range.end += draft.len();
+                    self.running[*i].progress.drafter.pending = draft;
+                }
+                Err(e) => {
+                    EngineMetrics::add(&self.metrics.isolation_failures, 1);
+                    tracing::error!("isolation check failed on draft K/V: {e}");
+                    failed.push((*i, e));
+                }
+            }
+        }
+        failed
     }
 
     /// Returns false when the engine must stop.
@@ -192,7 +237,8 @@ impl Worker {
         EngineMetrics::add(&self.metrics.steps, 1);
 
         let mut plan = self.plan();
-        self.attach_drafts(&mut plan);
+        let failed_drafts = self.attach_drafts(&mut plan);
+        plan.retain(|(i, _)| failed_drafts.iter().all(|(f, _)| f != i));
 
         let inputs: Vec<Vec<u32>> = plan
             .iter()
@@ -221,7 +267,7 @@ impl Worker {
                 };
                 let drafted = r.progress.drafter.pending.len();
                 let last = range.end == r.progress.stream_len() + drafted;
-                let Running { progress, kv } = r;
+                let Running { progress, kv, .. } = r;
                 if let (true, Some(c), None) = (
                     last,
                     progress.request.constraint.as_mut(),
@@ -261,6 +307,9 @@ impl Worker {
 
         let mut outcomes: Vec<Outcome> =
             (0..self.running.len()).map(|_| Outcome::Continue).collect();
+        for (i, e) in failed_drafts {
+            outcomes[i] = Outcome::Done(Event::Failed(e));
+        }
         for ((i, range), result) in plan.into_iter().zip(results) {
             let logits = match result {
                 Ok(l) => l,
@@ -292,6 +341,7 @@ impl Worker {
                     self.model.config(),
                     &self.metrics,
                     &self.config.speculation,
+                    self.draft.as_ref().map_or(0.0, |d| d.cost),
                 )
             } else {
                 sample_next(&mut r.progress, &logits, self.model.config(), &self.metrics)
