@@ -26,6 +26,9 @@ cargo clippy --workspace --all-targets -- -D warnings
 # Doc links name items that exist (module docs are where the kernels' notes live).
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
 cargo test --workspace
+# The container image and the Helm chart (deploy/): the chart linted, rendered and validated
+# against the Kubernetes API schemas, the image built around the binary just built and run.
+./scripts/check-deploy.sh
 # Tests that need CPU features not every machine has are ignored by default: run them
 # where they can run, and say so where they cannot, instead of passing silently.
 if grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null; then

@@ -16,12 +16,22 @@ pub struct RouterArgs {
     /// it, and refuses nodes that loaded another file.
     #[arg(long, default_value = DEFAULT_MODEL)]
     model: PathBuf,
-    /// Internal address (host:port) of a prefill node; repeat for several.
-    #[arg(long = "prefill", required = true, num_args = 1..)]
-    prefill: Vec<String>,
-    /// Internal address (host:port) of a decode node; repeat for several.
-    #[arg(long = "decode", required = true, num_args = 1..)]
-    decode: Vec<String>,
+    /// Internal address (host:port) of a prefill node, or `dns:NAME:PORT` for a node at
+    /// PORT on every address NAME resolves to (a headless Service), looked up again every
+    /// --dns-interval: new nodes join once they pass the start-up checks, vanished ones are
+    /// drained. Repeat for several.
+    #[arg(long = "prefill", required = true, num_args = 1.., value_parser = node_source)]
+    prefill: Vec<router::NodeSource>,
+    /// A decode node, as for --prefill.
+    #[arg(long = "decode", required = true, num_args = 1.., value_parser = node_source)]
+    decode: Vec<router::NodeSource>,
+    /// The DNS server (IP:PORT) that `dns:` names are asked of; by default the system's
+    /// (/etc/resolv.conf).
+    #[arg(long)]
+    dns_server: Option<std::net::SocketAddr>,
+    /// Seconds between look-ups of the `dns:` names.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    dns_interval: u64,
     #[command(flatten)]
     edge: crate::edge::EdgeArgs,
     #[arg(long)]
@@ -58,6 +68,10 @@ pub fn run(args: RouterArgs) -> Result<()> {
             router::ClusterConfig {
                 prefill: args.prefill.clone(),
                 decode: args.decode.clone(),
+                discovery: router::Discovery {
+                    nameserver: args.dns_server,
+                    interval: Duration::from_secs(args.dns_interval),
+                },
                 model_checksum,
                 vocab_size,
                 max_context: args.max_context,
@@ -87,7 +101,7 @@ pub fn run(args: RouterArgs) -> Result<()> {
                 state.clone(),
                 |addr| {
                     format!(
-                        "router listening on http://{addr} (model {:?}, max context {max_context}, {prefill} prefill and {decode} decode nodes)",
+                        "router listening on http://{addr} (model {:?}, max context {max_context}, {prefill} prefill and {decode} decode node sources)",
                         state.model_name
                     )
                 },
@@ -95,4 +109,8 @@ pub fn run(args: RouterArgs) -> Result<()> {
             )
             .await
     })
+}
+
+fn node_source(arg: &str) -> Result<router::NodeSource, String> {
+    router::NodeSource::parse(arg)
 }

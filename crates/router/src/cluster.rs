@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use engine::{Admission, Admitted, IsolationDomain};
@@ -14,6 +14,7 @@ use tonic::transport::Channel;
 use transfer::pb::{self, node_client::NodeClient};
 use transfer::{TlsIdentity, TransferMetrics};
 
+use crate::discovery::{Discovery, NodeSource, Resolver};
 use crate::handoff;
 
 /// How often the router asks every node for its load and health.
@@ -29,8 +30,10 @@ const AFFINITY_ENTRIES: usize = 4096;
 
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
-    pub prefill: Vec<String>,
-    pub decode: Vec<String>,
+    pub prefill: Vec<NodeSource>,
+    pub decode: Vec<NodeSource>,
+    /// How `dns:` sources are looked up, and how often again.
+    pub discovery: Discovery,
     /// xxh3-64 of the router's own GGUF file, which it tokenizes with.
     pub model_checksum: u64,
     pub vocab_size: usize,
@@ -77,14 +80,21 @@ pub enum StartupError {
     },
     #[error("internal API client: {0}")]
     Tls(String),
+    #[error("{0}")]
+    Discovery(String),
 }
 
 /// One node as the router sees it.
 pub(crate) struct Node {
     pub(crate) addr: String,
     pub(crate) role: transfer::Role,
+    /// The `dns:` source whose answer holds this address (`None`: given as an address),
+    /// which drains the node when its answer stops holding it.
+    found_by: Option<NodeSource>,
     pub(crate) client: NodeClient<Channel>,
     healthy: AtomicBool,
+    /// Whether the last poll found it fails a check (said once, not at every poll).
+    kept_out: AtomicBool,
     /// Requests running or waiting on the node, as it last reported.
     reported_load: AtomicU64,
     /// Requests this router has in flight there now.
@@ -98,6 +108,30 @@ pub(crate) struct Node {
 }
 
 impl Node {
+    fn new(
+        addr: String,
+        role: transfer::Role,
+        found_by: Option<NodeSource>,
+        tls: &TlsIdentity,
+        frame: Duration,
+    ) -> Result<Self, StartupError> {
+        let channel = transfer::connect_lazy(&addr, tls, frame)
+            .map_err(|e| StartupError::Tls(e.to_string()))?;
+        Ok(Self {
+            addr,
+            role,
+            found_by,
+            client: NodeClient::new(channel),
+            healthy: AtomicBool::new(false),
+            kept_out: AtomicBool::new(false),
+            reported_load: AtomicU64::new(0),
+            in_flight: AtomicU64::new(0),
+            max_context: AtomicUsize::new(0),
+            sent: AtomicU64::new(0),
+            pages: Default::default(),
+        })
+    }
+
     fn load(&self) -> u64 {
         self.in_flight.load(Ordering::Relaxed) + self.reported_load.load(Ordering::Relaxed)
     }
@@ -153,27 +187,38 @@ pub(crate) struct RouterMetrics {
 }
 
 pub struct Cluster {
-    pub(crate) prefill: Vec<Arc<Node>>,
-    pub(crate) decode: Vec<Arc<Node>>,
+    /// The nodes requests may go to: the given addresses, and those the `dns:` sources
+    /// answer now (a node that left an answer is dropped here and lives on only in the
+    /// requests that hold it).
+    prefill: RwLock<Vec<Arc<Node>>>,
+    decode: RwLock<Vec<Arc<Node>>>,
+    /// The `dns:` sources by role, the resolver that asks for them, and what a new node's
+    /// connection needs.
+    dns: Vec<(transfer::Role, NodeSource)>,
+    resolver: Option<Resolver>,
+    discovery: Discovery,
+    tls: TlsIdentity,
     admission: Admission,
     /// Checked again at every poll: a node restarted with another model or layout is kept
     /// out.
     expect: Mutex<Expectation>,
     pub(crate) deadlines: transfer::Deadlines,
     pub(crate) metrics: RouterMetrics,
-    /// (tenant-scoped prefix key) → index of the prefill node that last ran it.
-    affinity: Mutex<HashMap<u64, usize>>,
+    /// (tenant-scoped prefix key) → address of the prefill node that last ran it.
+    affinity: Mutex<HashMap<u64, String>>,
     affinity_keys: std::collections::hash_map::RandomState,
     next_request: AtomicU64,
     pub(crate) request_id_keys: std::collections::hash_map::RandomState,
 }
 
-/// What every node of the cluster must be: the router's model, and one K/V layout (that of
-/// the first node that answered), so pages can move between any two nodes.
+/// What every node of the cluster must be: the router's model, one K/V layout (that of
+/// the first node that answered), so pages can move between any two nodes, and, once the
+/// router advertises a context, room for it.
 struct Expectation {
     model_checksum: u64,
     vocab_size: usize,
     layout: Option<(String, String)>,
+    advertised: Option<usize>,
 }
 
 impl Expectation {
@@ -217,7 +262,18 @@ impl Expectation {
             }
             Some(_) => {}
         }
-        Ok(info.max_context as usize)
+        let max_context = info.max_context as usize;
+        if let Some(advertised) = self.advertised {
+            if max_context < advertised {
+                return Err(StartupError::ContextExceedsNode {
+                    context: advertised,
+                    addr: addr.to_owned(),
+                    pool: info.pool_tokens as usize,
+                    advertised: max_context,
+                });
+            }
+        }
+        Ok(max_context)
     }
 }
 
@@ -250,55 +306,51 @@ impl Cluster {
             model_checksum: config.model_checksum,
             vocab_size: config.vocab_size,
             layout: None,
+            advertised: None,
+        };
+        let dns: Vec<(transfer::Role, NodeSource)> = [
+            (transfer::Role::Prefill, &config.prefill),
+            (transfer::Role::Decode, &config.decode),
+        ]
+        .into_iter()
+        .flat_map(|(role, sources)| {
+            sources
+                .iter()
+                .filter(|s| matches!(s, NodeSource::Dns { .. }))
+                .map(move |s| (role, s.clone()))
+        })
+        .collect();
+        let resolver = if dns.is_empty() {
+            None
+        } else {
+            Some(Resolver::new(&config.discovery).map_err(StartupError::Discovery)?)
         };
         let mut nodes = Vec::new();
-        for (role, addrs) in [
+        for (role, sources) in [
             (transfer::Role::Prefill, &config.prefill),
             (transfer::Role::Decode, &config.decode),
         ] {
-            if addrs.is_empty() {
+            if sources.is_empty() {
                 return Err(StartupError::NoNodes { role: role.name() });
             }
-            let mut unreachable = None;
-            let mut reachable = 0;
-            for addr in addrs {
-                let channel = transfer::connect_lazy(addr, tls, config.deadlines.frame)
-                    .map_err(|e| StartupError::Tls(e.to_string()))?;
-                let mut client = NodeClient::new(channel);
-                let node = Node {
-                    addr: addr.clone(),
-                    role,
-                    client: client.clone(),
-                    healthy: AtomicBool::new(false),
-                    reported_load: AtomicU64::new(0),
-                    in_flight: AtomicU64::new(0),
-                    max_context: AtomicUsize::new(0),
-                    sent: AtomicU64::new(0),
-                    pages: Default::default(),
-                };
-                match info(&mut client).await {
-                    Ok(info) => {
-                        let max_context = expect.check(addr, role, &info)?;
-                        if let Some(context) = config.max_context {
-                            if context > max_context {
-                                return Err(StartupError::ContextExceedsNode {
-                                    context,
-                                    addr: addr.clone(),
-                                    pool: info.pool_tokens as usize,
-                                    advertised: max_context,
-                                });
-                            }
-                        }
-                        node.update(&info, max_context);
-                        reachable += 1;
-                    }
-                    Err(why) => {
-                        tracing::warn!("{} node {addr} is not reachable yet: {why}", role.name());
-                        unreachable.get_or_insert((addr.clone(), why));
-                    }
+            // A pool found by DNS may have no node yet (pods still starting): the router
+            // waits for one rather than exiting. A pool of fixed addresses is refused now.
+            let by_dns = sources.iter().any(|s| matches!(s, NodeSource::Dns { .. }));
+            let (found, reachable, unreachable) = loop {
+                let attempt =
+                    find_nodes(role, sources, resolver.as_ref(), tls, &config, &mut expect).await?;
+                if attempt.1 > 0 || !by_dns {
+                    break attempt;
                 }
-                nodes.push(Arc::new(node));
-            }
+                let (what, why) = attempt.2.clone().unwrap_or_default();
+                tracing::warn!(
+                    "no {} node reachable yet ({what}: {why}); asking again in {:?}",
+                    role.name(),
+                    config.discovery.interval
+                );
+                tokio::time::sleep(config.discovery.interval).await;
+            };
+            nodes.extend(found);
             if reachable == 0 {
                 let (addr, why) = unreachable.unwrap_or_default();
                 return Err(StartupError::Unreachable {
@@ -317,12 +369,18 @@ impl Cluster {
         let admission =
             Admission::narrowest_of_nodes(&contexts, config.max_context, config.vocab_size)
                 .ok_or(StartupError::NoNodes { role: "prefill" })?;
+        // From now on a node must hold what the router advertises, or it is kept out.
+        expect.advertised = Some(admission.max_context());
         let (prefill, decode) = nodes
             .into_iter()
             .partition(|n| n.role == transfer::Role::Prefill);
         let cluster = Arc::new(Self {
-            prefill,
-            decode,
+            prefill: RwLock::new(prefill),
+            decode: RwLock::new(decode),
+            dns,
+            resolver,
+            discovery: config.discovery,
+            tls: tls.clone(),
             admission,
             expect: Mutex::new(expect),
             deadlines: config.deadlines,
@@ -333,7 +391,75 @@ impl Cluster {
             request_id_keys: Default::default(),
         });
         tokio::spawn(poll(Arc::downgrade(&cluster)));
+        if cluster.resolver.is_some() {
+            tokio::spawn(rediscover(Arc::downgrade(&cluster)));
+        }
         Ok(cluster)
+    }
+
+    /// The nodes of `role` requests may go to now.
+    pub(crate) fn nodes(&self, role: transfer::Role) -> Vec<Arc<Node>> {
+        let pool = match role {
+            transfer::Role::Prefill => &self.prefill,
+            transfer::Role::Decode => &self.decode,
+        };
+        pool.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn all_nodes(&self) -> Vec<Arc<Node>> {
+        let mut all = self.nodes(transfer::Role::Prefill);
+        all.extend(self.nodes(transfer::Role::Decode));
+        all
+    }
+
+    /// Nodes a request may try, of both roles.
+    pub(crate) fn node_count(&self) -> usize {
+        let count = |pool: &RwLock<Vec<Arc<Node>>>| pool.read().map_or(0, |p| p.len());
+        count(&self.prefill) + count(&self.decode)
+    }
+
+    /// Brings `role`'s nodes found by `source` in line with its latest answer: a new
+    /// address becomes a node (down until a poll finds it passes every check), one that
+    /// left the answer is dropped from the pool (drained: its requests finish, none is sent).
+    fn apply_answer(
+        &self,
+        role: transfer::Role,
+        source: &NodeSource,
+        answer: &std::collections::BTreeSet<String>,
+    ) {
+        let pool = match role {
+            transfer::Role::Prefill => &self.prefill,
+            transfer::Role::Decode => &self.decode,
+        };
+        let mut nodes = pool.write().unwrap_or_else(|p| p.into_inner());
+        nodes.retain(|n| {
+            let keep = n.found_by.as_ref() != Some(source) || answer.contains(&n.addr);
+            if !keep {
+                tracing::info!("{} node {} left {source}: drained", role.name(), n.addr);
+            }
+            keep
+        });
+        for addr in answer {
+            if nodes
+                .iter()
+                .any(|n| &n.addr == addr && n.found_by.as_ref() == Some(source))
+            {
+                continue;
+            }
+            match Node::new(
+                addr.clone(),
+                role,
+                Some(source.clone()),
+                &self.tls,
+                self.deadlines.frame,
+            ) {
+                Ok(node) => {
+                    tracing::info!("{} node {addr} found by {source}", role.name());
+                    nodes.push(Arc::new(node));
+                }
+                Err(e) => tracing::warn!("{} node {addr} found by {source}: {e}", role.name()),
+            }
+        }
     }
 
     pub(crate) fn next_request(&self) -> u64 {
@@ -341,39 +467,41 @@ impl Cluster {
     }
 
     /// The least loaded healthy node of `nodes` that can hold the request.
-    fn least_loaded(nodes: &[Arc<Node>], total_tokens: usize) -> Option<usize> {
+    fn least_loaded(nodes: &[Arc<Node>], total_tokens: usize) -> Option<&Arc<Node>> {
         nodes
             .iter()
-            .enumerate()
-            .filter(|(_, n)| n.is_healthy() && n.can_hold(total_tokens))
-            .min_by_key(|(_, n)| n.load())
-            .map(|(i, _)| i)
+            .filter(|n| n.is_healthy() && n.can_hold(total_tokens))
+            .min_by_key(|n| n.load())
     }
 
     /// The prefill node for a request: the one that last ran the same prompt prefix for
-    /// the same domain (its prefix cache likely holds it) unless it is down or much busier
-    /// than the least loaded one. The key mixes in the domain, so affinity never crosses
-    /// tenants, and nothing is learned from another tenant's traffic.
+    /// the same domain (its prefix cache likely holds it) unless it is down, gone or much
+    /// busier than the least loaded one. The key mixes in the domain, so affinity never
+    /// crosses tenants, and nothing is learned from another tenant's traffic.
     pub(crate) fn pick_prefill(
         &self,
         domain: &IsolationDomain,
         prompt: &[u32],
         total_tokens: usize,
     ) -> Option<Arc<Node>> {
-        let least = Self::least_loaded(&self.prefill, total_tokens)?;
+        let nodes = self.nodes(transfer::Role::Prefill);
+        let least = Self::least_loaded(&nodes, total_tokens)?;
         let key = (prompt.len() > AFFINITY_TOKENS).then(|| {
             self.affinity_keys
                 .hash_one((domain, &prompt[..AFFINITY_TOKENS]))
         });
         let mut affinity = self.affinity.lock().unwrap_or_else(|p| p.into_inner());
-        let chosen = match key.and_then(|k| affinity.get(&k).copied()) {
-            Some(i)
-                if self.prefill[i].is_healthy()
-                    && self.prefill[i].can_hold(total_tokens)
-                    && self.prefill[i].load() <= self.prefill[least].load() + AFFINITY_SLACK =>
+        let remembered = key
+            .and_then(|k| affinity.get(&k))
+            .and_then(|addr| nodes.iter().find(|n| &n.addr == addr));
+        let chosen = match remembered {
+            Some(n)
+                if n.is_healthy()
+                    && n.can_hold(total_tokens)
+                    && n.load() <= least.load() + AFFINITY_SLACK =>
             {
                 self.metrics.affinity_hits.fetch_add(1, Ordering::Relaxed);
-                i
+                n
             }
             _ => least,
         };
@@ -381,13 +509,105 @@ impl Cluster {
             if affinity.len() >= AFFINITY_ENTRIES {
                 affinity.clear();
             }
-            affinity.insert(k, chosen);
+            affinity.insert(k, chosen.addr.clone());
         }
-        Some(self.prefill[chosen].clone())
+        Some(chosen.clone())
     }
 
     pub(crate) fn pick_decode(&self, total_tokens: usize) -> Option<Arc<Node>> {
-        Self::least_loaded(&self.decode, total_tokens).map(|i| self.decode[i].clone())
+        Self::least_loaded(&self.nodes(transfer::Role::Decode), total_tokens).cloned()
+    }
+}
+
+/// One attempt at `role`'s nodes at start: each source's addresses (a `dns:` source's as
+/// its name resolves now), each asked for its `Info` and checked. Returns the nodes, how
+/// many answered, and the first that did not (or the source that named none).
+async fn find_nodes(
+    role: transfer::Role,
+    sources: &[NodeSource],
+    resolver: Option<&Resolver>,
+    tls: &TlsIdentity,
+    config: &ClusterConfig,
+    expect: &mut Expectation,
+) -> Result<(Vec<Arc<Node>>, usize, Option<(String, String)>), StartupError> {
+    let mut found = Vec::new();
+    let mut addrs: Vec<(String, Option<NodeSource>)> = Vec::new();
+    let mut unreachable = None;
+    for source in sources {
+        match source {
+            NodeSource::Address(addr) => addrs.push((addr.clone(), None)),
+            NodeSource::Dns { name, port } => {
+                let Some(resolver) = resolver else { continue };
+                match resolver.addresses(name, *port).await {
+                    Ok(answer) if !answer.is_empty() => {
+                        addrs.extend(answer.into_iter().map(|a| (a, Some(source.clone()))))
+                    }
+                    Ok(_) => {
+                        tracing::warn!("{source} names no {} node yet", role.name());
+                        unreachable.get_or_insert((source.to_string(), "no address".into()));
+                    }
+                    Err(why) => {
+                        tracing::warn!("{source}: {why}");
+                        unreachable.get_or_insert((source.to_string(), why));
+                    }
+                }
+            }
+        }
+    }
+    let mut reachable = 0;
+    for (addr, found_by) in addrs {
+        let node = Node::new(addr, role, found_by, tls, config.deadlines.frame)?;
+        let mut client = node.client.clone();
+        let addr = &node.addr;
+        match info(&mut client).await {
+            Ok(info) => {
+                let max_context = expect.check(addr, role, &info)?;
+                if let Some(context) = config.max_context {
+                    if context > max_context {
+                        return Err(StartupError::ContextExceedsNode {
+                            context,
+                            addr: addr.clone(),
+                            pool: info.pool_tokens as usize,
+                            advertised: max_context,
+                        });
+                    }
+                }
+                node.update(&info, max_context);
+                reachable += 1;
+            }
+            Err(why) => {
+                tracing::warn!("{} node {addr} is not reachable yet: {why}", role.name());
+                unreachable.get_or_insert((addr.clone(), why));
+            }
+        }
+        found.push(Arc::new(node));
+    }
+    Ok((found, reachable, unreachable))
+}
+
+/// Looks every `dns:` source up again, every `Discovery::interval`, and applies the answers
+/// (`Cluster::apply_answer`). An unanswered question leaves its pool as it was.
+async fn rediscover(cluster: std::sync::Weak<Cluster>) {
+    loop {
+        let Some(interval) = cluster.upgrade().map(|c| c.discovery.interval) else {
+            return;
+        };
+        tokio::time::sleep(interval).await;
+        let Some(c) = cluster.upgrade() else {
+            return;
+        };
+        let Some(resolver) = &c.resolver else {
+            return;
+        };
+        for (role, source) in &c.dns {
+            let NodeSource::Dns { name, port } = source else {
+                continue;
+            };
+            match resolver.addresses(name, *port).await {
+                Ok(answer) => c.apply_answer(*role, source, &answer),
+                Err(why) => tracing::warn!("{source}: {why}; its nodes are kept as they were"),
+            }
+        }
     }
 }
 
@@ -398,7 +618,7 @@ async fn poll(cluster: std::sync::Weak<Cluster>) {
         let Some(c) = cluster.upgrade() else {
             return;
         };
-        for node in c.prefill.iter().chain(&c.decode) {
+        for node in c.all_nodes() {
             let mut client = node.client.clone();
             match info(&mut client).await {
                 Ok(info) => {
@@ -408,9 +628,13 @@ async fn poll(cluster: std::sync::Weak<Cluster>) {
                         .unwrap_or_else(|p| p.into_inner())
                         .check(&node.addr, node.role, &info);
                     match checked {
-                        Ok(max_context) => node.update(&info, max_context),
+                        Ok(max_context) => {
+                            node.kept_out.store(false, Ordering::Relaxed);
+                            node.update(&info, max_context)
+                        }
                         Err(why) => {
-                            if node.healthy.swap(false, Ordering::Relaxed) {
+                            let was_up = node.healthy.swap(false, Ordering::Relaxed);
+                            if !node.kept_out.swap(true, Ordering::Relaxed) || was_up {
                                 tracing::error!(
                                     "{} node {} is kept out: {why}",
                                     node.role.name(),
@@ -441,6 +665,7 @@ impl Backend for Cluster {
 
     fn render_metrics(&self, out: &mut String) {
         self.metrics.transfer.render(out);
+        let nodes = self.all_nodes();
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let m = &self.metrics;
         let _ = writeln!(
@@ -464,10 +689,8 @@ impl Backend for Cluster {
             "# HELP kvwarden_kv_pages KV pool pages by state, over every node (as of the last poll).\n# TYPE kvwarden_kv_pages gauge"
         );
         for (i, state) in ["total", "free", "leased", "cached"].iter().enumerate() {
-            let sum: u64 = self
-                .prefill
+            let sum: u64 = nodes
                 .iter()
-                .chain(&self.decode)
                 .map(|n| n.pages[i].load(Ordering::Relaxed))
                 .sum();
             let _ = writeln!(out, "kvwarden_kv_pages{{state=\"{state}\"}} {sum}");
@@ -476,7 +699,7 @@ impl Backend for Cluster {
             out,
             "# HELP kvwarden_router_node_up Whether the node answered its last poll.\n# TYPE kvwarden_router_node_up gauge"
         );
-        for n in self.prefill.iter().chain(&self.decode) {
+        for n in &nodes {
             let _ = writeln!(
                 out,
                 "kvwarden_router_node_up{{role=\"{}\",node=\"{}\"}} {}",
@@ -489,7 +712,7 @@ impl Backend for Cluster {
             out,
             "# HELP kvwarden_router_node_requests_total Requests sent to each node.\n# TYPE kvwarden_router_node_requests_total counter"
         );
-        for n in self.prefill.iter().chain(&self.decode) {
+        for n in &nodes {
             let _ = writeln!(
                 out,
                 "kvwarden_router_node_requests_total{{role=\"{}\",node=\"{}\"}} {}",
@@ -501,8 +724,9 @@ impl Backend for Cluster {
     }
 
     fn health(&self) -> Result<(), ApiError> {
-        for (role, nodes) in [("prefill", &self.prefill), ("decode", &self.decode)] {
-            if !nodes.iter().any(|n| n.is_healthy()) {
+        for role in [transfer::Role::Prefill, transfer::Role::Decode] {
+            if !self.nodes(role).iter().any(|n| n.is_healthy()) {
+                let role = role.name();
                 return Err(ApiError::Engine(engine::EngineError::Remote {
                     reason: "peer_gone".into(),
                     message: format!("no {role} node is reachable"),

@@ -65,7 +65,7 @@ pub(crate) async fn start(
 
     // Until the decode node has reserved, nothing has been computed or held for this
     // request, so a node that turns out to be unreachable is skipped for another.
-    let attempts = cluster.prefill.len() + cluster.decode.len();
+    let attempts = cluster.node_count();
     let mut last_error = unavailable("no node is up that can hold this request");
     for _ in 0..attempts {
         let prefill = match cluster.pick_prefill(&request.domain, &request.prompt, total_tokens) {

@@ -10,11 +10,16 @@
 //!    decode node, which verifies it (`engine::handoff`) and only then streams tokens.
 //!
 //! At start it refuses a cluster whose nodes serve another model, whose pools cannot hold
-//! the context it would advertise, or that lacks a reachable node of either role.
+//! the context it would advertise, or that lacks a reachable node of either role. A pool
+//! given as `dns:NAME:PORT` follows that name's records while the router runs
+//! (`discovery`): a new address becomes a node once it passes the same checks (and holds
+//! the advertised context), a vanished one is drained.
 
 #![forbid(unsafe_code)]
 
 mod cluster;
+mod discovery;
 mod handoff;
 
 pub use cluster::{Cluster, ClusterConfig, StartupError};
+pub use discovery::{Discovery, NodeSource};
