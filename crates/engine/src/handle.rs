@@ -322,7 +322,24 @@ pub fn start_with_draft(
             pages: d.pool_tokens.div_ceil(config.page_tokens).max(1),
             scrub: config.scrub,
         });
-        (d.model, draft_pool, d.relative_cost.max(0.0))
+        let cost = d.relative_cost.unwrap_or_else(|| {
+            let measured = crate::speculation::relative_step_cost(
+                d.model.as_ref(),
+                &draft_pool,
+                &model,
+                &pool,
+            );
+            tracing::info!("a draft model step costs {measured:.2} of the model's");
+            measured
+        });
+        if config.speculation.mode == crate::SpeculationMode::Auto
+            && !config.speculation.can_pay(cost)
+        {
+            tracing::warn!(
+                "at {cost:.2} of the model's step, no draft of the draft model can pay: --speculation auto will not draft with it (on forces it)"
+            );
+        }
+        (d.model, draft_pool, cost.max(0.0))
     });
     let draft_pool = draft.as_ref().map(|(_, pool, _)| pool.clone());
     let worker = Worker::new(

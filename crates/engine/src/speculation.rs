@@ -68,9 +68,9 @@ pub struct DraftModel {
     /// anything: a request whose draft finds no room decodes plainly.
     pub pool_tokens: usize,
     /// One of its one-token steps in plain decoding steps of the target: what a draft token
-    /// costs in the draft-length policy (`serve` gives the ratio of the files' sizes, the
-    /// bytes a decode step reads).
-    pub relative_cost: f32,
+    /// costs in the draft-length policy. `None`: measured when the engine starts (the
+    /// median of a few one-token steps of each model, on this machine).
+    pub relative_cost: Option<f32>,
 }
 
 impl std::fmt::Debug for DraftModel {
@@ -79,6 +79,57 @@ impl std::fmt::Debug for DraftModel {
             .field("pool_tokens", &self.pool_tokens)
             .field("relative_cost", &self.relative_cost)
             .finish_non_exhaustive()
+    }
+}
+
+/// What a one-token step of `draft` costs in one-token steps of `model`, on this machine:
+/// the median of a few steps of each after an 8-token prompt, in scratch sequences of their
+/// own pools that nothing else reads (leased under an id no request has, and scrubbed
+/// when dropped). Taken once, at start.
+pub(crate) fn relative_step_cost(
+    draft: &dyn crate::StepModel,
+    draft_pool: &kv::KvPool,
+    model: &dyn crate::StepModel,
+    pool: &kv::KvPool,
+) -> f32 {
+    let step = |m: &dyn crate::StepModel, pool: &kv::KvPool| -> Option<std::time::Duration> {
+        let mut kv = kv::SequenceKv::new(
+            pool,
+            kv::Owner {
+                request: kv::RequestId(u64::MAX),
+                domain: kv::IsolationDomain::tenant("kvwarden-calibration"),
+            },
+        );
+        kv.reserve(16).ok()?;
+        let vocab = m.config().vocab_size.max(1) as u32;
+        let prompt: Vec<u32> = (0..8).map(|t| t % vocab).collect();
+        let mut feed = |tokens: &[u32]| {
+            let mut items = [model::BatchItem {
+                kv: &mut kv,
+                tokens,
+                logits: model::LogitsWanted::Last,
+            }];
+            m.forward(&mut items).pop().is_some_and(|r| r.is_ok())
+        };
+        if !feed(&prompt) {
+            return None;
+        }
+        let mut times = Vec::new();
+        for _ in 0..5 {
+            let started = std::time::Instant::now();
+            if !feed(&[1 % vocab]) {
+                return None;
+            }
+            times.push(started.elapsed());
+        }
+        times.sort();
+        Some(times[times.len() / 2])
+    };
+    match (step(draft, draft_pool), step(model, pool)) {
+        (Some(d), Some(m)) if !m.is_zero() => d.as_secs_f32() / m.as_secs_f32(),
+        // Unmeasurable (no room in a pool): as costly as the model, so drafts pay only at
+        // very high acceptance.
+        _ => 1.0,
     }
 }
 
@@ -95,6 +146,13 @@ const SEARCH_WINDOW: usize = 1 << 16;
 const MAX_COOLDOWN: u32 = 32;
 
 impl SpeculationConfig {
+    /// Whether drafts costing `draft_cost` plain steps a token could pay at all, even were
+    /// every one kept. In `Auto` a draft model for which they cannot never drafts: each
+    /// draft would also cost it the stream it has not computed yet.
+    pub(crate) fn can_pay(&self, draft_cost: f32) -> bool {
+        best_length(1.0, self.max_draft, draft_cost) > 0
+    }
+
     /// Whether this step's decode rows may carry drafts: `decode_rows` rows, `busy` when
     /// the step also computes a prompt chunk or a request waits for a running slot.
     pub(crate) fn allows(&self, decode_rows: usize, busy: bool) -> bool {
@@ -348,6 +406,21 @@ mod tests {
         }
         assert!(gaps.windows(2).skip(3).all(|w| w[1] >= w[0]), "{gaps:?}");
         assert!(gaps.last().copied().unwrap_or(0) >= 8, "{gaps:?}");
+    }
+
+    #[test]
+    fn a_draft_model_as_costly_as_the_model_never_pays() {
+        let config = SpeculationConfig::default();
+        assert!(config.can_pay(0.0));
+        assert!(config.can_pay(0.2));
+        assert!(!config.can_pay(1.0));
+        assert!(!config.can_pay(1.11));
+        // One token for 1.39 + 0.6 steps: 2 tokens, under the 5% gain.
+        assert!(!SpeculationConfig {
+            max_draft: 1,
+            ..config
+        }
+        .can_pay(0.6));
     }
 
     #[test]

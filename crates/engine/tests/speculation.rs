@@ -34,7 +34,7 @@ fn engine_drafting(
         model: Box::new(SynthSpec::small(seed, weights, 1024).load().unwrap()),
         pool_tokens,
         // As if much smaller than the model: drafts pay at the acceptance it reaches.
-        relative_cost: 0.05,
+        relative_cost: Some(0.05),
     });
     engine::start_with_draft(
         model,
@@ -309,7 +309,7 @@ fn a_draft_model_of_another_vocabulary_is_refused() {
         Some(engine::DraftModel {
             model: Box::new(draft.load().unwrap()),
             pool_tokens: 1024,
-            relative_cost: 0.5,
+            relative_cost: None,
         }),
         EngineConfig::default(),
     );

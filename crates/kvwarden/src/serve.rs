@@ -38,9 +38,7 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
     let model = model::Model::load(&file)?;
     drop(file);
     let draft = match &args.draft_model {
-        Some(path) if args.role != Some(RoleArg::Prefill) => {
-            Some(load_draft(path, load, &tok, &args.model)?)
-        }
+        Some(path) if args.role != Some(RoleArg::Prefill) => Some(load_draft(path, load, &tok)?),
         Some(_) => {
             tracing::info!("a prefill node never decodes: --draft-model is not loaded");
             None
@@ -69,10 +67,10 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
     let role = args.role;
     let engine = engine::start_with_draft(
         model,
-        draft.map(|(model, size_ratio)| engine::DraftModel {
+        draft.map(|model| engine::DraftModel {
             model: Box::new(model),
             pool_tokens,
-            relative_cost: args.draft_cost.unwrap_or(size_ratio),
+            relative_cost: args.draft_cost,
         }),
         EngineConfig {
             max_context: args.max_context,
@@ -151,14 +149,12 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
 }
 
 /// The draft model of `--draft-model`, refused unless its token ids mean what the served
-/// model's do, and its cost per step relative to the served model's (the ratio of the
-/// files' sizes: a one-token step reads every weight once).
+/// model's do.
 fn load_draft(
     path: &std::path::Path,
     load: gguf::Load,
     target_tokens: &tokenizer::Tokenizer,
-    target_path: &std::path::Path,
-) -> Result<(model::Model, f32)> {
+) -> Result<model::Model> {
     let file = open_model(&path.to_path_buf(), load)?;
     let tok = tokenizer::Tokenizer::from_gguf(&file)
         .with_context(|| format!("--draft-model {}", path.display()))?;
@@ -168,15 +164,7 @@ fn load_draft(
             path.display()
         );
     }
-    let model =
-        model::Model::load(&file).with_context(|| format!("--draft-model {}", path.display()))?;
-    drop(file);
-    let size = |p: &std::path::Path| {
-        std::fs::metadata(p)
-            .map(|m| m.len() as f32)
-            .with_context(|| format!("reading {}", p.display()))
-    };
-    Ok((model, size(path)? / size(target_path)?.max(1.0)))
+    model::Model::load(&file).with_context(|| format!("--draft-model {}", path.display()))
 }
 
 /// The model id clients must send: the flag, else the file's name without `.gguf`.

@@ -74,9 +74,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub(crate) draft_model: Option<PathBuf>,
     /// What one of the draft model's one-token steps costs, in steps of the served model,
-    /// as the draft-length policy weighs it (more than 0, at most 10). By default the ratio
-    /// of the two files' sizes, the bytes a decode step reads; on small models, where a
-    /// step's fixed cost dominates, the true ratio is higher.
+    /// as the draft-length policy weighs it (more than 0, at most 10). By default measured
+    /// at start: the median of a few one-token steps of each model on this machine.
     #[arg(long, requires = "draft_model", value_parser = draft_cost)]
     pub(crate) draft_cost: Option<f32>,
     /// Run one side of the disaggregated mode instead of the OpenAI API: `--port` is then

@@ -150,6 +150,9 @@ impl Worker {
             .max_batch_tokens
             .saturating_sub(plan.iter().map(|(_, r)| r.len()).sum());
         let draft_cost = self.draft.as_ref().map_or(0.0, |d| d.cost);
+        if spec.mode == crate::SpeculationMode::Auto && !spec.can_pay(draft_cost) {
+            return Vec::new();
+        }
         // Rows that ask the draft model: (index in the plan, tokens wanted).
         let mut asks: Vec<(usize, usize)> = Vec::new();
         for (at, (i, range)) in plan.iter_mut().enumerate() {
