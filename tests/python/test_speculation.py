@@ -5,13 +5,14 @@ the draft model) is the answer of a server that never speculates, token for toke
 log-probability for log-probability, one at a time and concurrently; drafts are kept and
 rejected. A draft model of another vocabulary is refused at start."""
 
+import json
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
-from conftest import BIN, MODEL, MODEL_NAME, ROOT, require_binary
+from conftest import BIN, MODEL, MODEL_NAME, ROOT, own_greedy, require_binary
 
 # The default model requantized (scripts/fetch-quant-models.sh): the same vocabulary, other
 # weights, so its drafts are mostly, not always, what the served model decodes.
@@ -113,6 +114,23 @@ def test_speculation_gives_the_answers_of_plain_decoding(plain, expected, specul
 def test_a_draft_model_gives_the_answers_of_plain_decoding(plain, expected, drafting):
     # Every prompt once, greedy and seeded by turns (the engine's own test runs 120 more).
     check_speculation(plain, expected, drafting, range(len(prompts())))
+
+
+def test_golden_prompts_answer_as_plain_decoding_does(speculating, drafting):
+    """The golden prompts (tests/data/golden), greedy, drafting on every row: each answer
+    is kvwarden's own greedy answer from a separate process that never speculates."""
+    golden = json.loads((ROOT / "tests" / "data" / "golden" / "completions.json").read_text())["cases"]
+    for server in (speculating, drafting):
+        for case in golden:
+            n = len(case["completion_tokens"])
+            r = requests.post(
+                server.url + "/v1/completions",
+                json={"model": MODEL_NAME, "prompt": case["prompt_tokens"], "max_tokens": n,
+                      "temperature": 0},
+                headers={"Authorization": f"Bearer {server.api_key}"}, timeout=120,
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == own_greedy(case["prompt_tokens"], n), case["prompt"]
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused():

@@ -115,6 +115,18 @@ impl Running {
         }
     }
 
+    /// Gives every page back, the model's and the draft model's, before anything is said
+    /// about the request: what is left is its progress.
+    fn release(self) -> Progress {
+        let Running {
+            progress,
+            kv,
+            draft_kv,
+        } = self;
+        drop((kv, draft_kv));
+        progress
+    }
+
     /// Tokens of the stream still to feed: the (rest of the) prompt or a replay after
     /// preemption, or the one token sampled last.
     fn remaining(&self) -> usize {
@@ -206,11 +218,5 @@ impl Worker {
 
 /// Sends the terminal event and drops the request (and with it, its pages).
 fn finish(r: Running, ev: Event) {
-    let Running {
-        progress,
-        kv,
-        draft_kv,
-    } = r;
-    drop((kv, draft_kv));
-    progress.end(ev);
+    r.release().end(ev);
 }

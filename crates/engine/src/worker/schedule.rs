@@ -250,12 +250,7 @@ impl Worker {
     /// Returns a request's pages and puts it back at the head of the queue, to recompute.
     fn preempt(&mut self, r: Running) {
         EngineMetrics::add(&self.metrics.preemptions, 1);
-        let Running {
-            progress,
-            kv,
-            draft_kv,
-        } = r;
-        drop((kv, draft_kv));
+        let progress = r.release();
         let at = self
             .waiting
             .iter()
