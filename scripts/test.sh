@@ -82,9 +82,9 @@ long=(--ignore tests/python/test_faults_netns.py --ignore tests/python/test_faul
 "$python" -m pytest tests/python -q "${long[@]}"
 # Every fixture becomes router + prefill node + decode node: the router must answer exactly
 # as `serve` does.
-# (test_cluster.py, test_dns_discovery.py and the fault suite test_faults.py start their own
-# clusters and ran above.)
+# (test_cluster.py, test_dns_discovery.py, test_tracing.py and the fault suite test_faults.py
+# start their own clusters and ran above.)
 # test_gemma3.py and test_quant_models.py start their own `serve` and ran above.
 KVWARDEN_DEPLOYMENT=cluster "$python" -m pytest tests/python -q --ignore tests/python/test_cluster.py \
   --ignore tests/python/test_dns_discovery.py --ignore tests/python/test_faults.py --ignore tests/python/test_gemma3.py \
-  --ignore tests/python/test_quant_models.py "${long[@]}"
+  --ignore tests/python/test_quant_models.py --ignore tests/python/test_tracing.py "${long[@]}"

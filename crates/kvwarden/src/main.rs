@@ -18,6 +18,7 @@ mod node;
 mod router_cmd;
 mod serve;
 mod serve_args;
+mod telemetry;
 
 use serve_args::ServeArgs;
 
@@ -139,16 +140,24 @@ struct SynthArgs {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let cli = Cli::parse();
+    let otlp = match &cli.command {
+        Command::Serve(args) => Some((&args.otlp, args.service_name())),
+        Command::Router(args) => Some((&args.otlp, "kvwarden-router")),
+        _ => None,
+    };
+    let telemetry = match telemetry::init(otlp) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
     #[cfg(feature = "fault-injection")]
     eprintln!("{}", fault::WARNING);
-    let cli = Cli::parse();
-    if let Err(e) = run(cli) {
+    let result = run(cli);
+    drop(telemetry);
+    if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }

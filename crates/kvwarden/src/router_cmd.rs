@@ -45,6 +45,8 @@ pub struct RouterArgs {
     handoff_timeout_secs: u64,
     #[command(flatten)]
     tls: TlsArgs,
+    #[command(flatten)]
+    pub(crate) otlp: crate::telemetry::OtlpArgs,
 }
 
 pub fn run(args: RouterArgs) -> Result<()> {

@@ -91,10 +91,23 @@ pub struct ServeArgs {
     /// and a prefill node for the decode node to take it.
     #[arg(long, default_value_t = 60)]
     pub(crate) handoff_timeout_secs: u64,
+    #[command(flatten)]
+    pub(crate) otlp: crate::telemetry::OtlpArgs,
     /// FAULT-INJECTION BUILD ONLY: re-enact a known bug, to test `kvwarden audit`.
     #[cfg(feature = "fault-injection")]
     #[arg(long, value_parser = ["incident"])]
     pub(crate) inject_fault: Option<String>,
+}
+
+impl ServeArgs {
+    /// The `service.name` of this process's traces.
+    pub(crate) fn service_name(&self) -> &'static str {
+        match self.role {
+            None => "kvwarden",
+            Some(RoleArg::Prefill) => "kvwarden-prefill",
+            Some(RoleArg::Decode) => "kvwarden-decode",
+        }
+    }
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]

@@ -9,6 +9,7 @@ use engine::{Admitted, EngineError, Event, RequestHandle, RequestId};
 use server::{ApiError, SubmitError};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tonic::codec::Streaming;
+use tracing::Instrument;
 use transfer::pb::{self, decode_event::Event as DecodeEv};
 use transfer::wire;
 
@@ -86,7 +87,12 @@ pub(crate) async fn start(
             None => break,
         };
         let decode_load = InFlight::new(decode.clone());
-        let (events, ticket) = match reserve(&cluster, &decode, &wire_request).await {
+        // Open for the whole decode stream: the decode node's spans are its children.
+        let decode_span = tracing::info_span!("call.decode");
+        let reserved = reserve(&cluster, &decode, &wire_request, &decode_span)
+            .instrument(decode_span.clone())
+            .await;
+        let (events, ticket) = match reserved {
             Ok(reserved) => reserved,
             Err(Placement::Refused(e)) => return Err(e),
             Err(Placement::Unreachable(e)) => {
@@ -102,6 +108,8 @@ pub(crate) async fn start(
             ticket,
         });
         prefill_call.set_timeout(timeout);
+        let prefill_span = tracing::info_span!("call.prefill");
+        transfer::trace::inject(&prefill_span, &mut prefill_call);
         let (tx, rx) = unbounded_channel();
         let prefill_client = prefill.client.clone();
         tokio::spawn(async move {
@@ -109,10 +117,11 @@ pub(crate) async fn start(
                 &cluster,
                 prefill_client,
                 prefill_call,
-                prefill_load,
+                (prefill_load, prefill_span),
                 events,
                 tx,
             )
+            .instrument(decode_span)
             .await;
             drop(decode_load);
         });
@@ -149,10 +158,13 @@ async fn admit(
 ) -> Result<(), Placement> {
     let mut call = tonic::Request::new(wire_request.clone());
     call.set_timeout(cluster.deadlines.handoff);
+    let span = tracing::info_span!("call.admit");
+    transfer::trace::inject(&span, &mut call);
     let verdict = prefill
         .client
         .clone()
         .admit(call)
+        .instrument(span)
         .await
         .map_err(|s| placement_error(&s))?
         .into_inner();
@@ -177,11 +189,14 @@ async fn reserve(
     cluster: &Cluster,
     decode: &Node,
     wire_request: &pb::GenerateRequest,
+    span: &tracing::Span,
 ) -> Result<(Streaming<pb::DecodeEvent>, Vec<u8>), Placement> {
+    let mut call = tonic::Request::new(wire_request.clone());
+    transfer::trace::inject(span, &mut call);
     let mut events = decode
         .client
         .clone()
-        .decode(tonic::Request::new(wire_request.clone()))
+        .decode(call)
         .await
         .map_err(|s| placement_error(&s))?
         .into_inner();
@@ -228,7 +243,8 @@ async fn run(
     cluster: &Cluster,
     mut prefill_client: pb::node_client::NodeClient<tonic::transport::Channel>,
     prefill_call: tonic::Request<pb::PrefillRequest>,
-    prefill_load: InFlight,
+    // The prefill call's load and span, both released with its reply.
+    prefill_load: (InFlight, tracing::Span),
     mut events: Streaming<pb::DecodeEvent>,
     tx: UnboundedSender<Event>,
 ) {

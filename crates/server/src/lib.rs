@@ -30,6 +30,7 @@ pub mod structured;
 pub mod tenants;
 mod tokenize;
 pub mod tools;
+pub mod trace;
 pub mod validation;
 
 use std::future::Future;

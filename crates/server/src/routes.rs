@@ -14,6 +14,7 @@ use axum::{Extension, Json, Router};
 use engine::{FinishReason, GenerateRequest, IsolationDomain, Usage};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
+use tracing::Instrument;
 
 use crate::conn::ConnectionControl;
 use crate::error::ApiError;
@@ -79,10 +80,15 @@ async fn completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match start_completion(&app, &headers, body).await {
-        Ok(started) => respond(started, control).await,
-        Err(e) => refuse(&app, e),
+    let span = crate::trace::request_span("completions", &headers);
+    async move {
+        match start_completion(&app, &headers, body).await {
+            Ok(started) => respond(started, control).await,
+            Err(e) => refuse(&app, e),
+        }
     }
+    .instrument(span)
+    .await
 }
 
 async fn chat_completions(
@@ -91,10 +97,15 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match start_chat(&app, &headers, body).await {
-        Ok(started) => respond(started, control).await,
-        Err(e) => refuse(&app, e),
+    let span = crate::trace::request_span("chat.completions", &headers);
+    async move {
+        match start_chat(&app, &headers, body).await {
+            Ok(started) => respond(started, control).await,
+            Err(e) => refuse(&app, e),
+        }
     }
+    .instrument(span)
+    .await
 }
 
 /// An error before the request reached the engine.
@@ -124,12 +135,17 @@ async fn accept<R: DeserializeOwned, V>(
     validate: impl FnOnce(&R, &ServedModel<'_>) -> Result<V, ApiError>,
 ) -> Result<(IsolationDomain, V), ApiError> {
     let tenant = app.auth.authenticate(headers)?;
-    body::require_json(headers)?;
-    body::require_known_transfer_encoding(headers)?;
-    let bytes = body::read(body, app.max_body_bytes, app.body_timeout).await?;
-    let req: R = body::decode(&bytes)?;
-    let valid = validate(&req, &ServedModel::of(app))?;
-    Ok((tenant, valid))
+    crate::trace::record_tenant(tenant.tenant_name());
+    async {
+        body::require_json(headers)?;
+        body::require_known_transfer_encoding(headers)?;
+        let bytes = body::read(body, app.max_body_bytes, app.body_timeout).await?;
+        let req: R = body::decode(&bytes)?;
+        let valid = validate(&req, &ServedModel::of(app))?;
+        Ok((tenant, valid))
+    }
+    .instrument(tracing::info_span!("validation"))
+    .await
 }
 
 async fn start_completion(
@@ -344,6 +360,8 @@ async fn start(
         .max_tokens
         .unwrap_or_else(|| admission.default_max_tokens(prompt_tokens));
     let domain = domain_for(tenant, &settings);
+    let admission_span = tracing::info_span!("admission");
+    let entered = admission_span.enter();
     let mut admitted = Vec::with_capacity(settings.n);
     for choice in 0..settings.n {
         let mut sampling = settings.sampling.clone();
@@ -375,6 +393,7 @@ async fn start(
             .saturating_add(max_tokens)
             .saturating_mul(settings.n),
     )?;
+    drop(entered);
     let admitted_at = Instant::now();
     let mut admitted = admitted.into_iter();
     let Some(first) = admitted.next() else {

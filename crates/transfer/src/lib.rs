@@ -8,6 +8,7 @@ pub mod certs;
 pub mod metrics;
 pub mod node;
 pub mod tls;
+pub mod trace;
 pub mod wire;
 
 /// The generated protobuf messages and gRPC stubs (`proto/node.proto`, compiled by

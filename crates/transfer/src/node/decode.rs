@@ -12,6 +12,7 @@ use engine::Event;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use super::{status_failure, NodeService, Role};
 use crate::pb;
@@ -32,6 +33,8 @@ impl From<HandoffError> for HandoffFailure {
 pub(super) struct PendingImport {
     reservation: ImportReservation,
     verified: oneshot::Sender<Result<VerifiedImport, HandoffFailure>>,
+    /// The decode call's span: the push's verification is recorded under it.
+    span: tracing::Span,
 }
 
 pub(super) type DecodeStream = ReceiverStream<Result<pb::DecodeEvent, Status>>;
@@ -72,7 +75,10 @@ impl NodeService {
             .admitted
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let node = self.clone();
-        tokio::spawn(async move { node.run_decode(admitted, request_id, tx).await });
+        tokio::spawn(
+            async move { node.run_decode(admitted, request_id, tx).await }
+                .instrument(tracing::Span::current()),
+        );
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
@@ -120,8 +126,12 @@ impl NodeService {
         let PendingImport {
             reservation,
             verified,
+            span,
         } = pending;
-        let outcome = self.receive(reservation, manifest, &mut frames).await;
+        let outcome = self
+            .receive(reservation, manifest, &mut frames)
+            .instrument(tracing::info_span!(parent: &span, "verification"))
+            .await;
         let failure = match outcome {
             Ok((import, bytes)) => {
                 if verified.send(Ok(import)).is_ok() {
@@ -203,14 +213,28 @@ impl NodeService {
     ) {
         use pb::decode_event::Event as E;
         let fail = |reason: &str, message: String| event(E::Failed(wire::failure(reason, message)));
-        let reservation = tokio::select! {
-            r = self.engine.reserve_import(admitted, request_id) => r,
-            _ = tokio::time::sleep(self.deadlines.handoff) => {
-                self.metrics.failure("capacity");
-                let _ = tx.send(fail("capacity", "no KV pages became free in time".into())).await;
+        // Waiting for the pages the prompt needs to be free.
+        let waited = async {
+            tokio::select! {
+                r = self.engine.reserve_import(admitted, request_id) => Ok(r),
+                // Err(timed out): the deadline passed, or the router left (nothing to tell).
+                _ = tokio::time::sleep(self.deadlines.handoff) => Err(true),
+                _ = tx.closed() => Err(false),
+            }
+        }
+        .instrument(tracing::info_span!("queueing"))
+        .await;
+        let reservation = match waited {
+            Ok(r) => r,
+            Err(timed_out) => {
+                if timed_out {
+                    self.metrics.failure("capacity");
+                    let _ = tx
+                        .send(fail("capacity", "no KV pages became free in time".into()))
+                        .await;
+                }
                 return;
             }
-            _ = tx.closed() => return,
         };
         let reservation = match reservation {
             Ok(r) => r,
@@ -233,6 +257,7 @@ impl NodeService {
             PendingImport {
                 reservation,
                 verified: verified_tx,
+                span: tracing::Span::current(),
             },
         );
         let reserved = event(E::Reserved(pb::decode_event::Reserved {
@@ -270,6 +295,19 @@ impl NodeService {
                 return;
             }
         };
+        // Generation, from the engine's queue to the last token.
+        self.generate(import, &tx)
+            .instrument(tracing::info_span!("decode"))
+            .await;
+    }
+
+    async fn generate(
+        &self,
+        import: VerifiedImport,
+        tx: &mpsc::Sender<Result<pb::DecodeEvent, Status>>,
+    ) {
+        use pb::decode_event::Event as E;
+        let fail = |reason: &str, message: String| event(E::Failed(wire::failure(reason, message)));
         let mut handle = match self.engine.submit_import(import) {
             Ok(h) => h,
             Err(full) => {

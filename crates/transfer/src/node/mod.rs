@@ -13,6 +13,7 @@ use engine::handoff::Ticket;
 use engine::EngineHandle;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use crate::metrics::TransferMetrics;
 use crate::pb::{self, node_server::Node};
@@ -192,14 +193,18 @@ impl Node for Arc<NodeService> {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<pb::AdmitReply>, Status> {
-        self.serve_admit(request).await
+        let span = tracing::info_span!("node.admit");
+        crate::trace::continue_from(&span, &request);
+        self.serve_admit(request).instrument(span).await
     }
 
     async fn prefill(
         &self,
         request: Request<pb::PrefillRequest>,
     ) -> Result<Response<pb::PrefillReply>, Status> {
-        self.serve_prefill(request).await
+        let span = tracing::info_span!("node.prefill");
+        crate::trace::continue_from(&span, &request);
+        self.serve_prefill(request).instrument(span).await
     }
 
     type DecodeStream = DecodeStream;
@@ -208,13 +213,17 @@ impl Node for Arc<NodeService> {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<DecodeStream>, Status> {
-        self.serve_decode(request).await
+        let span = tracing::info_span!("node.decode");
+        crate::trace::continue_from(&span, &request);
+        self.serve_decode(request).instrument(span).await
     }
 
     async fn push_kv(
         &self,
         request: Request<Streaming<pb::KvFrame>>,
     ) -> Result<Response<pb::PushReply>, Status> {
-        self.serve_push_kv(request).await
+        let span = tracing::info_span!("node.push_kv");
+        crate::trace::continue_from(&span, &request);
+        self.serve_push_kv(request).instrument(span).await
     }
 }

@@ -7,6 +7,7 @@ use engine::handoff::{Manifest, Ticket};
 use engine::Event;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use super::{connect_lazy, status_failure, NodeService, Role};
 use crate::pb::{self, node_client::NodeClient};
@@ -55,6 +56,7 @@ impl NodeService {
         }
         let mut request = Request::new(tokio_stream::iter(frames));
         request.set_timeout(self.deadlines.handoff);
+        crate::trace::inject(&tracing::Span::current(), &mut request);
         match client.push_kv(request).await {
             Ok(reply) => match reply.into_inner().failed {
                 None => Ok(()),
@@ -120,6 +122,8 @@ impl NodeService {
         };
         // Dropping this call (the router gave up) drops the handle, which cancels the
         // request in the engine.
+        // The engine's part: waiting for a running slot, then the prompt's forward pass.
+        let prefill_span = tracing::info_span!("prefill");
         let mut handle = match self.engine.submit_prefill(admitted) {
             Ok(h) => h,
             Err(full) => {
@@ -129,7 +133,7 @@ impl NodeService {
                 }));
             }
         };
-        let output = match handle.events.recv().await {
+        let output = match handle.events.recv().instrument(prefill_span).await {
             Some(Event::Prefilled(out)) => out,
             Some(Event::Failed(e)) => {
                 let f = wire::failure_from_engine(&e);
@@ -151,7 +155,11 @@ impl NodeService {
         let started = Instant::now();
         let manifest = Manifest::describe(ticket, request_id, domain, &output);
         let bytes = output.bytes();
-        let outcome = match self.push(&decode_addr, manifest, &output).await {
+        let pushed = self
+            .push(&decode_addr, manifest, &output)
+            .instrument(tracing::info_span!("transfer", bytes))
+            .await;
+        let outcome = match pushed {
             Ok(()) => {
                 self.metrics.transferred(true, bytes, started.elapsed());
                 Outcome::Done(pb::prefill_reply::Done {
