@@ -72,6 +72,15 @@ key, never another component's. */}}
 - --tls-key=/etc/kvwarden/tls/key.pem
 {{- end -}}
 
+{{- define "kvwarden.tracingArgs" -}}
+{{- if .Values.tracing.otlpEndpoint }}
+- --otlp-endpoint={{ .Values.tracing.otlpEndpoint }}
+{{- if .Values.tracing.tenantAttribute }}
+- --otlp-tenant-attribute
+{{- end }}
+{{- end }}
+{{- end -}}
+
 {{- define "kvwarden.volumeMounts" -}}
 - name: tls
   mountPath: /etc/kvwarden/tls
