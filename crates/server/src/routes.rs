@@ -81,14 +81,9 @@ async fn completions(
     body: Body,
 ) -> Response {
     let span = crate::trace::request_span("completions", &headers);
-    async move {
-        match start_completion(&app, &headers, body).await {
-            Ok(started) => respond(started, control).await,
-            Err(e) => refuse(&app, e),
-        }
-    }
-    .instrument(span)
-    .await
+    answer(&app, control, start_completion(&app, &headers, body))
+        .instrument(span)
+        .await
 }
 
 async fn chat_completions(
@@ -98,14 +93,21 @@ async fn chat_completions(
     body: Body,
 ) -> Response {
     let span = crate::trace::request_span("chat.completions", &headers);
-    async move {
-        match start_chat(&app, &headers, body).await {
-            Ok(started) => respond(started, control).await,
-            Err(e) => refuse(&app, e),
-        }
+    answer(&app, control, start_chat(&app, &headers, body))
+        .instrument(span)
+        .await
+}
+
+/// The response to a request once its prologue has run: the generation's, or the refusal.
+async fn answer(
+    app: &AppState,
+    control: Control,
+    started: impl std::future::Future<Output = Result<Started, ApiError>>,
+) -> Response {
+    match started.await {
+        Ok(started) => respond(started, control).await,
+        Err(e) => refuse(app, e),
     }
-    .instrument(span)
-    .await
 }
 
 /// An error before the request reached the engine.
