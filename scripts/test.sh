@@ -42,13 +42,16 @@ fi
 # The accuracy oracle (crates/eval): llama.cpp's reference log-probabilities on a fixed text
 # (llama-perplexity, built into .peer/; recorded into target/eval-refs/), the bar every
 # arithmetic change must clear, on the default model and two other files, and the same bytes
-# on every CPU path this machine has, with windows fed whole, in chunks and in batches.
-python3 scripts/eval-references.py --check --invariance SmolLM2-135M-Instruct.Q4_1 \
+# on every CPU path this machine has, with windows fed whole, in chunks and in batches; and
+# (--lora) the default model and a synthetic qwen2 file under a synthetic LoRA adapter
+# against llama.cpp's `--lora` (their greedy tokens: crates/model/tests/llama_references.rs).
+python3 scripts/eval-references.py --check --invariance --lora SmolLM2-135M-Instruct.Q4_1 \
   SmolLM2-135M-Instruct.Q4_K_M synth-qwen3-q6_k
 bash crates/kv/loom.sh
 # Every cargo-fuzz target (fuzz/) for a short fixed time: a crash fails the run, its input
-# saved in fuzz/artifacts/. `scripts/fuzz.sh 1800` is the long form.
-./scripts/fuzz.sh 20
+# saved in fuzz/artifacts/. `scripts/fuzz.sh 1800` is the long form. 18 s each: nine
+# targets in about the 160 s that eight had at 20 s.
+./scripts/fuzz.sh 18
 
 # The default binary must not carry the fault-injection switch (the feature is off).
 if target/debug/kvwarden serve --help | grep -q -- --inject-fault; then

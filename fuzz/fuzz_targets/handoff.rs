@@ -40,6 +40,7 @@ fn engine() -> EngineHandle {
 
 fn request(len: usize) -> GenerateRequest {
     GenerateRequest {
+        adapter: None,
         weight: 1,
         domain: IsolationDomain::tenant("alice"),
         prompt: (0..len as u32).map(|i| 3 + (i * 37 + 5) % 250).collect(),

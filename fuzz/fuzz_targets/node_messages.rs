@@ -9,13 +9,19 @@ use prost::Message;
 use transfer::{pb, wire};
 
 fn request(m: pb::GenerateRequest) {
-    // A constraint in the message is compiled against the synthetic byte vocabulary.
+    // A constraint in the message is compiled against the synthetic byte vocabulary; a node
+    // holding no adapter refuses every adapter request.
     let vocab = kvwarden_fuzz::byte_vocabulary();
-    let Ok((id, req)) = wire::request_from_pb(m, vocab) else {
+    let adapters = engine::Adapters::new();
+    let Ok((id, req)) = wire::request_from_pb(m, vocab, &adapters) else {
         return;
     };
+    assert!(
+        req.adapter.is_none(),
+        "an adapter no node holds was resolved"
+    );
     let once = wire::request_to_pb(&id, &req);
-    let (id2, req2) = wire::request_from_pb(once.clone(), vocab)
+    let (id2, req2) = wire::request_from_pb(once.clone(), vocab, &adapters)
         .unwrap_or_else(|e| panic!("a request we encoded does not decode: {e}"));
     // Compared as bytes: a NaN field is unequal to itself but encodes the same.
     assert_eq!(
@@ -25,15 +31,21 @@ fn request(m: pb::GenerateRequest) {
 }
 
 fn manifest(m: pb::Manifest) {
-    let Ok(man) = wire::manifest_from_pb(m) else {
+    let Ok((man, adapter)) = wire::manifest_from_pb(m) else {
         return;
     };
-    let once = wire::manifest_to_pb(&man);
-    let again = wire::manifest_from_pb(once.clone())
+    // The domain is computed under the adapter the manifest names, whatever it says.
+    assert_eq!(
+        man.domain.adapter(),
+        adapter.as_ref().map(|a| a.fingerprint)
+    );
+    let once = wire::manifest_to_pb(&man, adapter.as_ref());
+    let (again, adapter2) = wire::manifest_from_pb(once.clone())
         .unwrap_or_else(|e| panic!("a manifest we encoded does not decode: {e}"));
+    assert_eq!(adapter, adapter2);
     assert_eq!(
         once.encode_to_vec(),
-        wire::manifest_to_pb(&again).encode_to_vec()
+        wire::manifest_to_pb(&again, adapter2.as_ref()).encode_to_vec()
     );
 }
 
@@ -105,7 +117,12 @@ fuzz_target!(|data: &[u8]| {
                 let _ = engine::handoff::Ticket::from_bytes(&r.ticket);
             }
             let _ = pb::PrefillReply::decode(bytes);
-            let _ = pb::NodeInfo::decode(bytes);
+            if let Ok(info) = pb::NodeInfo::decode(bytes) {
+                // A node's adapter set: refused or a sorted list of distinct names.
+                if let Ok(set) = wire::adapters_from_pb(info.adapters) {
+                    assert!(set.windows(2).all(|w| w[0].name < w[1].name));
+                }
+            }
         }
     }
 });

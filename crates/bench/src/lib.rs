@@ -48,6 +48,10 @@ pub struct ServeArgs {
     /// Model name to send (default: the first of /v1/models).
     #[arg(long)]
     pub model: Option<String>,
+    /// Spread the requests over these model names (comma-separated), request `i` taking
+    /// the `i mod n`-th: a load over several adapters of one base model.
+    #[arg(long, value_delimiter = ',', conflicts_with = "model")]
+    pub models: Vec<String>,
     /// Token-id prompts of exactly N tokens (the default, 200).
     #[arg(long, conflicts_with = "prompt_words")]
     pub prompt_tokens: Option<usize>,
@@ -194,9 +198,9 @@ fn extra_fields(args: &ServeArgs) -> Result<serde_json::Map<String, Value>, Benc
 async fn serve(args: ServeArgs) -> Result<(), BenchError> {
     check(&args)?;
     let mut client = Client::new(&args.base_url, Duration::from_secs(args.timeout.max(1)))?;
-    client.model = match &args.model {
-        Some(m) => m.clone(),
-        None => served_model(&client, args.api_key.as_deref()).await?,
+    client.model = match (&args.model, args.models.first()) {
+        (Some(m), _) | (None, Some(m)) => m.clone(),
+        (None, None) => served_model(&client, args.api_key.as_deref()).await?,
     };
     let spec = match (args.prompt_words, args.repeat_words) {
         (Some(len), _) => PromptSpec::Words { len },
@@ -214,7 +218,8 @@ async fn serve(args: ServeArgs) -> Result<(), BenchError> {
     };
     let calls: Vec<Call> = workload::prompts(&spec, args.num_requests, args.seed)
         .into_iter()
-        .map(|prompt| Call {
+        .enumerate()
+        .map(|(i, prompt)| Call {
             api,
             prompt,
             max_tokens: args.max_tokens,
@@ -224,7 +229,14 @@ async fn serve(args: ServeArgs) -> Result<(), BenchError> {
             ignore_eos: args.ignore_eos,
             cancel_after: None,
             key: args.api_key.clone(),
-            extra: extra.clone(),
+            extra: match args.models.len() {
+                0 => extra.clone(),
+                n => {
+                    let mut with_model = extra.clone();
+                    with_model.insert("model".into(), args.models[i % n].clone().into());
+                    with_model
+                }
+            },
         })
         .collect();
     let schedule = match args.request_rate {
@@ -265,7 +277,10 @@ async fn serve(args: ServeArgs) -> Result<(), BenchError> {
     };
     let report = Report::new(
         client.base.clone(),
-        client.model.clone(),
+        match args.models.len() {
+            0 | 1 => client.model.clone(),
+            _ => args.models.join(","),
+        },
         workload,
         spec.known_tokens(),
         &run.exchanges,

@@ -26,6 +26,10 @@ pub enum Rejection {
         min_tokens: usize,
         max_tokens: Option<usize>,
     },
+    /// The request names an adapter whose weights this engine does not hold (a node asked
+    /// for an adapter it was not given, or a reference that was never resolved).
+    #[error("The model `{name}` does not exist or you do not have access to it.")]
+    AdapterNotLoaded { name: String },
 }
 
 impl Rejection {
@@ -38,6 +42,7 @@ impl Rejection {
                 "context_length_exceeded"
             }
             Rejection::TokenOutOfRange { .. } => "invalid_token",
+            Rejection::AdapterNotLoaded { .. } => "model_not_found",
         }
     }
 }
@@ -75,6 +80,9 @@ impl Admitted {
 pub struct Admission {
     max_context: usize,
     vocab_size: usize,
+    /// An engine computes: every adapter it admits must come with its weights. A router's
+    /// admission passes references by name, which each node resolves in its own set.
+    computes: bool,
 }
 
 impl Admission {
@@ -83,6 +91,7 @@ impl Admission {
         Self {
             max_context,
             vocab_size,
+            computes: true,
         }
     }
 
@@ -100,6 +109,7 @@ impl Admission {
         (max_context <= smallest).then_some(Self {
             max_context,
             vocab_size,
+            computes: false,
         })
     }
 
@@ -148,7 +158,19 @@ impl Admission {
         self.max_context.saturating_sub(prompt_tokens)
     }
 
-    pub fn admit(&self, request: GenerateRequest) -> Result<Admitted, Rejection> {
+    pub fn admit(&self, mut request: GenerateRequest) -> Result<Admitted, Rejection> {
+        if let Some(adapter) = &request.adapter {
+            if self.computes && adapter.weights().is_none() {
+                return Err(Rejection::AdapterNotLoaded {
+                    name: adapter.name().to_string(),
+                });
+            }
+        }
+        // The one place a request's domain learns its adapter: from the adapter it will
+        // run with, whatever the domain said before.
+        request.domain = request
+            .domain
+            .computed_under(request.adapter.as_ref().map(|a| a.fingerprint()));
         if request.prompt.is_empty() {
             return Err(Rejection::EmptyPrompt);
         }
@@ -199,6 +221,7 @@ fn placeholder(request: GenerateRequest, max_context: usize) -> Admitted {
     let token = request.prompt.first().copied().unwrap_or(0);
     Admitted {
         request: GenerateRequest {
+            adapter: None,
             prompt: vec![token; claimed],
             max_tokens,
             ..request
@@ -215,6 +238,7 @@ mod tests {
 
     fn req(prompt: usize, max_tokens: usize) -> GenerateRequest {
         GenerateRequest {
+            adapter: None,
             weight: 1,
             domain: IsolationDomain::tenant("t"),
             prompt: vec![5; prompt],

@@ -32,7 +32,7 @@ pub(crate) enum Command {
     /// Decode role: run a received, verified sequence (which holds its slot) from its
     /// first token on.
     SubmitImport {
-        verified: VerifiedImport,
+        verified: Box<VerifiedImport>,
         events: UnboundedSender<Event>,
     },
     /// Only wakes the engine: the request to stop is the `stopping` flag, which a full

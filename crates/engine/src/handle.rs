@@ -209,7 +209,7 @@ impl EngineHandle {
         let id = verified.id;
         let (tx, rx) = unbounded_channel();
         let command = Command::SubmitImport {
-            verified,
+            verified: Box::new(verified),
             events: tx,
         };
         self.send_with_events(id, command, rx)

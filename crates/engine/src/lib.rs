@@ -17,6 +17,7 @@
 // its own safety argument and test.
 #![forbid(unsafe_code)]
 
+mod adapter;
 mod admission;
 mod command;
 mod config;
@@ -33,6 +34,7 @@ mod worker;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+pub use adapter::{AdapterInfo, AdapterRef, AdapterSetError, Adapters, Unloading};
 pub use admission::{Admission, Admitted, Rejection};
 pub use config::EngineConfig;
 pub use handle::{start, start_with_draft, EngineHandle, RequestHandle, StartupError};
@@ -91,6 +93,12 @@ pub struct GenerateRequest {
     /// cached; a clone is a deep copy): each token is sampled from its mask, and the
     /// request ends when the constraint is complete.
     pub constraint: Option<constraint::RowConstraint>,
+    /// The LoRA adapter the request is computed under (`None`: the base model). The engine
+    /// narrows the request's domain by its fingerprint at submission
+    /// (`kv::IsolationDomain::computed_under`), so K/V computed under it is cached, shared
+    /// and handed off only within that adapter and tenant. Held until the request ends: an
+    /// adapter unloaded meanwhile is freed only then.
+    pub adapter: Option<AdapterRef>,
 }
 
 /// One generated token.

@@ -115,6 +115,7 @@ pub(crate) fn relative_step_cost(
                 kv: &mut kv,
                 tokens,
                 logits: model::LogitsWanted::Last,
+                adapter: None,
             }];
             m.forward(&mut items).pop().is_some_and(|r| r.is_ok())
         };

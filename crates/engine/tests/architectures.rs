@@ -41,6 +41,7 @@ fn start(arch: SynthArch, config: EngineConfig) -> EngineHandle {
 
 fn request(domain: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
     GenerateRequest {
+        adapter: None,
         weight: 1,
         domain: IsolationDomain::tenant(domain),
         prompt,

@@ -58,6 +58,7 @@ fn constraints() -> Vec<ConstraintSpec> {
 fn request(vocab: &Vocabulary, i: usize, spec: Option<&ConstraintSpec>) -> GenerateRequest {
     let seed = i as u64;
     GenerateRequest {
+        adapter: None,
         weight: 1,
         domain: IsolationDomain::tenant(if i.is_multiple_of(2) { "alice" } else { "bob" }),
         prompt: (0..(12 + 7 * i as u32))

@@ -44,6 +44,7 @@ fn start(config: EngineConfig) -> EngineHandle {
 
 fn request(domain: &str, prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
     GenerateRequest {
+        adapter: None,
         weight: 1,
         domain: IsolationDomain::tenant(domain),
         prompt,
@@ -510,6 +511,7 @@ fn running_slots_follow_the_tenants_weights() {
     });
     let submit = |tenant: &str, weight: u32, i: u32| {
         let r = GenerateRequest {
+            adapter: None,
             weight,
             ..request(tenant, prompt(i, 16), 4000)
         };

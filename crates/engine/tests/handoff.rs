@@ -30,6 +30,7 @@ fn start(prefix_cache: bool) -> EngineHandle {
 
 fn request(tenant: &str, len: usize, max_tokens: usize, seed: u64) -> GenerateRequest {
     GenerateRequest {
+        adapter: None,
         weight: 1,
         domain: IsolationDomain::tenant(tenant),
         prompt: (0..len as u32).map(|i| 3 + (i * 37 + 5) % 290).collect(),

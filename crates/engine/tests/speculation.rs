@@ -87,6 +87,7 @@ fn request(i: u32) -> GenerateRequest {
         },
     };
     GenerateRequest {
+        adapter: None,
         weight: 1,
         domain: IsolationDomain::tenant(if i.is_multiple_of(2) { "a" } else { "b" }),
         prompt,
@@ -202,6 +203,7 @@ fn preempted_speculating_requests_recompute_to_plain_decodings_tokens() {
     // Sixteen pages; each request grows to about 48 + 100 positions (ten pages), so two
     // cannot both finish without one giving its pages back, drafts in flight or not.
     let long = |i: u32| GenerateRequest {
+        adapter: None,
         max_tokens: 100,
         prompt: request(i).prompt.iter().copied().cycle().take(48).collect(),
         ..request(i)

@@ -55,6 +55,11 @@ pub struct EvalArgs {
     /// The K/V element type, as `kvwarden serve --kv-dtype` stores it.
     #[arg(long, default_value = "f16", value_parser = ["f16", "f32", "q8_0"])]
     pub kv_dtype: String,
+    /// Score the text under a LoRA adapter (llama.cpp's GGUF adapter format), checked
+    /// against --model, at SCALE (default 1; llama.cpp's `--lora-scaled FILE SCALE`): what
+    /// follows the last comma is the scale when it reads as a number.
+    #[arg(long, value_name = "PATH[,SCALE]", conflicts_with = "logits")]
+    pub lora: Option<String>,
     /// Print the figures as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -99,7 +104,19 @@ pub struct Report {
     /// The kernels' instruction-set path (a model run).
     pub cpu: Option<&'static str>,
     pub feeding: Feeding,
+    /// The LoRA adapter the model was run under (a model run with --lora).
+    pub adapter: Option<AdapterUsed>,
     pub summary: Summary,
+}
+
+/// The adapter a run scored under, as loaded.
+#[derive(Debug, Clone)]
+pub struct AdapterUsed {
+    pub path: String,
+    pub scale: f32,
+    pub alpha: f32,
+    /// The largest rank of its pairs.
+    pub rank: usize,
 }
 
 fn eval_model(model_path: &Path, args: &EvalArgs) -> Result<Report, EvalError> {
@@ -107,6 +124,16 @@ fn eval_model(model_path: &Path, args: &EvalArgs) -> Result<Report, EvalError> {
     let tok = tokenizer::Tokenizer::from_gguf(&file)?;
     let model = model::Model::load(&file)?;
     drop(file);
+    let adapter = args
+        .lora
+        .as_deref()
+        .map(|spec| {
+            let (path, scale) = lora_spec(spec)?;
+            model::lora::LoraAdapter::load_path(&path, &model.lora_base(), scale)
+                .map(|adapter| (path, adapter))
+                .map_err(EvalError::from)
+        })
+        .transpose()?;
     let vocab = model.config.vocab_size;
     let mut base = args
         .kl_base
@@ -173,7 +200,8 @@ fn eval_model(model_path: &Path, args: &EvalArgs) -> Result<Report, EvalError> {
         Totals::default()
     };
     let progress = progress_bar(shape.n_chunk);
-    windows::run(&model, bos, shape, &tokens, feeding, |w, logits| {
+    let lora = adapter.as_ref().map(|(_, a)| a);
+    windows::run(&model, lora, bos, shape, &tokens, feeding, |w, logits| {
         let next = |r: usize| tokens[w * shape.n_ctx + shape.first() + r + 1] as usize;
         let rows = logits.chunks_exact(shape.n_vocab);
         let stored: Option<Vec<StoredRow>> = (writer.is_some() || base.is_some())
@@ -211,8 +239,37 @@ fn eval_model(model_path: &Path, args: &EvalArgs) -> Result<Report, EvalError> {
         shape,
         cpu: Some(model::kernels::cpu_path()),
         feeding,
+        adapter: adapter.map(|(path, a)| AdapterUsed {
+            path: path.display().to_string(),
+            scale: a.scale(),
+            alpha: a.alpha(),
+            rank: a.rank(),
+        }),
         summary: totals.summary(),
     })
+}
+
+/// `PATH[,SCALE]`: the scale is what follows the last comma when that reads as a finite
+/// number, so a path that itself holds a comma still loads at scale 1.
+fn lora_spec(spec: &str) -> Result<(PathBuf, f32), EvalError> {
+    let (path, scale) = match spec.rsplit_once(',') {
+        Some((path, tail)) => match tail.trim().parse::<f32>() {
+            Ok(scale) => (path, scale),
+            Err(_) => (spec, 1.0),
+        },
+        None => (spec, 1.0),
+    };
+    if path.is_empty() {
+        return Err(EvalError::Usage(format!(
+            "--lora {spec:?}: no adapter path (PATH[,SCALE])"
+        )));
+    }
+    if !scale.is_finite() {
+        return Err(EvalError::Usage(format!(
+            "--lora {spec:?}: the scale {scale} is not finite"
+        )));
+    }
+    Ok((PathBuf::from(path), scale))
 }
 
 fn eval_file(args: &EvalArgs) -> Result<Report, EvalError> {
@@ -269,6 +326,7 @@ fn eval_file(args: &EvalArgs) -> Result<Report, EvalError> {
         shape,
         cpu: None,
         feeding: Feeding::default(),
+        adapter: None,
         summary: totals.summary(),
     })
 }
@@ -408,6 +466,12 @@ impl Report {
             "cpu": self.cpu,
             "prefill_chunk": self.feeding.chunk,
             "batch": self.feeding.batch,
+            "lora": self.adapter.as_ref().map(|a| json!({
+                "path": a.path,
+                "scale": a.scale,
+                "alpha": a.alpha,
+                "rank": a.rank,
+            })),
         });
         if let (Some(obj), Ok(serde_json::Value::Object(s))) =
             (v.as_object_mut(), serde_json::to_value(&self.summary))
@@ -436,6 +500,12 @@ impl Report {
             s.ppl,
             s.ppl_unc
         );
+        if let Some(a) = &self.adapter {
+            t += &format!(
+                "under LoRA adapter {} (scale {}, alpha {}, rank {})\n",
+                a.path, a.scale, a.alpha, a.rank
+            );
+        }
         if let (Some(base), Some(b)) = (&self.base, &s.base) {
             t += &format!(
                 "against {base}:\n\

@@ -5,7 +5,9 @@
 //! log-probabilities ([`logits_file`], llama.cpp's own `--kl-divergence-base` format, read
 //! and written) the KL divergence (mean and tail), top-1 agreement, RMS Δp and the number of
 //! positions whose stored distribution is bit-identical to the reference ([`row`],
-//! [`stats`]).
+//! [`stats`]). With `--lora PATH[,SCALE]` every row is computed under a LoRA adapter, as
+//! llama-perplexity's `--lora` computes it, so an adapter is judged the same way
+//! (`scripts/eval-references.py --lora`).
 //!
 //! Bit-exactness with llama.cpp was the oracle while kvwarden reproduced its plain
 //! arithmetic; an arithmetic chosen for speed moves the last bits, and greedy equality on
@@ -25,7 +27,7 @@ pub mod windows;
 
 use std::path::PathBuf;
 
-pub use cli::{evaluate, run_cli, EvalArgs, Report};
+pub use cli::{evaluate, run_cli, AdapterUsed, EvalArgs, Report};
 
 /// Why an evaluation was refused or failed.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +52,8 @@ pub enum EvalError {
     Tokenizer(#[from] tokenizer::TokenizerError),
     #[error(transparent)]
     Model(#[from] model::ModelError),
+    #[error(transparent)]
+    Lora(#[from] model::lora::LoraError),
     #[error("KV cache: {0}")]
     Kv(#[from] kv::KvError),
 }

@@ -9,6 +9,7 @@
 //! through the files this writes.
 
 use kv::{IsolationDomain, KvDtype, KvPool, Owner, PoolConfig, RequestId, ScrubPolicy, SequenceKv};
+use model::lora::LoraAdapter;
 use model::{BatchItem, LogitsWanted, Model};
 
 use crate::logits_file::Shape;
@@ -37,11 +38,12 @@ impl Default for Feeding {
 
 const PAGE_TOKENS: usize = 16;
 
-/// Runs every window of `tokens` (`shape.n_chunk` windows of `shape.n_ctx`) and hands each
-/// window's scored logits (`rows_per_chunk × n_vocab`, position after position) to `score`,
-/// in window order.
+/// Runs every window of `tokens` (`shape.n_chunk` windows of `shape.n_ctx`), every row under
+/// `adapter` when one is given, and hands each window's scored logits
+/// (`rows_per_chunk × n_vocab`, position after position) to `score`, in window order.
 pub fn run(
     model: &Model,
+    adapter: Option<&LoraAdapter>,
     bos: Option<u32>,
     shape: Shape,
     tokens: &[u32],
@@ -100,6 +102,7 @@ pub fn run(
                     kv,
                     tokens: &input[offset..end],
                     logits: wanted,
+                    adapter,
                 })
                 .collect();
             for (out, result) in logits.iter_mut().zip(model.forward(&mut items)) {

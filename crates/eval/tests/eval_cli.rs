@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use clap::Parser;
 use eval::{evaluate, EvalArgs, EvalError, Report};
 use gguf::GgmlType;
+use model::lora::synth::{write_synthetic_lora, LoraSpec};
 use model::synth::SynthSpec;
 
 #[derive(Parser)]
@@ -212,4 +213,143 @@ fn mismatched_and_broken_inputs_are_refused_naming_why() {
         e.contains("twice the window") || e.contains("context"),
         "{e}"
     );
+}
+
+/// A rank-8 synthetic adapter for the model at `model` (every layer weight adapted).
+fn write_lora(dir: &Dir, name: &str, model: &str, seed: u64) -> String {
+    let spec = LoraSpec {
+        rank: 8,
+        seed,
+        ..LoraSpec::default()
+    };
+    let path = dir.path(name);
+    write_synthetic_lora(Path::new(model), Path::new(&path), &spec).expect("write adapter");
+    path
+}
+
+#[test]
+fn an_adapter_moves_the_scores_and_feeding_under_it_does_not_change_a_bit() {
+    let dir = Dir::new("lora");
+    let model = write_model(&dir, "m.gguf", 300);
+    let tokens = write_tokens(&dir, "t.json", 200, 300);
+    let lora = write_lora(&dir, "a.gguf", &model, 3);
+    let base = dir.path("base.kld");
+    write_base(&model, &tokens, &base);
+
+    // Under the adapter the distributions move away from the base model's.
+    let under = dir.path("under.kld");
+    let r = run(&[
+        "--model",
+        &model,
+        "--tokens",
+        &tokens,
+        "--lora",
+        &lora,
+        "--kl-base",
+        &base,
+        "--write-base",
+        &under,
+    ])
+    .expect("under the adapter");
+    let used = r.adapter.as_ref().expect("the report names the adapter");
+    assert_eq!((used.scale, used.alpha, used.rank), (1.0, 32.0, 8));
+    assert_eq!(r.json()["lora"]["path"].as_str(), Some(lora.as_str()));
+    let b = r.summary.base.as_ref().expect("figures");
+    assert!(
+        b.kld_mean > 1e-3 && b.identical_rows == 0,
+        "the adapter changed nothing: {}",
+        r.table()
+    );
+    assert!(r.table().contains("under LoRA adapter"));
+
+    // At scale 0 the low-rank update adds nothing: the base model's rows exactly.
+    let zero = run(&[
+        "--model",
+        &model,
+        "--lora",
+        &format!("{lora},0"),
+        "--kl-base",
+        &base,
+    ])
+    .expect("scale 0");
+    let z = zero.summary.base.as_ref().expect("figures");
+    assert_eq!(
+        z.identical_rows,
+        zero.summary.tokens_scored,
+        "{}",
+        zero.table()
+    );
+    // Another scale is another distribution.
+    let twice = run(&[
+        "--model",
+        &model,
+        "--lora",
+        &format!("{lora},2"),
+        "--kl-base",
+        &under,
+    ])
+    .expect("scale 2");
+    assert_eq!(twice.adapter.as_ref().map(|a| a.scale), Some(2.0));
+    assert!(twice.summary.base.as_ref().expect("figures").kld_mean > 1e-4);
+
+    // Chunked and batched under the adapter: the same file, bit for bit.
+    let bytes = std::fs::read(&under).expect("written");
+    for (name, feeding) in [
+        ("chunked", vec!["--prefill-chunk", "7"]),
+        ("batched", vec!["--batch", "2"]),
+        (
+            "chunked-batched",
+            vec!["--prefill-chunk", "19", "--batch", "3"],
+        ),
+    ] {
+        let out = dir.path(&format!("{name}.kld"));
+        let mut args = vec!["--model", &model, "--lora", &lora, "--kl-base", &under];
+        args.extend(["--write-base", &out]);
+        args.extend(feeding);
+        run(&args).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(
+            std::fs::read(&out).expect("written"),
+            bytes,
+            "{name}: another file than the whole windows' under the adapter"
+        );
+    }
+}
+
+#[test]
+fn a_bad_adapter_is_refused_naming_why() {
+    let dir = Dir::new("lora-refused");
+    let model = write_model(&dir, "m.gguf", 300);
+    let tokens = write_tokens(&dir, "t.json", 150, 300);
+    let mut wide = SynthSpec::small(7, GgmlType::Q8_0, 4096);
+    wide.dim = 128;
+    let wide_path = dir.path("wide.gguf");
+    wide.build()
+        .expect("model")
+        .write_to(Path::new(&wide_path))
+        .expect("write");
+    let lora = write_lora(&dir, "a.gguf", &model, 3);
+    let args = |spec: &str| -> Vec<String> {
+        [
+            "--model", &model, "--tokens", &tokens, "--ctx", "64", "--lora", spec,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let refused = |args: Vec<String>| err(&args.iter().map(String::as_str).collect::<Vec<_>>());
+
+    let missing = dir.path("missing.gguf");
+    let e = refused(args(&missing));
+    assert!(e.contains("missing.gguf"), "{e}");
+    let e = refused(args(&format!("{lora},inf")));
+    assert!(e.contains("not finite"), "{e}");
+    let e = refused(args(",2"));
+    assert!(e.contains("no adapter path"), "{e}");
+    // An adapter made for another model's shapes.
+    let mut other = args(&lora);
+    other[1] = wide_path;
+    let e = refused(other);
+    assert!(e.contains("lora"), "{e}");
+    // A file that is not an adapter at all (the model itself).
+    let e = refused(args(&model));
+    assert!(!e.is_empty());
 }

@@ -57,6 +57,11 @@ pub const CHECKS_ENABLED: bool = !cfg!(feature = "bench-unchecked-baseline");
 pub struct IsolationDomain {
     tenant: String,
     salt: Option<String>,
+    /// The fingerprint of the LoRA adapter the domain's K/V is computed under (`None`: the
+    /// base model). K/V is a function of the weights that computed it, so the same tokens
+    /// under another adapter (or none) are another domain: nothing is shared across it,
+    /// and public pages, computed under the base model, are not readable from it.
+    adapter: Option<u128>,
 }
 
 impl IsolationDomain {
@@ -65,6 +70,7 @@ impl IsolationDomain {
         Self {
             tenant: tenant.into(),
             salt: None,
+            adapter: None,
         }
     }
 
@@ -74,7 +80,24 @@ impl IsolationDomain {
         Self {
             tenant: self.tenant.clone(),
             salt: Some(salt.into()),
+            adapter: self.adapter,
         }
+    }
+
+    /// This domain as computed under an adapter (by its fingerprint; `None`: the base
+    /// model). Replaces whatever adapter the domain named: the engine sets it from the
+    /// adapter a request actually runs with, never from what a client claimed.
+    pub fn computed_under(&self, adapter: Option<u128>) -> Self {
+        Self {
+            tenant: self.tenant.clone(),
+            salt: self.salt.clone(),
+            adapter,
+        }
+    }
+
+    /// The fingerprint of the adapter this domain's K/V is computed under.
+    pub fn adapter(&self) -> Option<u128> {
+        self.adapter
     }
 
     pub fn tenant_name(&self) -> &str {
@@ -98,7 +121,9 @@ pub enum Visibility {
 impl Visibility {
     pub fn readable_by(&self, domain: &IsolationDomain) -> bool {
         match self {
-            Visibility::Public => true,
+            // Public pages hold the base model's K/V: under an adapter they would be wrong
+            // and would mix two computations into one sequence.
+            Visibility::Public => domain.adapter.is_none(),
             Visibility::Domain(d) => d == domain,
         }
     }

@@ -383,6 +383,12 @@ impl SequenceKv {
     /// cache re-checks that claim before it offers any page to other domains; a page frozen
     /// public by mistake stays reachable only through this sequence.
     pub fn share_full_pages_split(&mut self, public_pages: usize) -> Vec<Arc<SharedPage>> {
+        // K/V computed under an adapter is never the public (base-model) prefix's.
+        let public_pages = if self.owner.domain.adapter().is_some() {
+            0
+        } else {
+            public_pages
+        };
         let own = Visibility::Domain(self.owner.domain.clone());
         let full = self.full_pages();
         self.freeze_leading(|i| {
@@ -398,7 +404,7 @@ impl SequenceKv {
 
     fn may_publish_as(&self, visibility: &Visibility) -> bool {
         match visibility {
-            Visibility::Public => true,
+            Visibility::Public => self.owner.domain.adapter().is_none(),
             Visibility::Domain(d) => *d == self.owner.domain,
         }
     }

@@ -21,6 +21,11 @@ pub struct EdgeArgs {
     /// tenant, no authentication.
     #[arg(long)]
     pub api_keys: Option<PathBuf>,
+    /// File of `ADAPTER TENANT [TENANT ...]` lines: only the tenants listed may use each
+    /// LoRA adapter (an adapter no line lists is usable by nobody). Without it, every
+    /// tenant may use every adapter. Without --api-keys, the one tenant is `default`.
+    #[arg(long)]
+    pub lora_access: Option<PathBuf>,
     #[arg(long, default_value_t = 4 * 1024 * 1024)]
     pub max_body_bytes: usize,
     /// Open connections at most; one more is answered 503 (with Retry-After) and closed.
@@ -73,6 +78,41 @@ pub struct EdgeArgs {
     /// Unset, it is the chat template's family.
     #[arg(long)]
     pub tool_format: Option<String>,
+}
+
+/// Applies `--lora-access` to the adapters already in the state's catalog; warns about an
+/// adapter nobody may use and a tenant no key authenticates.
+fn restrict_adapters(path: &std::path::Path, state: &server::AppState) -> Result<()> {
+    if state.adapters.is_empty() {
+        bail!(
+            "--lora-access {}: no LoRA adapter is served (--lora)",
+            path.display()
+        );
+    }
+    let access = server::adapters::AccessList::load(path)?;
+    let unlisted = state
+        .adapters
+        .restrict(&access)
+        .with_context(|| format!("--lora-access {}", path.display()))?;
+    for name in unlisted {
+        tracing::warn!(
+            "--lora-access {}: no tenant may use adapter {name:?} (no line lists it)",
+            path.display()
+        );
+    }
+    for tenant in access.tenants() {
+        if !state.auth.has_tenant(tenant) {
+            tracing::warn!(
+                "--lora-access {}: tenant {tenant:?} has no API key{}",
+                path.display(),
+                match state.auth {
+                    server::Auth::Open => " (without --api-keys the only tenant is \"default\")",
+                    server::Auth::Keys(_) => "",
+                }
+            );
+        }
+    }
+    Ok(())
 }
 
 impl EdgeArgs {
@@ -162,6 +202,9 @@ impl EdgeArgs {
         };
         if self.metrics_listen.is_some() {
             state.metrics_access = server::MetricsAccess::OwnListener;
+        }
+        if let Some(path) = &self.lora_access {
+            restrict_adapters(path, state)?;
         }
         Ok(())
     }

@@ -11,6 +11,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use engine::{EngineConfig, Event, GenerateRequest, IsolationDomain, SamplingParams};
 
+mod adapters;
 mod edge;
 #[cfg(feature = "fault-injection")]
 mod fault;
@@ -51,6 +52,9 @@ enum Command {
     Generate(GenerateArgs),
     /// Write a synthetic llama GGUF model with deterministic random weights.
     SynthModel(SynthArgs),
+    /// Write a synthetic LoRA adapter (llama.cpp's GGUF adapter format) for a base model's
+    /// architecture and shapes, with deterministic random weights.
+    SynthLora(SynthLoraArgs),
     /// Serve the OpenAI-compatible HTTP API, or one role of the disaggregated mode.
     Serve(ServeArgs),
     /// Serve the OpenAI-compatible HTTP API in front of prefill and decode nodes.
@@ -139,6 +143,32 @@ struct SynthArgs {
     output: PathBuf,
 }
 
+#[derive(clap::Args)]
+struct SynthLoraArgs {
+    /// The base model the adapter is for (only its metadata is read).
+    #[arg(long, default_value = DEFAULT_MODEL)]
+    base: PathBuf,
+    #[arg(short = 'o', long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = model::lora::synth::DEFAULT_RANK)]
+    rank: usize,
+    /// The factor applied is scale x alpha / rank (the scale alone when alpha is 0).
+    #[arg(long, default_value_t = model::lora::synth::DEFAULT_ALPHA)]
+    alpha: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Tensor type: f32, f16, bf16 or q8_0 (q8_0 needs a rank that is a multiple of 32).
+    #[arg(long = "type", default_value = "f32")]
+    tensor_type: String,
+    /// The weights adapted, of q,k,v,o,gate,up,down,output (output only where the base model
+    /// has an output.weight of its own).
+    #[arg(long, default_value = "q,k,v,o,gate,up,down")]
+    targets: String,
+    /// Scale of B's values, U(-1, 1) x magnitude / sqrt(rank) (A's are U(-1, 1) / sqrt(n_in)).
+    #[arg(long, default_value_t = model::lora::synth::DEFAULT_MAGNITUDE)]
+    magnitude: f32,
+}
+
 fn main() {
     let cli = Cli::parse();
     let otlp = match &cli.command {
@@ -179,6 +209,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Generate(args) => generate(args),
         Command::SynthModel(args) => synth(args),
+        Command::SynthLora(args) => synth_lora(args),
         Command::Serve(args) => serve::serve(args),
         Command::Router(args) => router_cmd::run(args),
         Command::Audit(args) => Ok(audit::run_cli(args)?),
@@ -224,6 +255,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         },
     )?;
     let request = GenerateRequest {
+        adapter: None,
         weight: 1,
         domain: IsolationDomain::tenant("cli"),
         prompt,
@@ -326,5 +358,28 @@ fn synth(args: SynthArgs) -> Result<()> {
         .write_to(&args.output)
         .with_context(|| format!("writing {}", args.output.display()))?;
     eprintln!("wrote {}", args.output.display());
+    Ok(())
+}
+
+fn synth_lora(args: SynthLoraArgs) -> Result<()> {
+    use model::lora::synth::{tensor_type_by_name, write_synthetic_lora, LoraSpec};
+    let tensor_type = tensor_type_by_name(&args.tensor_type).with_context(|| {
+        format!(
+            "unknown adapter tensor type {:?} (f32, f16, bf16, q8_0)",
+            args.tensor_type
+        )
+    })?;
+    let mut spec = LoraSpec {
+        rank: args.rank,
+        alpha: args.alpha,
+        seed: args.seed,
+        tensor_type,
+        magnitude: args.magnitude,
+        ..LoraSpec::default()
+    };
+    spec.set_targets(&args.targets)?;
+    write_synthetic_lora(&args.base, &args.out, &spec)
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    eprintln!("wrote {}", args.out.display());
     Ok(())
 }

@@ -17,6 +17,7 @@ pub fn run(
     engine: EngineHandle,
     identity: NodeIdentity,
     vocabulary: Arc<constraint::Vocabulary>,
+    adapters: Arc<engine::Adapters>,
 ) -> Result<()> {
     let tls = args.tls.load()?;
     let metrics = Arc::new(TransferMetrics::default());
@@ -31,6 +32,7 @@ pub fn run(
         },
         tls.clone(),
         vocabulary,
+        adapters,
     ));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -87,6 +87,14 @@ pub fn run(args: RouterArgs) -> Result<()> {
         .await
         .context("the router refuses to start")?;
         let max_context = server::Backend::admission(cluster.as_ref()).max_context();
+        // The adapters every node holds (the start checks made sure they agree), offered
+        // by name in name order; `--lora-access` then restricts them (`configure`).
+        let catalog = server::adapters::Catalog::new(&model_name, cluster.clone());
+        for adapter in cluster.adapters() {
+            catalog
+                .add(&adapter.name, adapter.scale, None)
+                .with_context(|| format!("the nodes' LoRA adapter {:?}", adapter.name))?;
+        }
         let mut state = server::AppState::new(
             cluster,
             Arc::new(tok),
@@ -95,6 +103,7 @@ pub fn run(args: RouterArgs) -> Result<()> {
             auth,
             args.edge.max_body_bytes,
         );
+        state.adapters = Arc::new(catalog);
         args.edge.configure(&mut state)?;
         let state = Arc::new(state);
         let (prefill, decode) = (args.prefill.len(), args.decode.len());

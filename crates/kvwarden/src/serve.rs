@@ -13,6 +13,24 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
     #[cfg(feature = "fault-injection")]
     crate::fault::apply(&mut args);
     let auth = args.edge.auth()?;
+    let model_name = served_model_name(&args.served_model_name, &args.model);
+    if args.role.is_some() {
+        for (flag, given) in [
+            ("--lora-access", args.edge.lora_access.is_some()),
+            ("--admin-listen", args.admin_listen.is_some()),
+        ] {
+            if given {
+                bail!("{flag} is for monolithic serve: a node has no tenants' API (give the router the adapters' access), and the operator API is not yet available on nodes");
+            }
+        }
+    }
+    crate::adapters::check_names(&args.lora, &model_name)?;
+    // Checked before the model loads, so a missing token fails fast.
+    let admin_token = args
+        .admin_token_file
+        .as_deref()
+        .map(server::admin::AdminToken::load)
+        .transpose()?;
     let load = if args.no_mmap {
         gguf::Load::Read
     } else {
@@ -37,6 +55,11 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
     };
     let model = model::Model::load(&file)?;
     drop(file);
+    // Before the model moves into the engine: the adapters are checked against it.
+    let adapters = crate::adapters::load_all(&args.lora, &model)?;
+    let loader = admin_token
+        .is_some()
+        .then(|| crate::adapters::FileLoader::new(&model, adapters.clone()));
     let draft = match &args.draft_model {
         Some(path) if args.role != Some(RoleArg::Prefill) => Some(load_draft(path, load, &tok)?),
         Some(_) => {
@@ -114,9 +137,13 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
         let eos = tok.eos_id();
         let vocabulary =
             constraint::Vocabulary::new(Arc::new(tok), engine.admission().vocab_size(), eos);
-        return crate::node::run(args, engine, identity, Arc::new(vocabulary));
+        return crate::node::run(args, engine, identity, Arc::new(vocabulary), adapters);
     }
-    let model_name = served_model_name(&args.served_model_name, &args.model);
+    let catalog = Arc::new(crate::adapters::catalog(
+        &model_name,
+        adapters.clone(),
+        &args.lora,
+    )?);
     let mut state = server::AppState::new(
         Arc::new(engine.clone()),
         Arc::new(tok),
@@ -125,8 +152,18 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
         auth,
         args.edge.max_body_bytes,
     );
+    state.adapters = catalog.clone();
     args.edge.configure(&mut state)?;
     let state = Arc::new(state);
+    let admin = match (admin_token, loader) {
+        (Some(token), Some(loader)) => Some(Arc::new(server::admin::Admin::new(
+            token,
+            catalog,
+            adapters,
+            Arc::new(loader),
+        ))),
+        _ => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -134,17 +171,50 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
         .context("starting the async runtime")?;
     let stopper = engine.clone();
     let max_context = engine.max_context();
-    runtime.block_on(args.edge.serve(
-        state.clone(),
-        |addr| {
-            format!(
-                "listening on http://{addr} (model {:?}, max context {max_context})",
-                state.model_name
+    runtime.block_on(async {
+        if let (Some(admin), Some(at)) = (admin, &args.admin_listen) {
+            serve_operator_api(admin, at).await?;
+        }
+        args.edge
+            .serve(
+                state.clone(),
+                |addr| {
+                    format!(
+                        "listening on http://{addr} (model {:?}, max context {max_context})",
+                        state.model_name
+                    )
+                },
+                move || stopper.shutdown(),
             )
-        },
-        move || stopper.shutdown(),
-    ))?;
+            .await
+    })?;
     engine.shutdown();
+    Ok(())
+}
+
+/// Binds `--admin-listen` and serves the operator API there for the process's life (it
+/// ends with the runtime, after the tenants' API has shut down).
+async fn serve_operator_api(admin: Arc<server::admin::Admin>, at: &str) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(at)
+        .await
+        .with_context(|| format!("binding --admin-listen {at}"))?;
+    eprintln!(
+        "kvwarden: operator API on http://{}/v1/adapters",
+        listener.local_addr()?
+    );
+    // A few operators, not the tenants' crowd.
+    let limits = server::ConnectionLimits {
+        max_connections: 16,
+        max_per_address: 16,
+        ..server::ConnectionLimits::default()
+    };
+    tokio::spawn(async move {
+        if let Err(e) =
+            server::admin::serve_admin(listener, admin, limits, std::future::pending()).await
+        {
+            tracing::error!("the operator API failed: {e}");
+        }
+    });
     Ok(())
 }
 

@@ -91,6 +91,20 @@ pub struct ServeArgs {
     /// and a prefill node for the decode node to take it.
     #[arg(long, default_value_t = 60)]
     pub(crate) handoff_timeout_secs: u64,
+    /// A LoRA adapter (llama.cpp's GGUF adapter format) for this model, served under NAME:
+    /// a request selects it by `"model": NAME` or by llama.cpp's `lora` field (ids in the
+    /// order of these flags). SCALE (default 1, not 0) multiplies its update; a request
+    /// cannot ask for another. Repeatable. Who may use which: --lora-access.
+    #[arg(long = "lora", value_name = "NAME=PATH[,SCALE]", value_parser = crate::adapters::parse_lora_flag)]
+    pub(crate) lora: Vec<crate::adapters::LoraFlag>,
+    /// The operator API (load, list and unload adapters while serving) on this HOST:PORT, a
+    /// listener of its own that tenants' keys do not open (needs --admin-token-file).
+    /// Monolithic serve only.
+    #[arg(long, requires = "admin_token_file")]
+    pub(crate) admin_listen: Option<String>,
+    /// File holding the operator API's bearer token (refused if missing or empty).
+    #[arg(long, requires = "admin_listen")]
+    pub(crate) admin_token_file: Option<PathBuf>,
     #[command(flatten)]
     pub(crate) otlp: crate::telemetry::OtlpArgs,
     /// FAULT-INJECTION BUILD ONLY: re-enact a known bug, to test `kvwarden audit`.

@@ -52,6 +52,7 @@ fn main() {
                 kv: s,
                 tokens: &prompt,
                 logits: LogitsWanted::Last,
+                adapter: None,
             }])
             .pop()
             .unwrap()
@@ -68,6 +69,7 @@ fn main() {
                 kv: &mut seqs[0],
                 tokens: &tok,
                 logits: LogitsWanted::Last,
+                adapter: None,
             }])
             .pop()
             .unwrap()
@@ -86,6 +88,7 @@ fn main() {
                 kv: s,
                 tokens: tok,
                 logits: LogitsWanted::Last,
+                adapter: None,
             })
             .collect();
         let out = model.forward(&mut items);

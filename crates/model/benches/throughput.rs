@@ -52,6 +52,7 @@ fn main() {
                 kv: &mut seq,
                 tokens: chunk,
                 logits: LogitsWanted::Last,
+                adapter: None,
             }];
             model.forward(&mut items).pop().unwrap().unwrap();
         }
@@ -68,6 +69,7 @@ fn main() {
                 kv: &mut seq,
                 tokens: chunk,
                 logits: LogitsWanted::Last,
+                adapter: None,
             }];
             logits = model.forward(&mut items).pop().unwrap().unwrap();
         }
@@ -82,6 +84,7 @@ fn main() {
                 kv: &mut seq,
                 tokens: &input,
                 logits: LogitsWanted::Last,
+                adapter: None,
             }];
             logits = model.forward(&mut items).pop().unwrap().unwrap();
         }

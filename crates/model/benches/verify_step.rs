@@ -49,6 +49,7 @@ fn main() {
                 kv: &mut s,
                 tokens: &prompt,
                 logits: LogitsWanted::None,
+                adapter: None,
             }]);
             s
         })
@@ -70,6 +71,7 @@ fn main() {
                         kv: s,
                         tokens: &tokens[..k + 1],
                         logits: LogitsWanted::All,
+                        adapter: None,
                     })
                     .collect();
                 model.forward(&mut items);

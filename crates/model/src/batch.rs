@@ -2,6 +2,8 @@
 
 use kv::SequenceKv;
 
+use crate::lora::LoraAdapter;
+
 /// Which positions of an item need logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogitsWanted {
@@ -25,4 +27,7 @@ pub struct BatchItem<'a> {
     pub kv: &'a mut SequenceKv,
     pub tokens: &'a [u32],
     pub logits: LogitsWanted,
+    /// The adapter this sequence is computed under (`None`: the base model). Its K/V is a
+    /// function of it: the engine keeps such K/V in a domain of its own.
+    pub adapter: Option<&'a LoraAdapter>,
 }

@@ -104,6 +104,7 @@ fn greedy_tokens_and_logprobs_match_llama_cpp() {
                     kv: &mut seq,
                     tokens: &input,
                     logits: LogitsWanted::Last,
+                    adapter: None,
                 }])
                 .pop()
                 .unwrap()

@@ -72,6 +72,7 @@ fn check_cases(golden: &serde_json::Value) {
                 kv: &mut seq,
                 tokens: &input,
                 logits: LogitsWanted::Last,
+                adapter: None,
             }];
             let logits = model.forward(&mut items).pop().unwrap().unwrap();
             let next = argmax(&logits);

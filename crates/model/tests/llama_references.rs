@@ -24,11 +24,23 @@
 //! (`scripts/fetch-quant-models.sh`, which `scripts/test.sh` runs first). A missing file fails.
 //!
 //! Adding a file: one `reference_test!` line below, after one line in the recording script.
+//!
+//! Under LoRA adapters (issue 23): `tests/data/llama-refs/lora/<file>.<type>.json`, recorded
+//! by `scripts/record-llama-references.py --lora` with llama-server's `--lora` on an adapter
+//! of `kvwarden synth-lora`, whose arguments the file's meta names; the test regenerates the
+//! adapter from them with the same generator (`model::lora::synth`), checks its bytes and
+//! replays the cases with every row under it, to the same tolerances as the base file. (b)
+//! at every decisive step is stronger than greedy equality over the decisive prefix (the
+//! steps before the first llama.cpp margin under [`Tolerance::greedy_margin`]): with the
+//! same context and the same argmax at each of those steps, free-running greedy decoding
+//! gives llama.cpp's tokens over that whole prefix.
 mod common;
 
 use std::collections::BTreeMap;
 
 use kv::{IsolationDomain, KvDtype, KvPool, Owner, PoolConfig, RequestId, ScrubPolicy, SequenceKv};
+use model::lora::synth::{tensor_type_by_name, LoraSpec};
+use model::lora::LoraAdapter;
 use model::sampling::{argmax, log_softmax};
 use model::{BatchItem, LogitsWanted, Model};
 use serde_json::Value;
@@ -86,6 +98,37 @@ reference_test!(synthetic_qwen2_q4_k, "synth-qwen2-q4_k", SYNTHETIC);
 reference_test!(synthetic_qwen3_q6_k, "synth-qwen3-q6_k", SYNTHETIC);
 reference_test!(synthetic_llama3_q5_k, "synth-llama3-q5_k", SYNTHETIC);
 
+/// One test per (file, adapter type) of the recording script's `LORA`: `(test name, file,
+/// adapter type, tolerance)`; the tolerance is the base file's (an f32 adapter's products
+/// add only f32 rounding on both sides).
+macro_rules! lora_reference_test {
+    ($test:ident, $file:literal, $ty:literal, $tol:expr) => {
+        #[test]
+        fn $test() {
+            check_lora($file, $ty, &$tol);
+        }
+    };
+}
+
+lora_reference_test!(
+    default_q4_1_lora_f32,
+    "SmolLM2-135M-Instruct.Q4_1",
+    "f32",
+    REAL
+);
+lora_reference_test!(
+    default_q4_1_lora_f16,
+    "SmolLM2-135M-Instruct.Q4_1",
+    "f16",
+    REAL
+);
+lora_reference_test!(
+    synthetic_qwen2_q4_k_lora_f32,
+    "synth-qwen2-q4_k",
+    "f32",
+    SYNTHETIC
+);
+
 /// What one file's replay found.
 #[derive(Default)]
 struct Report {
@@ -103,6 +146,52 @@ struct Report {
 
 fn check_file(name: &str, tol: &Tolerance) {
     let refs = common::reference(name);
+    let model = load_recorded(name, &refs);
+    check_replay(name, &model, None, &refs, tol);
+}
+
+/// `name` under the adapter its LoRA references were recorded with, regenerated.
+fn check_lora(name: &str, ty: &str, tol: &Tolerance) {
+    let label = format!("{name} under its {ty} adapter");
+    let refs = common::reference(&format!("lora/{name}.{ty}"));
+    let model = load_recorded(name, &refs);
+    let a = &refs["meta"]["adapter"];
+    let number = |key: &str| {
+        a[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{label}: meta.adapter.{key}"))
+    };
+    let spec = LoraSpec {
+        rank: number("rank") as usize,
+        alpha: number("alpha") as f32,
+        seed: number("seed") as u64,
+        tensor_type: tensor_type_by_name(a["type"].as_str().unwrap_or_default())
+            .unwrap_or_else(|| panic!("{label}: meta.adapter.type {}", a["type"])),
+        ..LoraSpec::default()
+    };
+    let path = common::workspace_root().join(format!("models/{name}.gguf"));
+    let file = gguf::GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let bytes = spec
+        .build(&file)
+        .unwrap_or_else(|e| panic!("{label}: {e}"))
+        .to_bytes();
+    assert_eq!(
+        Some(bytes.len() as u64),
+        a["bytes"].as_u64(),
+        "{label}: the regenerated adapter is not the one recorded ({}, sha256 {}): the \
+         generator or its defaults changed; re-record with \
+         scripts/record-llama-references.py --lora",
+        a["synth_lora"],
+        a["sha256"]
+    );
+    let adapter_file = gguf::GgufFile::parse(bytes).unwrap_or_else(|e| panic!("{label}: {e}"));
+    let adapter = LoraAdapter::load(&adapter_file, 0, &model.lora_base(), number("scale") as f32)
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+    check_replay(&label, &model, Some(&adapter), &refs, tol);
+}
+
+/// The model file the references `refs` were recorded on, checked against their meta.
+fn load_recorded(name: &str, refs: &Value) -> Model {
     let meta = &refs["meta"];
     let fetch = meta["model"].as_str().unwrap_or("its fetch script");
     let path = common::workspace_root().join(format!("models/{name}.gguf"));
@@ -137,8 +226,17 @@ fn check_file(name: &str, tol: &Tolerance) {
         "{name}: tensor types differ from the recording"
     );
 
-    let model = Model::load(&file).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let report = replay(&model, &refs);
+    Model::load(&file).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn check_replay(
+    name: &str,
+    model: &Model,
+    adapter: Option<&LoraAdapter>,
+    refs: &Value,
+    tol: &Tolerance,
+) {
+    let report = replay(model, adapter, refs);
     eprintln!(
         "{name}: {} cases, {} steps, {} probabilities; max |p error| {:.3} ({}); max |logprob \
          error| {:.2e}; greedy tokens differ at {} steps, at llama.cpp margins {:?}",
@@ -191,7 +289,7 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-fn replay(model: &Model, refs: &Value) -> Report {
+fn replay(model: &Model, adapter: Option<&LoraAdapter>, refs: &Value) -> Report {
     let pool = KvPool::new(PoolConfig {
         layout: model.kv_layout(16, KvDtype::F16),
         pages: 64,
@@ -217,6 +315,7 @@ fn replay(model: &Model, refs: &Value) -> Report {
                 kv: &mut seq,
                 tokens: &input,
                 logits: LogitsWanted::Last,
+                adapter,
             }];
             let logits = model
                 .forward(&mut items)

@@ -288,6 +288,7 @@ fn chunking_and_batching_never_change_a_row() {
                     kv: &mut whole,
                     tokens: &a,
                     logits: LogitsWanted::Last,
+                    adapter: None,
                 }])
                 .pop()
                 .unwrap()
@@ -304,11 +305,13 @@ fn chunking_and_batching_never_change_a_row() {
                         kv: &mut other,
                         tokens: rb,
                         logits: LogitsWanted::Last,
+                        adapter: None,
                     },
                     BatchItem {
                         kv: &mut chunked,
                         tokens: ra,
                         logits: LogitsWanted::Last,
+                        adapter: None,
                     },
                 ];
                 let mut out = model.forward(&mut items);
@@ -340,11 +343,13 @@ fn a_token_outside_the_vocabulary_fails_only_its_own_item() {
             kv: &mut good,
             tokens: &ok,
             logits: LogitsWanted::Last,
+            adapter: None,
         },
         BatchItem {
             kv: &mut bad,
             tokens: &[1, 99_999],
             logits: LogitsWanted::Last,
+            adapter: None,
         },
     ]);
     assert!(out[0].is_ok());
@@ -364,6 +369,7 @@ fn all_logits(model: &Model, dtype: KvDtype, toks: &[u32]) -> Vec<f32> {
             kv: &mut s,
             tokens: toks,
             logits: LogitsWanted::All,
+            adapter: None,
         }])
         .pop()
         .unwrap()
@@ -457,6 +463,7 @@ fn chunking_and_batching_never_change_a_row_in_any_architecture() {
                     kv: &mut whole,
                     tokens: &a,
                     logits: LogitsWanted::Last,
+                    adapter: None,
                 }])
                 .pop()
                 .unwrap()
@@ -472,11 +479,13 @@ fn chunking_and_batching_never_change_a_row_in_any_architecture() {
                         kv: &mut other,
                         tokens: rb,
                         logits: LogitsWanted::Last,
+                        adapter: None,
                     },
                     BatchItem {
                         kv: &mut chunked,
                         tokens: ra,
                         logits: LogitsWanted::Last,
+                        adapter: None,
                     },
                 ]);
                 last = out.pop().unwrap().unwrap();

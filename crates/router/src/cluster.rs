@@ -8,10 +8,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use engine::{Admission, Admitted, IsolationDomain};
+use engine::{AdapterInfo, AdapterRef, Admission, Admitted, IsolationDomain};
 use server::{ApiError, Backend, Submission};
 use tonic::transport::Channel;
 use transfer::pb::{self, node_client::NodeClient};
+use transfer::wire::AdapterId;
 use transfer::{TlsIdentity, TransferMetrics};
 
 use crate::discovery::{Discovery, NodeSource, Resolver};
@@ -71,6 +72,14 @@ pub enum StartupError {
         ours: String,
         theirs: String,
     },
+    #[error("{addr}'s LoRA adapters differ from {first}'s: {difference}. Every node must be given the same --lora adapters (the same files, under the same names, at the same scales).")]
+    OtherAdapters {
+        addr: String,
+        first: String,
+        difference: String,
+    },
+    #[error("{addr} reports a malformed adapter set: {why}")]
+    BadAdapters { addr: String, why: String },
     #[error("--max-context {context} exceeds what {addr} can hold: its KV pool holds {pool} tokens and it advertises {advertised}. Lower --max-context to at most {advertised} or enlarge that node's pool.")]
     ContextExceedsNode {
         context: usize,
@@ -199,6 +208,10 @@ pub struct Cluster {
     discovery: Discovery,
     tls: TlsIdentity,
     admission: Admission,
+    /// The LoRA adapters every node holds (sorted by name), as the first node reported
+    /// them: requests name them by these identities, which each node checks against its
+    /// own.
+    adapters: Vec<AdapterInfo>,
     /// Checked again at every poll: a node restarted with another model or layout is kept
     /// out.
     expect: Mutex<Expectation>,
@@ -211,13 +224,15 @@ pub struct Cluster {
     pub(crate) request_id_keys: std::collections::hash_map::RandomState,
 }
 
-/// What every node of the cluster must be: the router's model, one K/V layout (that of
-/// the first node that answered), so pages can move between any two nodes, and, once the
-/// router advertises a context, room for it.
+/// What every node of the cluster must be: the router's model, one K/V layout and one set
+/// of LoRA adapters (those of the first node that answered), so pages can move between any
+/// two nodes and a request's adapter means the same on both, and, once the router
+/// advertises a context, room for it.
 struct Expectation {
     model_checksum: u64,
     vocab_size: usize,
     layout: Option<(String, String)>,
+    adapters: Option<(String, Vec<AdapterInfo>)>,
     advertised: Option<usize>,
 }
 
@@ -262,6 +277,27 @@ impl Expectation {
             }
             Some(_) => {}
         }
+        let adapters =
+            transfer::wire::adapters_from_pb(info.adapters.clone()).map_err(|status| {
+                StartupError::BadAdapters {
+                    addr: addr.to_owned(),
+                    why: status.message().to_owned(),
+                }
+            })?;
+        match &self.adapters {
+            None => self.adapters = Some((addr.to_owned(), adapters)),
+            Some((first, ours)) => {
+                let ids =
+                    |set: &[AdapterInfo]| set.iter().map(AdapterId::of_info).collect::<Vec<_>>();
+                if let Some(difference) = adapter_difference(&ids(ours), &ids(&adapters), first) {
+                    return Err(StartupError::OtherAdapters {
+                        addr: addr.to_owned(),
+                        first: first.clone(),
+                        difference,
+                    });
+                }
+            }
+        }
         let max_context = info.max_context as usize;
         if let Some(advertised) = self.advertised {
             if max_context < advertised {
@@ -275,6 +311,28 @@ impl Expectation {
         }
         Ok(max_context)
     }
+}
+
+/// How a node's adapter set `theirs` differs from the pool's `ours` (that of node
+/// `first`), adapter by adapter; `None` when they are the same. Both sorted by name.
+fn adapter_difference(ours: &[AdapterId], theirs: &[AdapterId], first: &str) -> Option<String> {
+    let mut differences = Vec::new();
+    for a in ours {
+        match theirs.iter().find(|b| b.name == a.name) {
+            None => differences.push(format!("it lacks {a}")),
+            Some(b) if b != a => differences.push(format!(
+                "its `{}` is another version: fingerprint {:032x}, file xxh3-128 {:032x}, where {first}'s has fingerprint {:032x}, file xxh3-128 {:032x}",
+                a.name, b.fingerprint, b.file_checksum, a.fingerprint, a.file_checksum
+            )),
+            Some(_) => {}
+        }
+    }
+    for b in theirs {
+        if !ours.iter().any(|a| a.name == b.name) {
+            differences.push(format!("it holds {b}, which {first} does not"));
+        }
+    }
+    (!differences.is_empty()).then(|| differences.join("; "))
 }
 
 fn layout_of(info: &pb::NodeInfo) -> String {
@@ -306,6 +364,7 @@ impl Cluster {
             model_checksum: config.model_checksum,
             vocab_size: config.vocab_size,
             layout: None,
+            adapters: None,
             advertised: None,
         };
         let dns: Vec<(transfer::Role, NodeSource)> = [
@@ -371,6 +430,23 @@ impl Cluster {
                 .ok_or(StartupError::NoNodes { role: "prefill" })?;
         // From now on a node must hold what the router advertises, or it is kept out.
         expect.advertised = Some(admission.max_context());
+        // Both roles have a node that answered, so the pool's adapter set is known; a node
+        // that joins later with another set is kept out by the polls.
+        let adapters = expect
+            .adapters
+            .as_ref()
+            .map(|(_, set)| set.clone())
+            .unwrap_or_default();
+        if !adapters.is_empty() {
+            tracing::info!(
+                "every node holds the LoRA adapters {}",
+                adapters
+                    .iter()
+                    .map(|a| AdapterId::of_info(a).to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
         let (prefill, decode) = nodes
             .into_iter()
             .partition(|n| n.role == transfer::Role::Prefill);
@@ -382,6 +458,7 @@ impl Cluster {
             discovery: config.discovery,
             tls: tls.clone(),
             admission,
+            adapters,
             expect: Mutex::new(expect),
             deadlines: config.deadlines,
             metrics: RouterMetrics::default(),
@@ -395,6 +472,20 @@ impl Cluster {
             tokio::spawn(rediscover(Arc::downgrade(&cluster)));
         }
         Ok(cluster)
+    }
+
+    /// The LoRA adapters every node holds, sorted by name (the cluster's `/v1/models`).
+    pub fn adapters(&self) -> &[AdapterInfo] {
+        &self.adapters
+    }
+
+    /// The adapter `name`, as a request names it to the nodes: by identity, without
+    /// weights (each node resolves it in its own set and refuses another version).
+    pub fn adapter(&self, name: &str) -> Option<AdapterRef> {
+        self.adapters
+            .iter()
+            .find(|a| a.name == name)
+            .map(|a| AdapterRef::remote(&a.name, a.fingerprint, a.file_checksum))
     }
 
     /// The nodes of `role` requests may go to now.
@@ -654,6 +745,18 @@ async fn poll(cluster: std::sync::Weak<Cluster>) {
     }
 }
 
+/// The router's adapters for the tenants' API: references by identity to what every node
+/// holds (`Cluster::adapter`); `--lora-access` decides who may select each.
+impl server::adapters::AdapterSet for Cluster {
+    fn get(&self, name: &str) -> Option<AdapterRef> {
+        self.adapter(name)
+    }
+
+    fn info(&self) -> Vec<AdapterInfo> {
+        self.adapters.clone()
+    }
+}
+
 impl Backend for Cluster {
     fn admission(&self) -> &Admission {
         &self.admission
@@ -734,5 +837,143 @@ impl Backend for Cluster {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(name: &str, fingerprint: u128, file_checksum: u128) -> AdapterId {
+        AdapterId {
+            name: name.into(),
+            fingerprint,
+            file_checksum,
+        }
+    }
+
+    fn info(role: pb::Role, adapters: &[AdapterId]) -> pb::NodeInfo {
+        pb::NodeInfo {
+            role: role as i32,
+            model_checksum: 7,
+            vocab_size: 100,
+            max_context: 256,
+            pool_tokens: 256,
+            page_tokens: 16,
+            n_layers: 2,
+            kv_dim: 32,
+            kv_dtype: "f16".into(),
+            adapters: adapters
+                .iter()
+                .map(|a| pb::LoadedAdapter {
+                    adapter: Some(transfer::wire::adapter_to_pb(a)),
+                    scale: 1.0,
+                    rank: 8,
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    fn expectation() -> Expectation {
+        Expectation {
+            model_checksum: 7,
+            vocab_size: 100,
+            layout: None,
+            adapters: None,
+            advertised: None,
+        }
+    }
+
+    /// The first node's set is the pool's; every other node, of either role and whether it
+    /// answers at start or joins later (both go through `check`), must hold exactly it, and
+    /// a refusal names the difference adapter by adapter.
+    #[test]
+    fn a_node_whose_adapters_differ_from_the_pools_is_refused_naming_the_difference() {
+        let (a, b) = (id("alpha", 1, 10), id("beta", 2, 20));
+        let mut expect = expectation();
+        expect
+            .check(
+                "p:1",
+                transfer::Role::Prefill,
+                &info(pb::Role::Prefill, &[b.clone(), a.clone()]),
+            )
+            .expect("the first node sets the pool's adapters");
+        expect
+            .check(
+                "d:1",
+                transfer::Role::Decode,
+                &info(pb::Role::Decode, &[a.clone(), b.clone()]),
+            )
+            .expect("the same set, listed in another order");
+        let cases: Vec<(&str, Vec<AdapterId>, &[&str])> = vec![
+            ("lacks one", vec![a.clone()], &["lacks `beta`"]),
+            ("holds none", vec![], &["lacks `alpha`", "lacks `beta`"]),
+            (
+                "holds one more",
+                vec![a.clone(), b.clone(), id("gamma", 3, 30)],
+                &["holds `gamma`", "which p:1 does not"],
+            ),
+            (
+                "another version",
+                vec![a.clone(), id("beta", 9, 20)],
+                &[
+                    "its `beta` is another version",
+                    "fingerprint 00000000000000000000000000000009",
+                    "where p:1's has fingerprint 00000000000000000000000000000002",
+                ],
+            ),
+            (
+                "the same arithmetic from another file",
+                vec![a.clone(), id("beta", 2, 21)],
+                &[
+                    "its `beta` is another version",
+                    "file xxh3-128 00000000000000000000000000000015",
+                ],
+            ),
+        ];
+        for (case, set, names) in cases {
+            let err = expect
+                .check("d:2", transfer::Role::Decode, &info(pb::Role::Decode, &set))
+                .expect_err(case);
+            let message = err.to_string();
+            assert!(
+                matches!(err, StartupError::OtherAdapters { .. }),
+                "{case}: {message}"
+            );
+            assert!(
+                message.starts_with("d:2's LoRA adapters differ from p:1's"),
+                "{case}: {message}"
+            );
+            for name in names {
+                assert!(message.contains(name), "{case}: {message} lacks {name:?}");
+            }
+        }
+        // The pool's set is unchanged by the refusals.
+        let (first, set) = expect.adapters.expect("the pool's set");
+        assert_eq!(first, "p:1");
+        let set: Vec<AdapterId> = set.iter().map(AdapterId::of_info).collect();
+        assert_eq!(set, vec![a, b]);
+    }
+
+    #[test]
+    fn a_malformed_adapter_set_is_refused() {
+        let mut expect = expectation();
+        let mut twice = info(pb::Role::Prefill, &[id("alpha", 1, 10), id("alpha", 1, 10)]);
+        let err = expect
+            .check("p:1", transfer::Role::Prefill, &twice)
+            .expect_err("a name listed twice");
+        assert!(matches!(err, StartupError::BadAdapters { .. }), "{err}");
+        twice.adapters.truncate(1);
+        twice.adapters[0]
+            .adapter
+            .as_mut()
+            .unwrap()
+            .fingerprint
+            .pop();
+        let err = expect
+            .check("p:1", transfer::Role::Prefill, &twice)
+            .expect_err("a short fingerprint");
+        assert!(err.to_string().contains("16 bytes"), "{err}");
     }
 }

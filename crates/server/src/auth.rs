@@ -151,7 +151,7 @@ impl ApiKeys {
 
 /// Constant-time equality whose running time depends on the configured key's length only
 /// (subtle's slice comparison returns early on a length mismatch).
-fn ct_eq_padded(key: &[u8], presented: &[u8]) -> subtle::Choice {
+pub(crate) fn ct_eq_padded(key: &[u8], presented: &[u8]) -> subtle::Choice {
     let mut eq = (key.len() as u64).ct_eq(&(presented.len() as u64));
     for (i, k) in key.iter().enumerate() {
         let p = presented.get(i).copied().unwrap_or(0);
@@ -166,6 +166,15 @@ impl Auth {
         match self {
             Auth::Open => 1,
             Auth::Keys(keys) => keys.weights.get(tenant).map_or(1, |&(w, _)| w),
+        }
+    }
+
+    /// Whether some request can be `tenant`'s: a key maps to it, or it is the one tenant
+    /// without a key file.
+    pub fn has_tenant(&self, tenant: &str) -> bool {
+        match self {
+            Auth::Open => tenant == DEFAULT_TENANT,
+            Auth::Keys(keys) => keys.entries.iter().any(|(_, t)| t == tenant),
         }
     }
 

@@ -26,8 +26,15 @@ pub enum ApiError {
     },
     #[error("The model `{0}` does not exist or you do not have access to it.")]
     ModelNotFound(String),
+    /// llama.cpp's `lora` named an id that does not exist or that the tenant may not use:
+    /// the same answer either way.
+    #[error("The LoRA adapter with id {id} does not exist or you do not have access to it.")]
+    AdapterIdNotFound { id: u64, param: String },
     #[error("{0}")]
     Unauthorized(&'static str),
+    /// The operator API: an adapter of this name is already loaded.
+    #[error("An adapter named `{0}` is already loaded; unload it first or choose another name.")]
+    AdapterExists(String),
     #[error("The request body exceeds the limit of {limit} bytes.")]
     PayloadTooLarge { limit: usize },
     #[error("Unknown request URL: {method} {path}.")]
@@ -195,8 +202,11 @@ impl ApiError {
             ApiError::InvalidRequest { .. } | ApiError::Rejected { .. } | ApiError::Abandoned => {
                 StatusCode::BAD_REQUEST
             }
-            ApiError::ModelNotFound(_) | ApiError::RouteNotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::ModelNotFound(_)
+            | ApiError::AdapterIdNotFound { .. }
+            | ApiError::RouteNotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::AdapterExists(_) => StatusCode::CONFLICT,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UnsupportedMediaType { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -227,8 +237,9 @@ impl ApiError {
         match self {
             ApiError::InvalidRequest { code, .. } => code,
             ApiError::Rejected { rejection, .. } => rejection.code(),
-            ApiError::ModelNotFound(_) => "model_not_found",
+            ApiError::ModelNotFound(_) | ApiError::AdapterIdNotFound { .. } => "model_not_found",
             ApiError::Unauthorized(_) => "invalid_api_key",
+            ApiError::AdapterExists(_) => "adapter_exists",
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
             ApiError::RouteNotFound { .. } => "not_found",
             ApiError::MethodNotAllowed { .. } => "method_not_allowed",
@@ -283,6 +294,7 @@ impl ApiError {
                 _ => input_param,
             }),
             ApiError::ModelNotFound(_) => Some("model"),
+            ApiError::AdapterIdNotFound { param, .. } => Some(param),
             _ => None,
         }
     }

@@ -13,6 +13,8 @@
 // its own safety argument and test.
 #![forbid(unsafe_code)]
 
+pub mod adapters;
+pub mod admin;
 pub mod auth;
 pub mod backend;
 pub mod body;
@@ -92,6 +94,9 @@ pub struct AppState {
     /// The call syntax tool calling expects: the chat template's family, or the
     /// operator's choice (`--tool-format`).
     pub tool_format: tools::ToolFormat,
+    /// The LoRA adapters requests may select, and who may use each (none unless
+    /// configured).
+    pub adapters: Arc<adapters::Catalog>,
 }
 
 impl AppState {
@@ -112,6 +117,10 @@ impl AppState {
             tools::ToolFormat::detect(t.source())
         });
         Self {
+            adapters: Arc::new(adapters::Catalog::new(
+                &model_name,
+                Arc::new(engine::Adapters::new()),
+            )),
             tool_format,
             vocabulary,
             backend,

@@ -72,6 +72,9 @@ macro_rules! openai_request {
             pub cache_salt: Option<String>,
             /// vLLM's extension: keep generating past EOS until `max_tokens`.
             pub ignore_eos: Option<bool>,
+            /// llama.cpp's adapter selection: `[{"id": I, "scale": S}, ...]`, ids as
+            /// `GET /lora-adapters` lists them ([`crate::adapters`]).
+            pub lora: Option<Value>,
             /// Structured outputs, in the four shapes clients send ([`crate::structured`]):
             /// OpenAI's `response_format`, llama.cpp's `json_schema` and `grammar`, and
             /// vLLM's `structured_outputs`.

@@ -29,6 +29,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/lora-adapters", get(lora_adapters))
         .route("/tokenize", post(crate::tokenize::tokenize))
         .route("/detokenize", post(crate::tokenize::detokenize))
         .route("/health", get(health));
@@ -143,7 +144,7 @@ async fn accept<R: DeserializeOwned, V>(
         body::require_known_transfer_encoding(headers)?;
         let bytes = body::read(body, app.max_body_bytes, app.body_timeout).await?;
         let req: R = body::decode(&bytes)?;
-        let valid = validate(&req, &ServedModel::of(app))?;
+        let valid = validate(&req, &ServedModel::of(app, tenant.tenant_name()))?;
         Ok((tenant, valid))
     }
     .instrument(tracing::info_span!("validation"))
@@ -369,6 +370,7 @@ async fn start(
         let mut sampling = settings.sampling.clone();
         sampling.seed = validation::choice_seed(sampling.seed, choice);
         let request = GenerateRequest {
+            adapter: settings.adapter.clone(),
             weight: app.auth.weight_of(domain.tenant_name()),
             domain: domain.clone(),
             prompt: prompt.clone(),
@@ -782,21 +784,55 @@ fn stream(
     Sse::new(events).keep_alive(KeepAlive::default())
 }
 
+/// The served model, then each adapter the caller's tenant may use (vLLM's shape: an
+/// adapter's `parent` is the base). Another tenant's adapters are not listed.
 async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if let Err(e) = app.auth.authenticate(&headers) {
-        return e.into_response();
-    }
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": app.model_name,
-            "object": "model",
-            "created": app.created,
-            "owned_by": "kvwarden",
-            "max_model_len": app.backend.admission().max_context(),
-        }]
-    }))
-    .into_response()
+    let tenant = match app.auth.authenticate(&headers) {
+        Ok(tenant) => tenant,
+        Err(e) => return e.into_response(),
+    };
+    let max_model_len = app.backend.admission().max_context();
+    let mut data = vec![json!({
+        "id": app.model_name,
+        "object": "model",
+        "created": app.created,
+        "owned_by": "kvwarden",
+        "max_model_len": max_model_len,
+    })];
+    data.extend(
+        app.adapters
+            .visible(tenant.tenant_name())
+            .into_iter()
+            .map(|a| {
+                json!({
+                    "id": a.name,
+                    "object": "model",
+                    "created": app.created,
+                    "owned_by": "kvwarden",
+                    "root": a.name,
+                    "parent": app.model_name,
+                    "max_model_len": max_model_len,
+                })
+            }),
+    );
+    Json(json!({ "object": "list", "data": data })).into_response()
+}
+
+/// llama.cpp's list of adapters with the ids its `lora` field takes: only those the
+/// caller's tenant may use. `path` is the adapter's name: where the operator keeps files
+/// is no tenant's business.
+async fn lora_adapters(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let tenant = match app.auth.authenticate(&headers) {
+        Ok(tenant) => tenant,
+        Err(e) => return e.into_response(),
+    };
+    let list: Vec<Value> = app
+        .adapters
+        .visible(tenant.tenant_name())
+        .into_iter()
+        .map(|a| json!({ "id": a.id, "name": a.name, "path": a.name, "scale": a.scale }))
+        .collect();
+    Json(Value::Array(list)).into_response()
 }
 
 /// 200 while the backend can serve (the engine thread runs; a cluster has a reachable node

@@ -4,8 +4,8 @@
 
 use engine::handoff::{Manifest, Ticket};
 use engine::{
-    EngineError, FinishReason, GenerateRequest, IsolationDomain, Penalties, Rejection,
-    SamplingParams, TokenEvent, Usage,
+    AdapterInfo, AdapterRef, Adapters, EngineError, FinishReason, GenerateRequest, IsolationDomain,
+    Penalties, Rejection, SamplingParams, TokenEvent, Usage,
 };
 use std::sync::Arc;
 
@@ -53,7 +53,142 @@ pub fn request_to_pb(request_id: &str, r: &GenerateRequest) -> pb::GenerateReque
         }),
         ignore_eos: r.ignore_eos,
         logprobs: r.logprobs.map(|k| k as u32),
+        adapter: r.adapter.as_ref().map(|a| adapter_to_pb(&AdapterId::of(a))),
     }
+}
+
+/// A LoRA adapter's identity as nodes compare it: the name it is served under, what it
+/// computes and the file it came from. Never its weights: each node loads its own.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct AdapterId {
+    pub name: String,
+    pub fingerprint: u128,
+    pub file_checksum: u128,
+}
+
+impl AdapterId {
+    pub fn of(r: &AdapterRef) -> Self {
+        Self {
+            name: r.name().to_owned(),
+            fingerprint: r.fingerprint(),
+            file_checksum: r.file_checksum(),
+        }
+    }
+
+    pub fn of_info(i: &AdapterInfo) -> Self {
+        Self {
+            name: i.name.clone(),
+            fingerprint: i.fingerprint,
+            file_checksum: i.file_checksum,
+        }
+    }
+
+    /// A reference by identity, for a process that holds no weights (the router).
+    pub fn to_remote(&self) -> AdapterRef {
+        AdapterRef::remote(&self.name, self.fingerprint, self.file_checksum)
+    }
+}
+
+impl std::fmt::Display for AdapterId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "`{}` (fingerprint {:032x}, file xxh3-128 {:032x})",
+            self.name, self.fingerprint, self.file_checksum
+        )
+    }
+}
+
+/// How an adapter's identity, or its absence, reads in a message.
+pub fn describe_adapter(a: Option<&AdapterId>) -> String {
+    a.map_or_else(|| "the base model".to_owned(), ToString::to_string)
+}
+
+pub fn adapter_to_pb(a: &AdapterId) -> pb::Adapter {
+    pb::Adapter {
+        name: a.name.clone(),
+        fingerprint: a.fingerprint.to_le_bytes().to_vec(),
+        file_checksum: a.file_checksum.to_le_bytes().to_vec(),
+    }
+}
+
+pub fn adapter_from_pb(a: pb::Adapter) -> Result<AdapterId, Status> {
+    if !Adapters::valid_name(&a.name) {
+        return Err(invalid("adapter name is not one an adapter can have"));
+    }
+    let word = |bytes: &[u8], what: &str| {
+        bytes
+            .try_into()
+            .map(u128::from_le_bytes)
+            .map_err(|_| invalid(&format!("adapter {what} must be 16 bytes")))
+    };
+    Ok(AdapterId {
+        fingerprint: word(&a.fingerprint, "fingerprint")?,
+        file_checksum: word(&a.file_checksum, "file checksum")?,
+        name: a.name,
+    })
+}
+
+/// The adapters a node holds, as its `Info` reports them (sorted by name).
+pub fn adapters_to_pb(adapters: &Adapters) -> Vec<pb::LoadedAdapter> {
+    let mut list = adapters.list();
+    list.sort_by(|a, b| a.name.cmp(&b.name));
+    list.iter()
+        .map(|a| pb::LoadedAdapter {
+            adapter: Some(adapter_to_pb(&AdapterId::of_info(a))),
+            scale: a.scale,
+            rank: a.rank as u64,
+        })
+        .collect()
+}
+
+/// A node's adapter set off the wire, sorted by name; a malformed entry or a name given
+/// twice is refused.
+pub fn adapters_from_pb(adapters: Vec<pb::LoadedAdapter>) -> Result<Vec<AdapterInfo>, Status> {
+    let mut list = Vec::with_capacity(adapters.len());
+    for a in adapters {
+        let id = adapter_from_pb(
+            a.adapter
+                .ok_or_else(|| invalid("an adapter without its identity"))?,
+        )?;
+        if !a.scale.is_finite() {
+            return Err(invalid("adapter scale must be finite"));
+        }
+        list.push(AdapterInfo {
+            name: id.name,
+            fingerprint: id.fingerprint,
+            file_checksum: id.file_checksum,
+            rank: size(a.rank),
+            scale: a.scale,
+        });
+    }
+    list.sort_by(|a, b| a.name.cmp(&b.name));
+    if list.windows(2).any(|w| w[0].name == w[1].name) {
+        return Err(invalid("an adapter name is listed twice"));
+    }
+    Ok(list)
+}
+
+/// The adapter a request names, resolved in this node's own set: the one it holds under
+/// that name, and only if it is the very adapter the router named (same fingerprint and
+/// file). Anything else is refused: a node never computes a request under another adapter
+/// than the router named, nor under the base model for an adapter request.
+fn resolve_adapter(named: AdapterId, adapters: &Adapters) -> Result<AdapterRef, Rejection> {
+    let refused = || Rejection::AdapterNotLoaded {
+        name: named.name.clone(),
+    };
+    let Some(held) = adapters.get(&named.name) else {
+        tracing::warn!("a request names adapter {named}, which this node does not hold: refused");
+        return Err(refused());
+    };
+    let ours = AdapterId::of(&held);
+    if ours != named {
+        tracing::warn!(
+            "a request names adapter {named}, but this node holds {ours} under that name: refused"
+        );
+        return Err(refused());
+    }
+    Ok(held)
 }
 
 pub fn domain(tenant: String, salt: Option<String>) -> IsolationDomain {
@@ -68,32 +203,58 @@ fn invalid(what: &str) -> Status {
     Status::invalid_argument(what.to_owned())
 }
 
-/// The request id and the engine request; refuses what the router would never send. A
-/// constraint is compiled here, against this node's vocabulary, within the same limits as
-/// at the edge (up to a few hundred milliseconds: call it off the async workers, as
-/// [`request_from_pb_blocking`] does).
+/// Why a request off the wire did not become an engine request.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// Malformed: what the router would never send; an `invalid_argument` for its call.
+    #[error("{}", .0.message())]
+    Invalid(Status),
+    /// Well formed, but this node cannot compute it as named (an adapter it does not
+    /// hold, or holds in another version): a verdict the router passes to the client.
+    #[error(transparent)]
+    Rejected(Rejection),
+}
+
+impl From<Status> for RequestError {
+    fn from(s: Status) -> Self {
+        RequestError::Invalid(s)
+    }
+}
+
+/// The request id and the engine request; refuses what the router would never send. The
+/// request's adapter is resolved in `adapters`, this node's own set ([`RequestError::Rejected`]
+/// unless it holds exactly the adapter named). A constraint is compiled here, against this
+/// node's vocabulary, within the same limits as at the edge (up to a few hundred
+/// milliseconds: call it off the async workers, as [`request_from_pb_blocking`] does).
 pub fn request_from_pb(
     r: pb::GenerateRequest,
     vocabulary: &Vocabulary,
-) -> Result<(String, GenerateRequest), Status> {
+    adapters: &Adapters,
+) -> Result<(String, GenerateRequest), RequestError> {
     if r.request_id.is_empty() || r.request_id.len() > 128 {
-        return Err(invalid("request_id must be 1 to 128 bytes"));
+        return Err(invalid("request_id must be 1 to 128 bytes").into());
     }
     if r.tenant.is_empty() {
-        return Err(invalid("tenant is required"));
+        return Err(invalid("tenant is required").into());
     }
     let mut s = r.sampling.ok_or_else(|| invalid("sampling is required"))?;
     let constraint = s.constraint.take();
     let sampling = sampling_from_pb(s)?;
     if r.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
-        return Err(invalid("logprobs out of range"));
+        return Err(invalid("logprobs out of range").into());
     }
+    let adapter = match r.adapter {
+        None => None,
+        Some(a) => {
+            Some(resolve_adapter(adapter_from_pb(a)?, adapters).map_err(RequestError::Rejected)?)
+        }
+    };
     // Compiling is the expensive check: last, once everything cheaper has passed.
     let constraint = match constraint {
         None => None,
         // The public API refuses the pair: a constrained answer ends when it is complete.
         Some(_) if r.ignore_eos => {
-            return Err(invalid("constraint: cannot be combined with ignore_eos"))
+            return Err(invalid("constraint: cannot be combined with ignore_eos").into())
         }
         Some(c) => {
             let spec = ConstraintSpec::from_parts(&c.kind, &c.text)
@@ -106,6 +267,7 @@ pub fn request_from_pb(
         }
     };
     let request = GenerateRequest {
+        adapter,
         weight: r.weight.max(1),
         domain: domain(r.tenant, r.salt),
         prompt: r.prompt,
@@ -123,13 +285,14 @@ pub fn request_from_pb(
 pub async fn request_from_pb_blocking(
     r: pb::GenerateRequest,
     vocabulary: &Arc<Vocabulary>,
-) -> Result<(String, GenerateRequest), Status> {
+    adapters: &Arc<Adapters>,
+) -> Result<(String, GenerateRequest), RequestError> {
     let constrained = r.sampling.as_ref().is_some_and(|s| s.constraint.is_some());
     if !constrained {
-        return request_from_pb(r, vocabulary);
+        return request_from_pb(r, vocabulary, adapters);
     }
-    let vocabulary = vocabulary.clone();
-    tokio::task::spawn_blocking(move || request_from_pb(r, &vocabulary))
+    let (vocabulary, adapters) = (vocabulary.clone(), adapters.clone());
+    tokio::task::spawn_blocking(move || request_from_pb(r, &vocabulary, &adapters))
         .await
         .map_err(|e| Status::internal(format!("compiling the constraint: {e}")))?
 }
@@ -176,10 +339,11 @@ fn sampling_from_pb(s: pb::Sampling) -> Result<SamplingParams, Status> {
 
 pub fn rejection_to_pb(r: &Rejection) -> pb::Rejection {
     use pb::rejection::Kind;
-    let kind = match *r {
+    let kind = match r {
+        Rejection::AdapterNotLoaded { name } => Kind::AdapterNotLoaded(name.clone()),
         Rejection::EmptyPrompt => Kind::EmptyPrompt(true),
         Rejection::ZeroMaxTokens => Kind::ZeroMaxTokens(true),
-        Rejection::ContextLengthExceeded {
+        &Rejection::ContextLengthExceeded {
             limit,
             prompt_tokens,
             max_tokens,
@@ -190,7 +354,7 @@ pub fn rejection_to_pb(r: &Rejection) -> pb::Rejection {
             max_tokens: max_tokens as u64,
             total: total as u64,
         }),
-        Rejection::TokenOutOfRange { id, vocab } => {
+        &Rejection::TokenOutOfRange { id, vocab } => {
             Kind::TokenOutOfRange(pb::rejection::TokenOutOfRange {
                 id,
                 vocab: vocab as u64,
@@ -198,7 +362,7 @@ pub fn rejection_to_pb(r: &Rejection) -> pb::Rejection {
         }
         // Made only by the public API's check of a text before tokenizing it; nodes see
         // tokens, so none sends it. Should one, it is the context limit it stands for.
-        Rejection::TextCannotFit {
+        &Rejection::TextCannotFit {
             limit,
             min_tokens,
             max_tokens,
@@ -233,6 +397,7 @@ pub fn rejection_from_pb(r: pb::Rejection) -> Result<Rejection, Status> {
             id: t.id,
             vocab: size(t.vocab),
         },
+        Kind::AdapterNotLoaded(name) => Rejection::AdapterNotLoaded { name },
     })
 }
 
@@ -319,7 +484,15 @@ pub fn failure(reason: &str, message: impl Into<String>) -> pb::Failure {
     }
 }
 
-pub fn manifest_to_pb(m: &Manifest) -> pb::Manifest {
+/// The manifest as sent, naming the adapter that computed the K/V (`None`: the base
+/// model). The adapter's fingerprint is also part of the manifest's domain, which the
+/// decode node compares whole; the name and file say which version computed it.
+pub fn manifest_to_pb(m: &Manifest, adapter: Option<&AdapterId>) -> pb::Manifest {
+    debug_assert_eq!(
+        m.domain.adapter(),
+        adapter.map(|a| a.fingerprint),
+        "the manifest's domain and adapter disagree"
+    );
     pb::Manifest {
         ticket: m.ticket.to_bytes().to_vec(),
         request_id: m.request_id.clone(),
@@ -332,10 +505,14 @@ pub fn manifest_to_pb(m: &Manifest) -> pb::Manifest {
         page_tokens: m.page_tokens as u32,
         page_checksums: m.page_checksums.clone(),
         cached_tokens: m.cached_tokens as u64,
+        adapter: adapter.map(adapter_to_pb),
     }
 }
 
-pub fn manifest_from_pb(m: pb::Manifest) -> Result<Manifest, Status> {
+/// The manifest and the adapter it names. Its domain is computed under that adapter's
+/// fingerprint, as the decode node's own request's is (`engine::Admission::admit`), so a
+/// manifest naming another adapter, or none, fails the domain check too.
+pub fn manifest_from_pb(m: pb::Manifest) -> Result<(Manifest, Option<AdapterId>), Status> {
     let ticket = Ticket::from_bytes(&m.ticket).ok_or_else(|| invalid("ticket must be 16 bytes"))?;
     let sampler_state: [u64; 4] = m
         .sampler_state
@@ -344,10 +521,11 @@ pub fn manifest_from_pb(m: pb::Manifest) -> Result<Manifest, Status> {
     let first = m
         .first_token
         .ok_or_else(|| invalid("first_token is required"))?;
-    Ok(Manifest {
+    let adapter = m.adapter.map(adapter_from_pb).transpose()?;
+    let manifest = Manifest {
         ticket,
         request_id: m.request_id,
-        domain: domain(m.tenant, m.salt),
+        domain: domain(m.tenant, m.salt).computed_under(adapter.as_ref().map(|a| a.fingerprint)),
         prompt_len: size(m.prompt_len),
         token_checksum: m.token_checksum,
         first_token: token_from_pb(first)?,
@@ -355,7 +533,8 @@ pub fn manifest_from_pb(m: pb::Manifest) -> Result<Manifest, Status> {
         page_tokens: m.page_tokens as usize,
         page_checksums: m.page_checksums,
         cached_tokens: size(m.cached_tokens),
-    })
+    };
+    Ok((manifest, adapter))
 }
 
 #[cfg(test)]
@@ -372,6 +551,7 @@ mod tests {
 
     fn request() -> GenerateRequest {
         GenerateRequest {
+            adapter: None,
             weight: 7,
             domain: IsolationDomain::tenant("alice"),
             prompt: vec![1, 2, 3],
@@ -396,10 +576,20 @@ mod tests {
         }
     }
 
+    /// The status of a request refused as malformed.
+    fn invalid_status(r: Result<(String, GenerateRequest), RequestError>, case: &str) -> Status {
+        match r {
+            Err(RequestError::Invalid(status)) => status,
+            Err(RequestError::Rejected(r)) => panic!("{case}: rejected ({r}), not malformed"),
+            Ok(_) => panic!("{case} was accepted"),
+        }
+    }
+
     #[test]
     fn every_sampling_parameter_crosses_the_wire() {
         let sent = request();
-        let (_, got) = request_from_pb(request_to_pb("r1", &sent), &vocabulary()).unwrap();
+        let (_, got) =
+            request_from_pb(request_to_pb("r1", &sent), &vocabulary(), &Adapters::new()).unwrap();
         assert_eq!(got.sampling, sent.sampling);
         assert_eq!(got.weight, 7, "the tenant's weight reaches the nodes");
         assert!(got.constraint.is_none());
@@ -411,7 +601,8 @@ mod tests {
         let spec = ConstraintSpec::Choice(vec!["yes".into(), "no".into()]);
         let mut sent = request();
         sent.constraint = Some(vocab.compile(&spec).unwrap());
-        let (_, got) = request_from_pb(request_to_pb("r1", &sent), &vocab).unwrap();
+        let (_, got) =
+            request_from_pb(request_to_pb("r1", &sent), &vocab, &Adapters::new()).unwrap();
         let mut row = got.constraint.expect("the constraint arrived");
         assert_eq!(row.spec(), &spec);
         // Compiled here: its mask allows the first byte of each choice and nothing else.
@@ -431,7 +622,7 @@ mod tests {
                 kind: kind.into(),
                 text,
             });
-            let err = request_from_pb(pb, &vocab).expect_err(kind);
+            let err = invalid_status(request_from_pb(pb, &vocab, &Adapters::new()), kind);
             assert_eq!(err.code(), tonic::Code::InvalidArgument, "{kind}");
             assert!(
                 err.message().starts_with("constraint: "),
@@ -442,7 +633,10 @@ mod tests {
         // A valid constraint with ignore_eos, which the public API refuses, is refused too.
         let mut pb = request_to_pb("r1", &sent);
         pb.ignore_eos = true;
-        let err = request_from_pb(pb, &vocab).expect_err("ignore_eos with a constraint");
+        let err = invalid_status(
+            request_from_pb(pb, &vocab, &Adapters::new()),
+            "ignore_eos with a constraint",
+        );
         assert!(err.message().contains("ignore_eos"), "{}", err.message());
     }
 
@@ -458,9 +652,149 @@ mod tests {
         for (i, spoil) in cases.into_iter().enumerate() {
             let mut pb = request_to_pb("r1", &request());
             spoil(pb.sampling.as_mut().unwrap());
-            let err =
-                request_from_pb(pb, &vocabulary()).expect_err(&format!("case {i} was accepted"));
+            let err = invalid_status(
+                request_from_pb(pb, &vocabulary(), &Adapters::new()),
+                &format!("case {i}"),
+            );
             assert_eq!(err.code(), tonic::Code::InvalidArgument, "case {i}");
         }
+    }
+
+    /// A synthetic adapter for the synthetic model; `seed` decides what it computes,
+    /// `file` stands for its file's checksum.
+    fn lora(seed: u64, file: u128) -> Arc<model::lora::LoraAdapter> {
+        let spec = model::synth::SynthSpec::small(1, gguf::GgmlType::Q8_0, 64);
+        let base = gguf::GgufFile::parse(spec.build().unwrap().to_bytes()).unwrap();
+        let lora = model::lora::synth::LoraSpec {
+            seed,
+            ..Default::default()
+        };
+        let adapter = gguf::GgufFile::parse(lora.build(&base).unwrap().to_bytes()).unwrap();
+        let model = spec.load().unwrap();
+        Arc::new(model::lora::LoraAdapter::load(&adapter, file, &model.lora_base(), 1.0).unwrap())
+    }
+
+    fn rejected_name(r: Result<(String, GenerateRequest), RequestError>, case: &str) -> String {
+        match r {
+            Err(RequestError::Rejected(Rejection::AdapterNotLoaded { name })) => name,
+            Err(e) => panic!("{case}: refused otherwise: {e}"),
+            Ok(_) => panic!("{case}: accepted"),
+        }
+    }
+
+    #[test]
+    fn a_node_computes_only_under_exactly_the_adapter_the_router_named() {
+        let vocab = vocabulary();
+        let node = Adapters::new();
+        node.insert("alpha", lora(1, 10)).unwrap();
+        node.insert("beta", lora(2, 20)).unwrap();
+        let named = |name: &str, weights: Arc<model::lora::LoraAdapter>| {
+            let mut r = request();
+            r.adapter = Some(AdapterRef::local(name, weights));
+            request_to_pb("r1", &r)
+        };
+
+        // The router's reference (no weights) resolves to the node's own weights.
+        let mut sent = request();
+        let alpha = AdapterId::of(&node.get("alpha").unwrap());
+        sent.adapter = Some(alpha.to_remote());
+        let (_, got) = request_from_pb(request_to_pb("r1", &sent), &vocab, &node).unwrap();
+        let got = got.adapter.expect("the adapter arrived");
+        assert_eq!(AdapterId::of(&got), alpha);
+        assert!(
+            got.weights().is_some(),
+            "resolved to the node's own weights"
+        );
+
+        // Not held, held in another version (what it computes, or only its file), or
+        // another adapter's identity under this name: refused by name, never the base
+        // model or another adapter in its place.
+        let cases = [
+            (
+                "a name the node does not hold",
+                named("gamma", lora(1, 10)),
+                "gamma",
+            ),
+            ("another fingerprint", named("alpha", lora(3, 10)), "alpha"),
+            (
+                "the same arithmetic from another file",
+                named("alpha", lora(1, 11)),
+                "alpha",
+            ),
+            (
+                "beta's identity under alpha's name",
+                named("alpha", lora(2, 20)),
+                "alpha",
+            ),
+        ];
+        for (case, pb, name) in cases {
+            assert_eq!(
+                rejected_name(request_from_pb(pb, &vocab, &node), case),
+                name
+            );
+        }
+        // A node that holds no adapter refuses every adapter request.
+        let pb = named("alpha", lora(1, 10));
+        assert_eq!(
+            rejected_name(request_from_pb(pb, &vocab, &Adapters::new()), "none held"),
+            "alpha"
+        );
+
+        // A base request stays a base request on a node that holds adapters.
+        let (_, got) = request_from_pb(request_to_pb("r1", &request()), &vocab, &node).unwrap();
+        assert!(got.adapter.is_none());
+
+        // A malformed identity is the call's error, not a rejection.
+        let spoils: [fn(&mut pb::Adapter); 3] = [
+            |a| {
+                a.fingerprint.pop();
+            },
+            |a| a.file_checksum.push(0),
+            |a| a.name = "no spaces".into(),
+        ];
+        for (i, spoil) in spoils.into_iter().enumerate() {
+            let mut pb = named("alpha", lora(1, 10));
+            spoil(pb.adapter.as_mut().unwrap());
+            let status = invalid_status(request_from_pb(pb, &vocab, &node), &format!("spoil {i}"));
+            assert!(status.message().contains("adapter"), "{}", status.message());
+        }
+    }
+
+    #[test]
+    fn a_manifest_names_its_adapter_and_its_domain_is_computed_under_it() {
+        let output = engine::handoff::PrefillOutput {
+            first: TokenEvent {
+                id: 4,
+                logprob: None,
+                top_logprobs: Vec::new(),
+                cached_prompt_tokens: 0,
+            },
+            sampler_state: [1, 2, 3, 4],
+            prompt: vec![1, 2, 3],
+            page_tokens: 16,
+            pages: vec![vec![0; 8]],
+            cached_tokens: 0,
+        };
+        let id = AdapterId {
+            name: "alpha".into(),
+            fingerprint: 0x1234,
+            file_checksum: 0x5678,
+        };
+        let domain = IsolationDomain::tenant("alice").computed_under(Some(id.fingerprint));
+        let m = Manifest::describe(Ticket(9), "r1".into(), domain.clone(), &output);
+        let (back, adapter) = manifest_from_pb(manifest_to_pb(&m, Some(&id))).unwrap();
+        assert_eq!(back, m, "the domain comes back computed under the adapter");
+        assert_eq!(adapter, Some(id));
+        // Without an adapter the domain is the base model's, which a decode node running
+        // the request under an adapter refuses.
+        let base = Manifest::describe(
+            Ticket(9),
+            "r1".into(),
+            IsolationDomain::tenant("alice"),
+            &output,
+        );
+        let (back, adapter) = manifest_from_pb(manifest_to_pb(&base, None)).unwrap();
+        assert_eq!(adapter, None);
+        assert_ne!(back.domain, domain);
     }
 }

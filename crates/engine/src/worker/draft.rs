@@ -121,6 +121,10 @@ impl DraftWorker {
                     } else {
                         LogitsWanted::None
                     },
+                    // The draft model is another model: the request's adapter (if any)
+                    // applies to the target alone, whose verification keeps the answer
+                    // exactly the adapter's.
+                    adapter: None,
                 });
             }
             if items.is_empty() {

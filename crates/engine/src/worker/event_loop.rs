@@ -104,7 +104,7 @@ impl Worker {
                 true
             }
             Command::SubmitImport { verified, events } => {
-                self.start_import(verified, events);
+                self.start_import(*verified, events);
                 true
             }
             Command::Shutdown => {

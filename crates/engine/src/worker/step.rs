@@ -271,6 +271,7 @@ impl Worker {
                 let drafted = r.progress.drafter.pending.len();
                 let last = range.end == r.progress.stream_len() + drafted;
                 let Running { progress, kv, .. } = r;
+                let adapter = progress.request.adapter.as_ref().and_then(|a| a.weights());
                 if let (true, Some(c), None) = (
                     last,
                     progress.request.constraint.as_mut(),
@@ -288,6 +289,7 @@ impl Worker {
                     } else {
                         LogitsWanted::Last
                     },
+                    adapter,
                 });
             }
             // A panic in the model must not take the engine thread (and every other

@@ -323,7 +323,12 @@ impl PrefixCache {
         let own = own_tree
             .map(|t| self.tree(t).walk(tokens, limit, p, domain))
             .unwrap_or_default();
-        let public = self.tree(PUBLIC).walk(tokens, limit, p, domain);
+        // The public tree holds base-model K/V: a domain computed under an adapter cannot
+        // read it (`Visibility::readable_by`), so it does not walk it.
+        let public = match domain.adapter() {
+            None => self.tree(PUBLIC).walk(tokens, limit, p, domain),
+            Some(_) => Vec::new(),
+        };
         let (tree, path, is_public) = if public.len() > own.len() {
             (PUBLIC, public, true)
         } else {

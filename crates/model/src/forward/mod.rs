@@ -1,6 +1,7 @@
 //! The model and its forward pass: one step over a batch of sequences, each through its own
 //! KV view, with logits only for the rows that are sampled from.
 
+mod base_shapes;
 mod load;
 mod rope;
 mod rows;
@@ -11,6 +12,7 @@ use crate::attention::attention;
 use crate::batch::{BatchItem, Logits, LogitsWanted};
 use crate::config::FfnAct;
 use crate::kernels::{matmul, matmul_group};
+use crate::lora::{add_lora_rows, RowAdapters, Target};
 use crate::weights::{BlockQ8_1, Matrix, QK};
 use crate::{LlamaConfig, ModelError};
 use rope::RopeTable;
@@ -124,6 +126,8 @@ impl Model {
             rows.extend((0..it.tokens.len()).map(|t| (i, base + t)));
         }
         let n = rows.len();
+        let adapters = RowAdapters::new(rows.iter().map(|&(i, _)| items[i].adapter).collect());
+        let lora = adapters.any();
         if n == 0 {
             return status.into_iter().map(|s| s.map(|_| Vec::new())).collect();
         }
@@ -182,6 +186,16 @@ impl Model {
                 n,
                 &mut [&mut q, &mut k, &mut v],
             );
+            if lora {
+                for (target, out, width) in [
+                    (Target::Q, &mut q, q_dim),
+                    (Target::K, &mut k, kv_dim),
+                    (Target::V, &mut v, kv_dim),
+                ] {
+                    let pair = |a| crate::lora::LoraAdapter::pair(a, li, target);
+                    add_lora_rows(&adapters, pair, &xn, dim, out, width);
+                }
+            }
             // As llama.cpp's graph: bias after the product, then the per-head norm, then RoPE.
             for (out, bias, width) in [
                 (&mut q, &layer.bq, q_dim),
@@ -241,6 +255,10 @@ impl Model {
             attention(c, li, items, &starts, &mut status, &q, &mut attn);
             quantize_rows(&attn, q_dim, &mut aq);
             matmul(&layer.wo, &attn, &aq, n, &mut proj);
+            if lora {
+                let pair = |a| crate::lora::LoraAdapter::pair(a, li, Target::O);
+                add_lora_rows(&adapters, pair, &attn, q_dim, &mut proj, dim);
+            }
             residual(&mut x, &mut proj, &layer.post_attn_norm, c.rms_eps, dim);
             norm_quantize(&x, &layer.ffn_norm, c.rms_eps, dim, &mut xn, &mut xq);
             matmul_group(
@@ -251,6 +269,12 @@ impl Model {
                 &mut [&mut gate, &mut up],
             );
             let ffn = c.ffn_dim;
+            if lora {
+                for (target, out) in [(Target::Gate, &mut gate), (Target::Up, &mut up)] {
+                    let pair = |a| crate::lora::LoraAdapter::pair(a, li, target);
+                    add_lora_rows(&adapters, pair, &xn, dim, out, ffn);
+                }
+            }
             let per = rows_per_chunk(n);
             let activate = |((g, u), hq): ((&mut [f32], &[f32]), &mut [BlockQ8_1])| {
                 match c.ffn_act {
@@ -268,6 +292,10 @@ impl Model {
                     .for_each(activate);
             }
             matmul(&layer.w_down, &gate, &hq, n, &mut proj);
+            if lora {
+                let pair = |a| crate::lora::LoraAdapter::pair(a, li, Target::Down);
+                add_lora_rows(&adapters, pair, &gate, ffn, &mut proj, dim);
+            }
             residual(&mut x, &mut proj, &layer.post_ffn_norm, c.rms_eps, dim);
         }
 
@@ -308,6 +336,11 @@ impl Model {
         let mut logits = vec![0f32; m * c.vocab_size];
         if m > 0 {
             matmul(out_w, &seln, &selq, m, &mut logits);
+            if lora && self.output.is_some() {
+                let pair = crate::lora::LoraAdapter::output_pair;
+                let selected = adapters.select(&wanted);
+                add_lora_rows(&selected, pair, &seln, dim, &mut logits, c.vocab_size);
+            }
         }
 
         let mut cursor = 0;

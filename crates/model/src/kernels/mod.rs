@@ -70,8 +70,9 @@ pub(crate) mod avx2_kquants;
 pub(crate) mod avx2_low_kquants;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod cpu;
-mod f32_dot;
+pub(crate) mod f32_dot;
 mod libm_expf;
+mod low_rank;
 mod matmul;
 mod quant_dot;
 mod quantize;
@@ -114,7 +115,8 @@ pub fn check_cpu_request() -> Result<&'static str, String> {
         _ => Ok("portable"),
     }
 }
-pub use f32_dot::dot_f32;
+pub use f32_dot::{dot_f32, dot_f32_portable};
+pub use low_rank::{add_scaled_combination, add_scaled_combination_portable, dot_rows_f32};
 pub use matmul::{matmul, matmul_group, ActKind, WeightRows};
 pub use quant_dot::{
     dot_q4_0, dot_q4_1, dot_q8_0, q4_0_product, q4_0_token_major, q4_1_product, q4_1_token_major,

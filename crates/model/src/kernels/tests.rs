@@ -996,3 +996,66 @@ fn wide_token_major_tiles_match_row_major_bit_for_bit() {
     let wrote = unsafe { x86_512::token_major(data, nb, &xq, 6, &mut out, 4) };
     assert!(!wrote, "6 tokens are not whole tiles");
 }
+
+#[test]
+fn f32_dot_gives_the_portable_bits_on_every_path_and_length() {
+    let mut s = 7;
+    for len in [0, 1, 7, 8, 9, 15, 16, 17, 64, 576, 1000, 1536] {
+        let a: Vec<f32> = (0..len).map(|_| lcg(&mut s) * 3.0).collect();
+        let b: Vec<f32> = (0..len).map(|_| lcg(&mut s) * 0.01).collect();
+        let want = f32_dot::dot_f32_portable(&a, &b);
+        assert_eq!(dot_f32(&a, &b).to_bits(), want.to_bits(), "length {len}");
+        let naive: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+        assert!(
+            (want as f64 - naive).abs() < 1e-4,
+            "length {len}: {want} vs {naive}"
+        );
+    }
+}
+
+#[test]
+fn low_rank_halves_give_the_portable_bits_on_every_path() {
+    let mut s = 11;
+    for (rank, n_in, n_out) in [
+        (1, 8, 8),
+        (3, 13, 5),
+        (16, 576, 192),
+        (8, 1536, 577),
+        (5, 7, 31),
+    ] {
+        let a: Vec<f32> = (0..rank * n_in).map(|_| lcg(&mut s)).collect();
+        let x: Vec<f32> = (0..n_in).map(|_| lcg(&mut s) * 2.0).collect();
+        let mut u = vec![0f32; rank];
+        dot_rows_f32(&a, &x, &mut u);
+        for (r, got) in u.iter().enumerate() {
+            let want = dot_f32_portable(&a[r * n_in..(r + 1) * n_in], &x);
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "A·x row {r} of {rank}×{n_in}"
+            );
+        }
+        let bt: Vec<f32> = (0..rank * n_out).map(|_| lcg(&mut s) * 0.1).collect();
+        let y0: Vec<f32> = (0..n_out).map(|_| lcg(&mut s)).collect();
+        let (mut fast, mut portable) = (y0.clone(), y0.clone());
+        add_scaled_combination(&bt, n_out, &u, 0.75, &mut fast);
+        add_scaled_combination_portable(&bt, n_out, &u, 0.75, &mut portable);
+        // A block of outputs from the middle, as the batch splits them.
+        let from = n_out / 3;
+        let mut block = y0[from..].to_vec();
+        add_scaled_combination(&bt[from..], n_out, &u, 0.75, &mut block);
+        assert_eq!(block, portable[from..].to_vec());
+        for o in 0..n_out {
+            assert_eq!(fast[o].to_bits(), portable[o].to_bits(), "B·u output {o}");
+            let t: f64 = (0..rank)
+                .map(|j| u[j] as f64 * bt[j * n_out + o] as f64)
+                .sum();
+            let want = y0[o] as f64 + 0.75 * t;
+            assert!(
+                (portable[o] as f64 - want).abs() < 1e-4,
+                "{} vs {want}",
+                portable[o]
+            );
+        }
+    }
+}

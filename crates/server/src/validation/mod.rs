@@ -10,8 +10,9 @@ use std::sync::Arc;
 use serde_json::Value;
 use tokenizer::{ChatMessage, ChatTemplate};
 
-use engine::{Penalties, SamplingParams};
+use engine::{AdapterRef, Penalties, SamplingParams};
 
+use crate::adapters::Catalog;
 use crate::error::ApiError;
 use crate::request::{ChatRequest, Common, CompletionRequest, Content, Message, Prompt, Stop};
 use crate::tools::{ToolCalling, ToolFormat};
@@ -31,10 +32,14 @@ pub const MAX_LOGIT_BIAS: usize = 1024;
 /// counted against the tenant's limits like a request.
 pub const MAX_CHOICES: u64 = 16;
 
-/// What a request is checked against: the model this server serves.
-#[derive(Debug, Clone, Copy)]
+/// What a request is checked against: the model this server serves, and the adapters its
+/// tenant may select.
+#[derive(Clone, Copy)]
 pub struct ServedModel<'a> {
     pub name: &'a str,
+    /// The requesting tenant (adapters are granted per tenant).
+    pub tenant: &'a str,
+    pub adapters: &'a Catalog,
     pub max_context: usize,
     pub vocab_size: usize,
     /// `None` when the model has no chat template: chat requests are then refused.
@@ -45,9 +50,11 @@ pub struct ServedModel<'a> {
 }
 
 impl<'a> ServedModel<'a> {
-    pub fn of(app: &'a AppState) -> Self {
+    pub fn of(app: &'a AppState, tenant: &'a str) -> Self {
         Self {
             name: &app.model_name,
+            tenant,
+            adapters: &app.adapters,
             max_context: app.backend.admission().max_context(),
             vocab_size: app.backend.admission().vocab_size(),
             template: app.template.as_ref(),
@@ -88,8 +95,9 @@ pub fn completion(
     req: &CompletionRequest,
     model: &ServedModel,
 ) -> Result<ValidCompletion, ApiError> {
-    check_model(model, &req.model)?;
-    let (settings, logprobs) = req.parameters(model.vocab_size)?;
+    let adapter = select_model(model, &req.model, req.lora.as_ref())?;
+    let (mut settings, logprobs) = req.parameters(model.vocab_size)?;
+    settings.adapter = adapter;
     let prompt = req.single_prompt()?;
     Ok(ValidCompletion {
         settings,
@@ -101,8 +109,9 @@ pub fn completion(
 /// `/v1/chat/completions`: model, parameters, then the messages (each role, then its
 /// content, message by message), then the template.
 pub fn chat(req: &ChatRequest, model: &ServedModel) -> Result<ValidChat, ApiError> {
-    check_model(model, &req.model)?;
+    let adapter = select_model(model, &req.model, req.lora.as_ref())?;
     let (mut settings, logprobs) = req.parameters(model.vocab_size)?;
+    settings.adapter = adapter;
     let tools = crate::tools::requested(
         req.tools.as_ref(),
         req.tool_choice.as_ref(),
@@ -226,12 +235,124 @@ fn force_tool_call(settings: &mut Settings, grammar: String) -> Result<(), ApiEr
     Ok(())
 }
 
-fn check_model(served: &ServedModel, model: &str) -> Result<(), ApiError> {
-    if model == served.name {
-        Ok(())
+/// The adapter a request runs under, if any: named by `model` (vLLM's convention: the
+/// served model's name is the base) or by llama.cpp's `lora` list. An adapter the tenant may
+/// not use is refused exactly as a model that does not exist.
+fn select_model(
+    served: &ServedModel,
+    model: &str,
+    lora: Option<&Value>,
+) -> Result<Option<AdapterRef>, ApiError> {
+    let by_name = if model == served.name {
+        None
     } else {
-        Err(ApiError::ModelNotFound(model.to_owned()))
+        let (_, adapter) = served
+            .adapters
+            .select(served.tenant, model)
+            .ok_or_else(|| ApiError::ModelNotFound(model.to_owned()))?;
+        Some(adapter)
+    };
+    let Some(lora) = lora.filter(|v| !v.is_null()) else {
+        return Ok(by_name);
+    };
+    if by_name.is_some() {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            param("lora"),
+            format!(
+                "'lora' cannot be combined with an adapter as 'model': send model '{}' with 'lora', or the adapter's name as 'model' alone.",
+                served.name
+            ),
+        ));
     }
+    let Some(entries) = lora.as_array() else {
+        return Err(ApiError::invalid(
+            "invalid_type",
+            param("lora"),
+            "'lora' must be a list of {\"id\": ID, \"scale\": SCALE} objects.",
+        ));
+    };
+    if entries.len() > MAX_LORA_ENTRIES {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            param("lora"),
+            format!(
+                "'lora' has {} entries; at most {MAX_LORA_ENTRIES}.",
+                entries.len()
+            ),
+        ));
+    }
+    let mut chosen = None;
+    for (i, entry) in entries.iter().enumerate() {
+        let (id, scale) = lora_entry(i, entry)?;
+        // llama.cpp's clients send every adapter, the unused ones at scale 0.
+        if scale == 0.0 {
+            continue;
+        }
+        if chosen.is_some() {
+            return Err(ApiError::unsupported(
+                "lora",
+                "At most one adapter per request may have a non-zero scale; combining adapters is not supported.",
+            ));
+        }
+        let (loaded, adapter) = served
+            .adapters
+            .select_id(served.tenant, id)
+            .ok_or_else(|| ApiError::AdapterIdNotFound {
+                id,
+                param: format!("lora[{i}].id"),
+            })?;
+        if scale as f32 != loaded.scale {
+            return Err(ApiError::unsupported(
+                &format!("lora[{i}].scale"),
+                format!(
+                    "Per-request LoRA scales other than the adapter's loaded scale ({}) are not supported: send scale {} (or 0 to leave it out), or ask the operator to load the adapter file under another name at the scale you need (--lora NAME=PATH,SCALE, or the operator API).",
+                    loaded.scale, loaded.scale
+                ),
+            ));
+        }
+        chosen = Some(adapter);
+    }
+    Ok(chosen)
+}
+
+/// Most entries a `lora` list may have (llama.cpp's clients send one per adapter served).
+pub const MAX_LORA_ENTRIES: usize = 1024;
+
+/// One `{"id": ID, "scale": SCALE}` of a `lora` list.
+fn lora_entry(i: usize, entry: &Value) -> Result<(u64, f64), ApiError> {
+    let Some(fields) = entry.as_object() else {
+        return Err(ApiError::invalid(
+            "invalid_type",
+            Some(format!("lora[{i}]")),
+            format!("'lora[{i}]' must be an object {{\"id\": ID, \"scale\": SCALE}}."),
+        ));
+    };
+    if let Some(other) = fields.keys().find(|k| *k != "id" && *k != "scale") {
+        return Err(ApiError::unsupported(
+            &format!("lora[{i}].{other}"),
+            format!("Unrecognized field 'lora[{i}].{other}'; an entry has 'id' and 'scale'."),
+        ));
+    }
+    let id = fields.get("id").and_then(Value::as_u64).ok_or_else(|| {
+        ApiError::invalid(
+            "invalid_value",
+            Some(format!("lora[{i}].id")),
+            format!("'lora[{i}].id' must be an adapter id (a whole number, as GET /lora-adapters lists them)."),
+        )
+    })?;
+    let scale = fields
+        .get("scale")
+        .and_then(Value::as_f64)
+        .filter(|s| s.is_finite())
+        .ok_or_else(|| {
+            ApiError::invalid(
+                "invalid_value",
+                Some(format!("lora[{i}].scale")),
+                format!("'lora[{i}].scale' must be a number."),
+            )
+        })?;
+    Ok((id, scale))
 }
 
 /// The roles a message may have. Roles are rendered into the prompt verbatim, so anything
@@ -279,6 +400,8 @@ pub struct Settings {
     pub ignore_eos: bool,
     /// A structured output, checked but not yet compiled (the prompt workers compile it).
     pub constraint: Option<crate::structured::Requested>,
+    /// The LoRA adapter the request selected ([`select_model`]); `None`: the base model.
+    pub adapter: Option<AdapterRef>,
 }
 
 /// The isolation-domain key of a client's `cache_salt`: 128 bits of keyed SipHash, as 32
@@ -497,6 +620,7 @@ impl Common<'_> {
             cache_salt: self.cache_salt.map(salt_key),
             ignore_eos,
             constraint,
+            adapter: None,
         })
     }
 }

@@ -202,8 +202,11 @@ fn message_content_forms() {
 fn checks_run_in_order() {
     let template =
         Arc::new(ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}").unwrap());
+    let catalog = Catalog::new("m", Arc::new(engine::Adapters::new()));
     let served = ServedModel {
         name: "m",
+        tenant: "t",
+        adapters: &catalog,
         max_context: 3,
         vocab_size: VOCAB,
         template: Some(&template),
@@ -394,8 +397,11 @@ fn unknown_fields_are_refused_by_name() {
 fn tool_fields_of_a_message_are_taken_only_where_their_role_carries_them() {
     let template =
         Arc::new(ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}").unwrap());
+    let catalog = Catalog::new("m", Arc::new(engine::Adapters::new()));
     let served = ServedModel {
         name: "m",
+        tenant: "t",
+        adapters: &catalog,
         max_context: 100,
         vocab_size: VOCAB,
         template: Some(&template),
@@ -426,4 +432,133 @@ fn tool_fields_of_a_message_are_taken_only_where_their_role_carries_them() {
     assert!(chat(&format!(r#"{{{M},"parallel_tool_calls":false}}"#)).is_ok());
     let e = chat(&format!(r#"{{{M},"functions":[]}}"#)).unwrap_err();
     assert_eq!(e.param(), Some("functions"));
+}
+
+/// An adapter set of references by name (a router's kind: no weights needed to select).
+struct Named(Vec<&'static str>);
+
+impl crate::adapters::AdapterSet for Named {
+    fn get(&self, name: &str) -> Option<engine::AdapterRef> {
+        let i = self.0.iter().position(|n| *n == name)?;
+        Some(engine::AdapterRef::remote(name, i as u128 + 1, 0))
+    }
+
+    fn info(&self) -> Vec<engine::AdapterInfo> {
+        Vec::new()
+    }
+}
+
+/// `model` names the base or an adapter the tenant may use; llama.cpp's `lora` names one by
+/// id at its loaded scale; anything the tenant may not use answers as what does not exist.
+#[test]
+fn a_request_selects_an_adapter_by_model_or_lora() {
+    let catalog = Catalog::new("m", Arc::new(Named(vec!["A", "B", "half"])));
+    catalog.add("A", 1.0, None).unwrap();
+    catalog.add("B", 1.0, None).unwrap();
+    catalog.add("half", 0.5, None).unwrap();
+    let access = crate::adapters::AccessList::parse("A alice\nB bob\nhalf alice\n").unwrap();
+    assert!(catalog.restrict(&access).unwrap().is_empty());
+    let served = |tenant| ServedModel {
+        name: "m",
+        tenant,
+        adapters: &catalog,
+        max_context: 100,
+        vocab_size: VOCAB,
+        template: None,
+        tool_format: crate::tools::ToolFormat::Hermes,
+        tool_marker: None,
+    };
+    let select = |tenant: &'static str, body: &str| {
+        let req: CompletionRequest = decode(body.as_bytes()).unwrap();
+        super::completion(&req, &served(tenant))
+            .map(|v| v.settings.adapter.map(|a| a.name().to_owned()))
+    };
+    let refusal = |tenant: &'static str, body: &str| {
+        let e = select(tenant, body).unwrap_err();
+        (
+            e.status().as_u16(),
+            e.code(),
+            e.param().map(str::to_owned),
+            e.body().to_string(),
+        )
+    };
+    assert_eq!(
+        select("alice", r#"{"model":"m","prompt":"x"}"#).unwrap(),
+        None
+    );
+    assert_eq!(
+        select("alice", r#"{"model":"A","prompt":"x"}"#).unwrap(),
+        Some("A".into())
+    );
+    assert_eq!(
+        select("bob", r#"{"model":"B","prompt":"x"}"#).unwrap(),
+        Some("B".into())
+    );
+    // Another tenant's adapter: the very answer of a name nobody has.
+    let theirs = refusal("alice", r#"{"model":"B","prompt":"x"}"#);
+    let nothing = refusal("alice", r#"{"model":"Z","prompt":"x"}"#);
+    assert_eq!((theirs.0, theirs.1), (404, "model_not_found"));
+    assert_eq!(theirs.3.replace("`B`", "`Z`"), nothing.3);
+    // By id: ids follow the catalog's order; scale 0 entries are left out.
+    let lora = |tenant, list: &str| {
+        select(
+            tenant,
+            &format!(r#"{{"model":"m","prompt":"x","lora":{list}}}"#),
+        )
+    };
+    assert_eq!(
+        lora("alice", r#"[{"id":0,"scale":1}]"#).unwrap(),
+        Some("A".into())
+    );
+    assert_eq!(
+        lora("alice", r#"[{"id":0,"scale":0},{"id":2,"scale":0.5}]"#).unwrap(),
+        Some("half".into())
+    );
+    assert_eq!(
+        lora("alice", r#"[{"id":0,"scale":0},{"id":1,"scale":0}]"#).unwrap(),
+        None
+    );
+    assert_eq!(lora("alice", "null").unwrap(), None);
+    assert_eq!(lora("alice", "[]").unwrap(), None);
+    let by_id = |tenant, list: &str| {
+        refusal(
+            tenant,
+            &format!(r#"{{"model":"m","prompt":"x","lora":{list}}}"#),
+        )
+    };
+    let theirs = by_id("alice", r#"[{"id":1,"scale":1}]"#);
+    let nothing = by_id("alice", r#"[{"id":9,"scale":1}]"#);
+    assert_eq!(
+        (theirs.0, theirs.1, theirs.2.as_deref()),
+        (404, "model_not_found", Some("lora[0].id"))
+    );
+    assert_eq!(theirs.3.replace("id 1", "id 9"), nothing.3);
+    for (list, param) in [
+        (r#"[{"id":0,"scale":0.5}]"#, "lora[0].scale"),
+        (r#"[{"id":2,"scale":1}]"#, "lora[0].scale"),
+        (r#"[{"id":0,"scale":1},{"id":2,"scale":0.5}]"#, "lora"),
+        (r#"{"id":0,"scale":1}"#, "lora"),
+        (r#"[7]"#, "lora[0]"),
+        (r#"[{"id":"0","scale":1}]"#, "lora[0].id"),
+        (r#"[{"id":0}]"#, "lora[0].scale"),
+        (r#"[{"id":0,"scale":1,"path":"x"}]"#, "lora[0].path"),
+    ] {
+        let (status, _, p, _) = by_id("alice", list);
+        assert_eq!((status, p.as_deref()), (400, Some(param)), "{list}");
+    }
+    let e = refusal(
+        "alice",
+        r#"{"model":"A","prompt":"x","lora":[{"id":0,"scale":1}]}"#,
+    );
+    assert_eq!((e.0, e.2.as_deref()), (400, Some("lora")));
+    // The model is checked first: an unknown model with a bad lora list is a 404.
+    assert_eq!(
+        refusal("alice", r#"{"model":"Z","prompt":"x","lora":7}"#).0,
+        404
+    );
+    // The chat endpoint selects the same way.
+    let req: ChatRequest =
+        decode(br#"{"model":"A","messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+    let e = super::chat(&req, &served("bob")).unwrap_err();
+    assert_eq!(e.code(), "model_not_found");
 }

@@ -32,6 +32,9 @@ impl From<HandoffError> for HandoffFailure {
 /// A reservation waiting for its push; the decode call that made it waits on `verified`.
 pub(super) struct PendingImport {
     reservation: ImportReservation,
+    /// The adapter this node's own request resolved to (`None`: the base model): a push
+    /// must name exactly it.
+    adapter: Option<wire::AdapterId>,
     verified: oneshot::Sender<Result<VerifiedImport, HandoffFailure>>,
     /// The decode call's span: the push's verification is recorded under it.
     span: tracing::Span,
@@ -55,13 +58,12 @@ impl NodeService {
     ) -> Result<Response<DecodeStream>, Status> {
         use pb::decode_event::Event as E;
         self.require(Role::Decode)?;
-        let (request_id, request) =
-            wire::request_from_pb_blocking(request.into_inner(), &self.vocabulary).await?;
+        let verdict = self.admit_from_pb(request.into_inner()).await?;
         self.metrics
             .decode_requests
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(64);
-        let admitted = match self.engine.admission().admit(request) {
+        let (request_id, admitted) = match verdict {
             Ok(a) => a,
             Err(r) => {
                 self.metrics
@@ -114,7 +116,7 @@ impl NodeService {
                 "no reservation holds this ticket (expired, cancelled, or already filled)",
             )));
         };
-        let manifest = match wire::manifest_from_pb(manifest) {
+        let (manifest, adapter) = match wire::manifest_from_pb(manifest) {
             Ok(m) => m,
             Err(status) => {
                 let f = wire::failure("manifest", status.message());
@@ -123,10 +125,30 @@ impl NodeService {
                 return reply(Some(f));
             }
         };
+        // K/V is a function of the adapter that computed it: a prefill node that ran another
+        // adapter, another version of this one, or the base model must not feed this
+        // request. (The manifest's domain carries the fingerprint too, which `begin`
+        // compares; this names the difference and holds the file to the same account.)
+        if adapter != pending.adapter {
+            let f = wire::failure(
+                "manifest",
+                format!(
+                    "the K/V was computed under {}, this request runs under {}",
+                    wire::describe_adapter(adapter.as_ref()),
+                    wire::describe_adapter(pending.adapter.as_ref())
+                ),
+            );
+            tracing::warn!("push refused: {}", f.message);
+            self.metrics.failure(&f.reason);
+            // Dropping the reservation with the entry scrubs its pages.
+            let _ = pending.verified.send(Err(HandoffFailure(f.clone())));
+            return reply(Some(f));
+        }
         let PendingImport {
             reservation,
             verified,
             span,
+            ..
         } = pending;
         let outcome = self
             .receive(reservation, manifest, &mut frames)
@@ -213,6 +235,7 @@ impl NodeService {
     ) {
         use pb::decode_event::Event as E;
         let fail = |reason: &str, message: String| event(E::Failed(wire::failure(reason, message)));
+        let adapter = admitted.request().adapter.as_ref().map(wire::AdapterId::of);
         // Waiting for the pages the prompt needs to be free.
         let waited = async {
             tokio::select! {
@@ -256,6 +279,7 @@ impl NodeService {
             ticket,
             PendingImport {
                 reservation,
+                adapter,
                 verified: verified_tx,
                 span: tracing::Span::current(),
             },

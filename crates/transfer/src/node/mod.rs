@@ -73,6 +73,9 @@ pub struct NodeService {
     tls: TlsIdentity,
     /// Compiles the constraints that arrive, against this node's own vocabulary.
     vocabulary: Arc<constraint::Vocabulary>,
+    /// The LoRA adapters this node holds: a request's adapter is resolved here, by name
+    /// and identity, and `Info` reports the set.
+    adapters: Arc<engine::Adapters>,
     pending: Mutex<HashMap<Ticket, PendingImport>>,
     /// Prefill: channels to the decode nodes it pushed to, reused across requests.
     peers: Mutex<HashMap<String, Channel>>,
@@ -86,6 +89,7 @@ impl NodeService {
         deadlines: Deadlines,
         tls: TlsIdentity,
         vocabulary: Arc<constraint::Vocabulary>,
+        adapters: Arc<engine::Adapters>,
     ) -> Self {
         Self {
             identity,
@@ -94,6 +98,7 @@ impl NodeService {
             deadlines,
             tls,
             vocabulary,
+            adapters,
             pending: Mutex::new(HashMap::new()),
             peers: Mutex::new(HashMap::new()),
         }
@@ -107,6 +112,24 @@ impl NodeService {
         );
         let request = self.engine.max_context() * 6 + constraint::limits::MAX_SOURCE_BYTES;
         page.max(request) + 64 * 1024
+    }
+
+    /// A request off the wire, resolved against this node's vocabulary and adapters and
+    /// admitted by its own admission. `Ok(Err(_))` is a verdict for the router (the client
+    /// sees that error); `Err(_)` a malformed call.
+    async fn admit_from_pb(
+        &self,
+        request: pb::GenerateRequest,
+    ) -> Result<Result<(String, engine::Admitted), engine::Rejection>, Status> {
+        match wire::request_from_pb_blocking(request, &self.vocabulary, &self.adapters).await {
+            Ok((request_id, request)) => Ok(self
+                .engine
+                .admission()
+                .admit(request)
+                .map(|admitted| (request_id, admitted))),
+            Err(wire::RequestError::Rejected(r)) => Ok(Err(r)),
+            Err(wire::RequestError::Invalid(status)) => Err(status),
+        }
     }
 
     fn require(&self, role: Role) -> Result<(), Status> {
@@ -186,6 +209,7 @@ impl Node for Arc<NodeService> {
             pages_free: pages.free as u64,
             pages_leased: pages.leased as u64,
             pages_cached: pages.cached as u64,
+            adapters: wire::adapters_to_pb(&self.adapters),
         }))
     }
 

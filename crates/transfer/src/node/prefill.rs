@@ -30,6 +30,7 @@ impl NodeService {
         &self,
         decode_addr: &str,
         manifest: Manifest,
+        adapter: Option<&wire::AdapterId>,
         output: &engine::handoff::PrefillOutput,
     ) -> Result<(), pb::Failure> {
         let channel = self
@@ -41,7 +42,7 @@ impl NodeService {
         let mut frames = Vec::with_capacity(output.pages.len() + 1);
         frames.push(pb::KvFrame {
             frame: Some(pb::kv_frame::Frame::Manifest(wire::manifest_to_pb(
-                &manifest,
+                &manifest, adapter,
             ))),
         });
         for (i, page) in output.pages.iter().enumerate() {
@@ -72,9 +73,7 @@ impl NodeService {
     ) -> Result<Response<pb::AdmitReply>, Status> {
         use pb::admit_reply::Outcome;
         self.require(Role::Prefill)?;
-        let (_, request) =
-            wire::request_from_pb_blocking(request.into_inner(), &self.vocabulary).await?;
-        let outcome = match self.engine.admission().admit(request) {
+        let outcome = match self.admit_from_pb(request.into_inner()).await? {
             Ok(_) => {
                 self.metrics
                     .admitted
@@ -107,12 +106,10 @@ impl NodeService {
         let ticket = Ticket::from_bytes(&ticket)
             .ok_or_else(|| Status::invalid_argument("ticket must be 16 bytes"))?;
         let request = request.ok_or_else(|| Status::invalid_argument("no request"))?;
-        let (request_id, request) =
-            wire::request_from_pb_blocking(request, &self.vocabulary).await?;
-        let domain = request.domain.clone();
         // Admission again, on this call's own values: the verdict of `Admit` is not trusted
-        // to still hold, and a rejection here still ends the request with its error.
-        let admitted = match self.engine.admission().admit(request) {
+        // to still hold (an adapter may have been unloaded since), and a rejection here
+        // still ends the request with its error.
+        let (request_id, admitted) = match self.admit_from_pb(request).await? {
             Ok(a) => a,
             Err(r) => {
                 return Ok(Response::new(pb::PrefillReply {
@@ -120,6 +117,11 @@ impl NodeService {
                 }))
             }
         };
+        // What the K/V is computed under, as admission left it: the domain narrowed by the
+        // adapter's fingerprint, and the adapter (this node's own, which is the one the
+        // router named), for the manifest.
+        let domain = admitted.request().domain.clone();
+        let adapter = admitted.request().adapter.as_ref().map(wire::AdapterId::of);
         // Dropping this call (the router gave up) drops the handle, which cancels the
         // request in the engine.
         // The engine's part: waiting for a running slot, then the prompt's forward pass.
@@ -156,7 +158,7 @@ impl NodeService {
         let manifest = Manifest::describe(ticket, request_id, domain, &output);
         let bytes = output.bytes();
         let pushed = self
-            .push(&decode_addr, manifest, &output)
+            .push(&decode_addr, manifest, adapter.as_ref(), &output)
             .instrument(tracing::info_span!("transfer", bytes))
             .await;
         let outcome = match pushed {
