@@ -5,9 +5,11 @@ server serving only that adapter, alone and in mixed batches; a shared-prefix fl
 A gives no cached token to B or to the base; llama.cpp's `lora` field selects as `model`
 does; the operator API loads an adapter while serving and unloads it under a running
 stream, which finishes with the adapter it started with; and the operator API opens with
-its own token only, on its own listener.
+its own token only, on its own listener; `kvwarden audit`'s timing check, run with one
+tenant under two adapters (and under an adapter and the base), sees no shared prefix.
 
-`serve` only for now: the router's adapter sets are not wired yet."""
+`serve` only: the operator API is `serve`'s, and test_lora_cluster.py runs the rest through
+the router."""
 
 import json
 import re
@@ -23,7 +25,7 @@ import requests
 from conftest import BIN, DEPLOYMENT, MODEL, MODEL_NAME, ROOT, TENANT_KEYS, require_binary
 
 pytestmark = pytest.mark.skipif(
-    DEPLOYMENT == "cluster", reason="adapters are not yet served through the router"
+    DEPLOYMENT == "cluster", reason="test_lora_cluster.py covers the router"
 )
 
 ALICE, BOB = TENANT_KEYS["alice"], TENANT_KEYS["bob"]
@@ -185,6 +187,34 @@ def test_a_prefix_flood_under_one_adapter_caches_for_no_other(lora_server):
     assert other.usage.prompt_tokens == base.usage.prompt_tokens == again.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("models", [("lora-a", MODEL_NAME), ("lora-a", "lora-audit")])
+def test_the_audits_timing_check_agrees_that_no_prefix_crosses_adapters(lora_server, files, models, tmp_path):
+    """The same key twice, each with its own model: the audit's side-channel check times
+    the second on the first's cached prefix against a fresh one, and reads `usage`."""
+    if models[1] == "lora-audit":
+        r = admin(lora_server, "POST", json={"name": "lora-audit", "path": str(files["c"]), "tenants": ["alice"]})
+        assert r.status_code == 201, r.text
+    report = tmp_path / "audit.json"
+    out = subprocess.run(
+        [str(BIN), "audit", "--endpoint", lora_server.url, "--no-progress", "--json", str(report),
+         "--api-key", ALICE, "--api-key", ALICE, "--tenant-model", models[0], "--tenant-model", models[1],
+         "--checks", "side-channel", "--side-channel-tokens", "384", "--side-channel-trials", "2",
+         "--seed", "5"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rep = json.loads(report.read_text())
+    sc = rep["side_channel"]
+    # The first model's own repeat is a hit: the cache is there to be found.
+    assert all(t["a_repeat_cached"] > 0 for t in sc["trials"]), sc
+    assert all(t["b_same_prefix_cached"] == 0 for t in sc["trials"]), sc
+    assert sc["reported_cross_hit"] is False and sc["timing_cross_hit"] is False, sc
+    check = next(c for c in rep["checks"] if c["check"] == "side_channel")
+    assert check["verdict"] == "pass", check
+    if models[1] == "lora-audit":
+        assert admin(lora_server, "DELETE", "/v1/adapters/lora-audit").status_code == 200
+
+
 def test_the_lora_field_selects_as_model_does(lora_server):
     alice = lora_server.client_for(ALICE)
     assert text(alice, MODEL_NAME, lora=[{"id": 0, "scale": 1.0}]) == text(alice, "lora-a")
@@ -257,7 +287,8 @@ def test_hot_load_then_unload_under_a_running_stream(lora_server, files):
     alice, bob = lora_server.client_for(ALICE), lora_server.client_for(BOB)
     r = admin(lora_server, "POST", json={"name": "lora-c", "path": str(files["c"]), "tenants": ["alice"]})
     assert r.status_code == 201, r.text
-    assert r.json()["tenants"] == ["alice"] and r.json()["id"] == 2
+    # Ids are never reused: a hot load gets one after every id given so far.
+    assert r.json()["tenants"] == ["alice"] and r.json()["id"] >= 2
     assert [m.id for m in alice.models.list().data] == [MODEL_NAME, "lora-a", "lora-c"]
     assert [m.id for m in bob.models.list().data] == [MODEL_NAME, "lora-b"]
     assert text(alice, "lora-c") not in (text(alice, "lora-a"), text(alice, MODEL_NAME))

@@ -19,6 +19,8 @@ use oai_client::{Api, Call, Client, Exchange, Prompt};
 pub struct Tenant {
     pub name: String,
     pub key: Option<String>,
+    /// The model this identity asks for, where it differs from the audit's (an adapter).
+    pub model: Option<String>,
 }
 
 /// A request planned but not yet sent.
@@ -88,7 +90,12 @@ impl Auditor {
             ignore_eos: false,
             cancel_after: None,
             key: self.tenants[tenant].key.clone(),
-            extra: Default::default(),
+            extra: match &self.tenants[tenant].model {
+                Some(model) => [("model".to_string(), model.clone().into())]
+                    .into_iter()
+                    .collect(),
+                None => Default::default(),
+            },
         }
     }
 

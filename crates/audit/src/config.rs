@@ -11,6 +11,8 @@ pub struct Config {
     pub endpoint: String,
     pub api_keys: Vec<String>,
     pub model: Option<String>,
+    /// Per tenant (in the keys' order), the model it sends instead of `model`.
+    pub tenant_models: Vec<String>,
     pub max_context: Option<usize>,
     pub concurrency: usize,
     /// Requests in the concurrent canary mix.
@@ -35,6 +37,7 @@ impl Config {
             endpoint: endpoint.into(),
             api_keys: Vec::new(),
             model: None,
+            tenant_models: Vec::new(),
             max_context: None,
             concurrency: 4,
             requests: 16,

@@ -81,9 +81,16 @@ impl Auditor {
                 .api_keys
                 .iter()
                 .enumerate()
-                .map(|(i, k)| Tenant {
-                    name: format!("key-{}", i + 1),
-                    key: Some(k.clone()),
+                .map(|(i, k)| {
+                    let model = config.tenant_models.get(i).cloned();
+                    Tenant {
+                        name: match &model {
+                            Some(m) => format!("key-{} ({m})", i + 1),
+                            None => format!("key-{}", i + 1),
+                        },
+                        key: Some(k.clone()),
+                        model,
+                    }
                 })
                 .collect()
         } else {
@@ -91,6 +98,7 @@ impl Auditor {
                 .map(|i| Tenant {
                     name: format!("identity-{}", i + 1),
                     key: config.api_keys.first().cloned(),
+                    model: None,
                 })
                 .collect()
         };

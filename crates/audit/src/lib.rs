@@ -63,6 +63,11 @@ pub struct AuditArgs {
     /// Model name to send (default: the first of /v1/models).
     #[arg(long)]
     pub model: Option<String>,
+    /// The model the i-th `--api-key`'s tenant sends instead (repeat it in the keys'
+    /// order): LoRA adapters of one base model are then audited against each other, the
+    /// same key twice with two adapters included.
+    #[arg(long = "tenant-model", value_name = "MODEL")]
+    pub tenant_models: Vec<String>,
     /// Context window to test (default: /v1/models max_model_len, or llama.cpp's /props).
     #[arg(long)]
     pub max_context: Option<usize>,
@@ -123,6 +128,7 @@ impl AuditArgs {
     pub fn config(&self, endpoint: String) -> Config {
         let mut c = Config::new(endpoint);
         c.api_keys = self.api_keys.clone();
+        c.tenant_models = self.tenant_models.clone();
         c.model = self.model.clone();
         c.max_context = self.max_context;
         c.concurrency = self.concurrency;

@@ -80,45 +80,81 @@ mod x86 {
         s
     }
 
+    /// `R` rows' dot products with `x` at once: `R` independent accumulator chains keep
+    /// both FMA units busy (one chain waits on its own latency), and each row's chain is
+    /// `dot_f32`'s.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn dot_rows_tile<const R: usize>(rows: &[f32], first: usize, x: &[f32], out: &mut [f32]) {
+        let n = x.len();
+        let chunks = n / 8;
+        let mut acc = [_mm256_setzero_ps(); R];
+        for i in 0..chunks {
+            // SAFETY: `i * 8 + 8 <= n`: within `x`, and within each row `first + k < m`,
+            // which the caller keeps inside `rows` (`(first + R) * n <= rows.len()`).
+            unsafe {
+                let xv = _mm256_loadu_ps(x.as_ptr().add(i * 8));
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let av = _mm256_loadu_ps(rows.as_ptr().add((first + k) * n + i * 8));
+                    *a = _mm256_fmadd_ps(av, xv, *a);
+                }
+            }
+        }
+        for (k, a) in acc.into_iter().enumerate() {
+            let row = &rows[(first + k) * n..(first + k + 1) * n];
+            out[first + k] = finish(a, row, x, chunks * 8);
+        }
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn dot_rows_f32_avx2(rows: &[f32], x: &[f32], out: &mut [f32]) {
         let n = x.len();
-        let chunks = n / 8;
         let m = out.len().min(rows.len() / n.max(1));
         let mut r = 0;
+        while r + 8 <= m {
+            dot_rows_tile::<8>(rows, r, x, out);
+            r += 8;
+        }
         while r + 4 <= m {
-            let base = [r * n, (r + 1) * n, (r + 2) * n, (r + 3) * n];
-            let mut acc = [_mm256_setzero_ps(); 4];
-            for i in 0..chunks {
-                // SAFETY: `i * 8 + 8 <= n`: within `x`, and within each of the four rows,
-                // which lie inside `rows` (`(r + 3) * n + n <= m * n <= rows.len()`).
-                unsafe {
-                    let xv = _mm256_loadu_ps(x.as_ptr().add(i * 8));
-                    for k in 0..4 {
-                        let av = _mm256_loadu_ps(rows.as_ptr().add(base[k] + i * 8));
-                        acc[k] = _mm256_fmadd_ps(av, xv, acc[k]);
-                    }
-                }
-            }
-            for k in 0..4 {
-                let row = &rows[base[k]..base[k] + n];
-                out[r + k] = finish(acc[k], row, x, chunks * 8);
-            }
+            dot_rows_tile::<4>(rows, r, x, out);
             r += 4;
         }
         while r < m {
-            let row = &rows[r * n..(r + 1) * n];
-            let mut acc = _mm256_setzero_ps();
-            for i in 0..chunks {
-                // SAFETY: `i * 8 + 8 <= n`, within `row` and `x`.
-                unsafe {
-                    let av = _mm256_loadu_ps(row.as_ptr().add(i * 8));
-                    let xv = _mm256_loadu_ps(x.as_ptr().add(i * 8));
-                    acc = _mm256_fmadd_ps(av, xv, acc);
-                }
-            }
-            out[r] = finish(acc, row, x, chunks * 8);
+            dot_rows_tile::<1>(rows, r, x, out);
             r += 1;
+        }
+    }
+
+    /// `B` blocks of eight outputs at once: each output's sum is one chain over `j` in
+    /// order (the definition), `B` chains side by side so they do not wait on each other.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn combine_tile<const B: usize>(
+        bt: &[f32],
+        stride: usize,
+        u: &[f32],
+        s: f32,
+        y: &mut [f32],
+        o: usize,
+    ) {
+        let mut t = [_mm256_setzero_ps(); B];
+        for (j, &uj) in u.iter().enumerate() {
+            let uv = _mm256_set1_ps(uj);
+            for (k, tk) in t.iter_mut().enumerate() {
+                // SAFETY: `o + 8 * B <= y.len()` and `j < u.len()`, so the caller's check
+                // `bt.len() >= (u.len() - 1) * stride + y.len()` covers these 8 values.
+                let bv = unsafe { _mm256_loadu_ps(bt.as_ptr().add(j * stride + o + 8 * k)) };
+                *tk = _mm256_fmadd_ps(uv, bv, *tk);
+            }
+        }
+        let sv = _mm256_set1_ps(s);
+        for (k, tk) in t.into_iter().enumerate() {
+            // SAFETY: `o + 8 * k + 8 <= y.len()`.
+            unsafe {
+                let at = y.as_mut_ptr().add(o + 8 * k);
+                let sum = _mm256_add_ps(_mm256_loadu_ps(at), _mm256_mul_ps(sv, tk));
+                _mm256_storeu_ps(at, sum);
+            }
         }
     }
 
@@ -131,25 +167,16 @@ mod x86 {
         y: &mut [f32],
     ) {
         let n_out = y.len();
-        let blocks = n_out / 8;
-        let sv = _mm256_set1_ps(s);
-        for b in 0..blocks {
-            let o = b * 8;
-            let mut t = _mm256_setzero_ps();
-            for (j, &uj) in u.iter().enumerate() {
-                // SAFETY: `o + 8 <= n_out` and `j < u.len()`, so the caller's check
-                // `bt.len() >= (u.len() - 1) * stride + n_out` covers these 8 values.
-                let bv = unsafe { _mm256_loadu_ps(bt.as_ptr().add(j * stride + o)) };
-                t = _mm256_fmadd_ps(_mm256_set1_ps(uj), bv, t);
-            }
-            // SAFETY: `o + 8 <= n_out = y.len()`.
-            unsafe {
-                let yv = _mm256_loadu_ps(y.as_ptr().add(o));
-                let sum = _mm256_add_ps(yv, _mm256_mul_ps(sv, t));
-                _mm256_storeu_ps(y.as_mut_ptr().add(o), sum);
-            }
+        let mut o = 0;
+        while o + 64 <= n_out {
+            combine_tile::<8>(bt, stride, u, s, y, o);
+            o += 64;
         }
-        for (o, yo) in y.iter_mut().enumerate().skip(blocks * 8) {
+        while o + 8 <= n_out {
+            combine_tile::<1>(bt, stride, u, s, y, o);
+            o += 8;
+        }
+        for (o, yo) in y.iter_mut().enumerate().skip(o) {
             let mut t = 0f32;
             for (j, &uj) in u.iter().enumerate() {
                 t = uj.mul_add(bt[j * stride + o], t);
