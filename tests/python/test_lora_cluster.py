@@ -95,6 +95,36 @@ def test_each_adapter_through_the_router_answers_as_serve_does(cluster, mono):
     assert len(set(texts.values())) == 3, texts
 
 
+def test_mixed_batches_through_the_router_answer_as_each_alone(cluster, mono):
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [PROMPT, "The capital of France is", "List three colours:"]
+    calls = [(p, m) for p in prompts for m in (MODEL_NAME, "lora-a", "lora-b")]
+    alone = [greedy(mono, m, "unused", p)[:2] for p, m in calls]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        for _ in range(2):
+            mixed = list(pool.map(lambda pm: greedy(cluster, pm[1], ALICE, pm[0])[:2], calls))
+            assert mixed == alone
+
+
+def test_the_audits_timing_check_through_the_router_sees_no_prefix_cross_adapters(cluster, tmp_path):
+    import json
+
+    report = tmp_path / "audit.json"
+    out = subprocess.run(
+        [str(BIN), "audit", "--endpoint", cluster.url, "--no-progress", "--json", str(report),
+         "--api-key", ALICE, "--api-key", ALICE, "--tenant-model", "lora-a", "--tenant-model", "lora-b",
+         "--checks", "side-channel", "--side-channel-tokens", "384", "--side-channel-trials", "2",
+         "--seed", "5"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    sc = json.loads(report.read_text())["side_channel"]
+    assert all(t["a_repeat_cached"] > 0 for t in sc["trials"]), sc
+    assert all(t["b_same_prefix_cached"] == 0 for t in sc["trials"]), sc
+    assert sc["reported_cross_hit"] is False and sc["timing_cross_hit"] is False, sc
+
+
 def test_the_prefix_cache_serves_no_other_adapter_through_the_router(cluster):
     # Longer than a few pages, so that a cache hit would show.
     prompt = PROMPT + " " + "The tide rolls in, the gulls cry out, the harbour lights burn low. " * 6
