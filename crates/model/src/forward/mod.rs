@@ -12,7 +12,7 @@ use crate::attention::attention;
 use crate::batch::{BatchItem, Logits, LogitsWanted};
 use crate::config::FfnAct;
 use crate::kernels::{matmul, matmul_group};
-use crate::lora::{add_lora_rows, RowAdapters, Target};
+use crate::lora::{add_lora_rows, RowAdapters, Site, Target, Update};
 use crate::weights::{BlockQ8_1, Matrix, QK};
 use crate::{LlamaConfig, ModelError};
 use rope::RopeTable;
@@ -187,14 +187,17 @@ impl Model {
                 &mut [&mut q, &mut k, &mut v],
             );
             if lora {
-                for (target, out, width) in [
-                    (Target::Q, &mut q, q_dim),
-                    (Target::K, &mut k, kv_dim),
-                    (Target::V, &mut v, kv_dim),
-                ] {
-                    let pair = |a| crate::lora::LoraAdapter::pair(a, li, target);
-                    add_lora_rows(&adapters, pair, &xn, dim, out, width);
-                }
+                let update = |target, out, n_out| Update {
+                    site: Site::Layer(li, target),
+                    out,
+                    n_out,
+                };
+                let mut qkv = [
+                    update(Target::Q, &mut q[..], q_dim),
+                    update(Target::K, &mut k[..], kv_dim),
+                    update(Target::V, &mut v[..], kv_dim),
+                ];
+                add_lora_rows(&adapters, &xn, dim, &mut qkv);
             }
             // As llama.cpp's graph: bias after the product, then the per-head norm, then RoPE.
             for (out, bias, width) in [
@@ -256,8 +259,12 @@ impl Model {
             quantize_rows(&attn, q_dim, &mut aq);
             matmul(&layer.wo, &attn, &aq, n, &mut proj);
             if lora {
-                let pair = |a| crate::lora::LoraAdapter::pair(a, li, Target::O);
-                add_lora_rows(&adapters, pair, &attn, q_dim, &mut proj, dim);
+                let mut o = [Update {
+                    site: Site::Layer(li, Target::O),
+                    out: &mut proj[..],
+                    n_out: dim,
+                }];
+                add_lora_rows(&adapters, &attn, q_dim, &mut o);
             }
             residual(&mut x, &mut proj, &layer.post_attn_norm, c.rms_eps, dim);
             norm_quantize(&x, &layer.ffn_norm, c.rms_eps, dim, &mut xn, &mut xq);
@@ -270,10 +277,19 @@ impl Model {
             );
             let ffn = c.ffn_dim;
             if lora {
-                for (target, out) in [(Target::Gate, &mut gate), (Target::Up, &mut up)] {
-                    let pair = |a| crate::lora::LoraAdapter::pair(a, li, target);
-                    add_lora_rows(&adapters, pair, &xn, dim, out, ffn);
-                }
+                let mut gate_up = [
+                    Update {
+                        site: Site::Layer(li, Target::Gate),
+                        out: &mut gate[..],
+                        n_out: ffn,
+                    },
+                    Update {
+                        site: Site::Layer(li, Target::Up),
+                        out: &mut up[..],
+                        n_out: ffn,
+                    },
+                ];
+                add_lora_rows(&adapters, &xn, dim, &mut gate_up);
             }
             let per = rows_per_chunk(n);
             let activate = |((g, u), hq): ((&mut [f32], &[f32]), &mut [BlockQ8_1])| {
@@ -293,8 +309,12 @@ impl Model {
             }
             matmul(&layer.w_down, &gate, &hq, n, &mut proj);
             if lora {
-                let pair = |a| crate::lora::LoraAdapter::pair(a, li, Target::Down);
-                add_lora_rows(&adapters, pair, &gate, ffn, &mut proj, dim);
+                let mut down = [Update {
+                    site: Site::Layer(li, Target::Down),
+                    out: &mut proj[..],
+                    n_out: dim,
+                }];
+                add_lora_rows(&adapters, &gate, ffn, &mut down);
             }
             residual(&mut x, &mut proj, &layer.post_ffn_norm, c.rms_eps, dim);
         }
@@ -337,9 +357,12 @@ impl Model {
         if m > 0 {
             matmul(out_w, &seln, &selq, m, &mut logits);
             if lora && self.output.is_some() {
-                let pair = crate::lora::LoraAdapter::output_pair;
-                let selected = adapters.select(&wanted);
-                add_lora_rows(&selected, pair, &seln, dim, &mut logits, c.vocab_size);
+                let mut output = [Update {
+                    site: Site::Output,
+                    out: &mut logits[..],
+                    n_out: c.vocab_size,
+                }];
+                add_lora_rows(&adapters.select(&wanted), &seln, dim, &mut output);
             }
         }
 

@@ -17,7 +17,7 @@ mod apply;
 mod load;
 pub mod synth;
 
-pub use apply::{add_lora_rows, RowAdapters};
+pub use apply::{add_lora_rows, RowAdapters, Site, Update};
 pub use load::LoraError;
 pub use load::{lora_factor, MAX_F32_BYTES, MAX_RANK};
 
