@@ -26,7 +26,7 @@ fi
 sources_of() {
   case "$1" in
     gguf_parse) echo "crates/gguf/src/reader.rs crates/gguf/src/types.rs" ;;
-    model_load) echo "crates/gguf/src/reader.rs crates/model/src/config.rs crates/model/src/weights.rs crates/model/src/forward/load.rs" ;;
+    model_load) echo "crates/gguf/src/reader.rs crates/model/src/config/mod.rs crates/model/src/weights.rs crates/model/src/forward/load.rs" ;;
     lora_load) echo "crates/model/src/lora/load.rs" ;;
     chat_prompt) echo "crates/server/src/chat_prompt.rs crates/tokenizer/src/lib.rs crates/tokenizer/src/pretokenize/*.rs" ;;
     http_body) echo "crates/server/src/request.rs crates/server/src/body.rs" ;;

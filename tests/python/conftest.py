@@ -45,6 +45,16 @@ def require_binary():
         pytest.fail(f"model not found at {MODEL}: run scripts/fetch-model.sh", pytrace=False)
 
 
+def synth_lora(out, seed):
+    """A deterministic synthetic LoRA adapter for the default model (`kvwarden synth-lora`)."""
+    require_binary()
+    subprocess.run(
+        [str(BIN), "synth-lora", "--base", str(MODEL), "--out", str(out), "--seed", str(seed)],
+        check=True, capture_output=True, cwd=ROOT,
+    )
+    return out
+
+
 class Server:
     """One `kvwarden serve` on a free port, its stderr in a log file."""
 

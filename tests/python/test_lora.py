@@ -22,7 +22,7 @@ import openai
 import pytest
 import requests
 
-from conftest import BIN, DEPLOYMENT, MODEL, MODEL_NAME, ROOT, TENANT_KEYS, require_binary
+from conftest import BIN, DEPLOYMENT, MODEL, MODEL_NAME, ROOT, TENANT_KEYS, require_binary, synth_lora
 
 pytestmark = pytest.mark.skipif(
     DEPLOYMENT == "cluster", reason="test_lora_cluster.py covers the router"
@@ -33,13 +33,6 @@ PROMPT = "Write a short poem about the sea and the wind:"
 ADMIN_TOKEN = "op-token-5b2d9e"
 
 
-def synth_lora(out, seed):
-    require_binary()
-    subprocess.run(
-        [str(BIN), "synth-lora", "--base", str(MODEL), "--out", str(out), "--seed", str(seed)],
-        check=True, capture_output=True, cwd=ROOT,
-    )
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from conftest import (
-    BIN, MODEL, MODEL_NAME, ROOT, TENANT_KEYS, Cluster, Node, Server, make_certs, require_binary,
+    BIN, MODEL, MODEL_NAME, ROOT, TENANT_KEYS, Cluster, Node, Server, make_certs, synth_lora,
     wait_for_line,
 )
 
@@ -27,13 +27,6 @@ PROMPT = "Write a short poem about the sea and the wind:"
 ALICE, BOB = TENANT_KEYS["alice"], TENANT_KEYS["bob"]
 
 
-def synth_lora(out: Path, seed: int) -> Path:
-    require_binary()
-    subprocess.run(
-        [str(BIN), "synth-lora", "--base", str(MODEL), "--out", str(out), "--seed", str(seed)],
-        check=True, capture_output=True, cwd=ROOT,
-    )
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Path as UrlPath, State};
-use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get};
 use axum::{Json, Router};
@@ -147,8 +147,8 @@ pub fn admin_router(admin: Arc<Admin>) -> Router {
         .route("/v1/adapters", get(list).post(load))
         // Adapter names may hold `/`.
         .route("/v1/adapters/{*name}", delete(unload))
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
+        .fallback(crate::routes::not_found)
+        .method_not_allowed_fallback(crate::routes::method_not_allowed)
         .with_state(admin)
 }
 
@@ -314,22 +314,6 @@ async fn unload(
         )
             .into_response()
     }
-}
-
-async fn not_found(method: Method, uri: Uri) -> Response {
-    ApiError::RouteNotFound {
-        method: method.to_string(),
-        path: uri.path().to_owned(),
-    }
-    .into_response()
-}
-
-async fn method_not_allowed(method: Method, uri: Uri) -> Response {
-    ApiError::MethodNotAllowed {
-        method: method.to_string(),
-        path: uri.path().to_owned(),
-    }
-    .into_response()
 }
 
 #[cfg(test)]

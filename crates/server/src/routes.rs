@@ -871,7 +871,8 @@ async fn metrics(State(app): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-async fn not_found(method: Method, uri: Uri) -> Response {
+/// Every listener's unknown route (the tenants' API and the operator's): OpenAI's error shape.
+pub(crate) async fn not_found(method: Method, uri: Uri) -> Response {
     ApiError::RouteNotFound {
         method: method.to_string(),
         path: uri.path().to_owned(),
@@ -879,7 +880,7 @@ async fn not_found(method: Method, uri: Uri) -> Response {
     .into_response()
 }
 
-async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+pub(crate) async fn method_not_allowed(method: Method, uri: Uri) -> Response {
     ApiError::MethodNotAllowed {
         method: method.to_string(),
         path: uri.path().to_owned(),

@@ -400,7 +400,7 @@ pub struct Settings {
     pub ignore_eos: bool,
     /// A structured output, checked but not yet compiled (the prompt workers compile it).
     pub constraint: Option<crate::structured::Requested>,
-    /// The LoRA adapter the request selected ([`select_model`]); `None`: the base model.
+    /// The LoRA adapter the request selected (`select_model`); `None`: the base model.
     pub adapter: Option<AdapterRef>,
 }
 
