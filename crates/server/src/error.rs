@@ -197,6 +197,19 @@ impl ApiError {
         Self::invalid("unsupported_parameter", Some(param.to_owned()), message)
     }
 
+    /// Admission's refusal as the client sees it. An adapter the node or engine does not
+    /// hold is answered exactly as a model that does not exist (404 `model_not_found`),
+    /// as `validation::select_model` answers one the tenant may not use.
+    pub fn rejected(rejection: Rejection, input_param: &'static str) -> Self {
+        match rejection {
+            Rejection::AdapterNotLoaded { name } => ApiError::ModelNotFound(name),
+            rejection => ApiError::Rejected {
+                rejection,
+                input_param,
+            },
+        }
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::InvalidRequest { .. } | ApiError::Rejected { .. } | ApiError::Abandoned => {
@@ -490,6 +503,21 @@ mod tests {
             shape(&ApiError::from(EngineError::Model("x".into()))).0,
             500
         );
+    }
+
+    #[test]
+    fn an_adapter_admission_does_not_hold_is_an_unknown_model() {
+        let e = ApiError::rejected(
+            Rejection::AdapterNotLoaded {
+                name: "lora-x".into(),
+            },
+            "prompt",
+        );
+        let unknown = ApiError::ModelNotFound("lora-x".into());
+        assert_eq!(shape(&e), shape(&unknown));
+        assert_eq!(e.status(), StatusCode::NOT_FOUND);
+        let other = ApiError::rejected(Rejection::ZeroMaxTokens, "prompt");
+        assert_eq!(other.status(), StatusCode::BAD_REQUEST);
     }
 
     #[test]

@@ -167,10 +167,7 @@ async fn start_completion(
             app.backend
                 .admission()
                 .check_text_length(text.len(), app.max_bytes_per_token, req.settings.max_tokens)
-                .map_err(|rejection| ApiError::Rejected {
-                    rejection,
-                    input_param: "prompt",
-                })?;
+                .map_err(|rejection| ApiError::rejected(rejection, "prompt"))?;
             let tok = app.tokenizer.clone();
             // The whole prompt is the client's own: control-token text is parsed, so
             // clients can format their own turns. The BOS the model expects goes in front
@@ -225,10 +222,7 @@ async fn start_chat(
     let fits = move |bytes: usize| {
         admission
             .check_text_length(bytes, per_token, max_tokens)
-            .map_err(|rejection| ApiError::Rejected {
-                rejection,
-                input_param: "messages",
-            })
+            .map_err(|rejection| ApiError::rejected(rejection, "messages"))
     };
     let tools = tools.map(Arc::new);
     let rendered_tools = tools
@@ -277,10 +271,7 @@ async fn submit(
     let submitted = app.backend.clone().submit(admitted).await;
     leaving.disarm();
     submitted.map_err(|e| match e {
-        crate::SubmitError::Rejected(rejection) => ApiError::Rejected {
-            rejection,
-            input_param,
-        },
+        crate::SubmitError::Rejected(rejection) => ApiError::rejected(rejection, input_param),
         crate::SubmitError::Failed(e) => e,
     })
 }
@@ -384,10 +375,7 @@ async fn start(
         admitted.push(
             admission
                 .admit(request)
-                .map_err(|rejection| ApiError::Rejected {
-                    rejection,
-                    input_param,
-                })?,
+                .map_err(|rejection| ApiError::rejected(rejection, input_param))?,
         );
     }
     // The tokens they may occupy, once admission has counted them, before the backend

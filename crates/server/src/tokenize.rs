@@ -64,10 +64,7 @@ async fn tokens_of(app: &AppState, headers: &HeaderMap, body: Body) -> Result<Va
     app.backend
         .admission()
         .check_text_length(req.content.len(), app.max_bytes_per_token, None)
-        .map_err(|rejection| ApiError::Rejected {
-            rejection,
-            input_param: "content",
-        })?;
+        .map_err(|rejection| ApiError::rejected(rejection, "content"))?;
     let tok = app.tokenizer.clone();
     let parse_special = req.parse_special.unwrap_or(true);
     let add_special = req.add_special.unwrap_or(false);
