@@ -46,7 +46,7 @@ pub use model::{Penalties, SamplingParams};
 
 /// What the engine needs from a model: its shape and one batched forward step.
 /// [`model::Model`] is the one that serves; tests wrap it to make a step fail.
-pub trait StepModel: Send + 'static {
+pub trait StepModel: Send + Sync + 'static {
     fn config(&self) -> &model::LlamaConfig;
     fn kv_layout(&self, page_tokens: usize, dtype: kv::KvDtype) -> kv::KvLayout;
     /// One step over a batch; see [`model::Model::forward`]. A panic fails the step's
@@ -55,6 +55,16 @@ pub trait StepModel: Send + 'static {
         &self,
         items: &mut [model::BatchItem<'_>],
     ) -> Vec<Result<model::Logits, model::ModelError>>;
+    /// [`Self::forward`], calling `between_layers` where the step may pause for another
+    /// (see [`model::Model::forward_yielding`]); a model that never pauses ignores it.
+    fn forward_yielding(
+        &self,
+        items: &mut [model::BatchItem<'_>],
+        between_layers: &mut (dyn FnMut() + Send),
+    ) -> Vec<Result<model::Logits, model::ModelError>> {
+        let _ = between_layers;
+        self.forward(items)
+    }
 }
 
 impl StepModel for model::Model {
@@ -71,6 +81,14 @@ impl StepModel for model::Model {
         items: &mut [model::BatchItem<'_>],
     ) -> Vec<Result<model::Logits, model::ModelError>> {
         model::Model::forward(self, items)
+    }
+
+    fn forward_yielding(
+        &self,
+        items: &mut [model::BatchItem<'_>],
+        between_layers: &mut (dyn FnMut() + Send),
+    ) -> Vec<Result<model::Logits, model::ModelError>> {
+        model::Model::forward_yielding(self, items, between_layers)
     }
 }
 
@@ -176,6 +194,9 @@ pub struct EngineMetrics {
     pub generated_tokens: AtomicU64,
     pub cached_prompt_tokens: AtomicU64,
     pub steps: AtomicU64,
+    /// Steps paused between two layers to compute the first tokens of requests that
+    /// arrived meanwhile from tenants with nothing running (`worker::pause`).
+    pub paused_steps: AtomicU64,
     /// Requests that gave their pages back to let older ones grow, and recomputed later.
     pub preemptions: AtomicU64,
     /// Tokens sampled under a structured output's mask, the microseconds spent computing

@@ -648,3 +648,76 @@ fn a_mapped_model_computes_what_the_read_one_does() {
         );
     }
 }
+
+/// A step paused between layers (`Model::forward_yielding`) for a nested step on another
+/// sequence: both give the bits they give alone, and a batch's output projection in
+/// vocabulary slices (from 8 sampled rows) gives what a smaller batch's gives unsliced.
+#[test]
+fn a_paused_step_and_the_step_nested_in_it_give_their_own_bits() {
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        let spec = spec(96, 6, 2, ty);
+        let (_, model) = load(&spec);
+        let pool = pool(&model, KvDtype::F16);
+        let a = tokens(45, 1);
+        let b = tokens(23, 2);
+        // `a` in chunks of 7 (7 sampled rows each: the output projection in one piece).
+        let mut chunked = seq(&pool, 1, a.len());
+        let mut unsliced = Vec::new();
+        for chunk in a.chunks(7) {
+            let mut out = model.forward(&mut [BatchItem {
+                kv: &mut chunked,
+                tokens: chunk,
+                logits: LogitsWanted::All,
+                adapter: None,
+            }]);
+            unsliced.extend(out.pop().unwrap().unwrap());
+        }
+        let mut alone = seq(&pool, 2, b.len());
+        let b_alone = model
+            .forward(&mut [BatchItem {
+                kv: &mut alone,
+                tokens: &b,
+                logits: LogitsWanted::Last,
+                adapter: None,
+            }])
+            .pop()
+            .unwrap()
+            .unwrap();
+        // `a` whole, paused at its third pause point for `b`.
+        let mut whole = seq(&pool, 3, a.len());
+        let mut nested = seq(&pool, 4, b.len());
+        let mut calls = 0;
+        let mut b_nested = None;
+        let a_paused = model
+            .forward_yielding(
+                &mut [BatchItem {
+                    kv: &mut whole,
+                    tokens: &a,
+                    logits: LogitsWanted::All,
+                    adapter: None,
+                }],
+                &mut || {
+                    calls += 1;
+                    if calls == 3 {
+                        b_nested = model
+                            .forward(&mut [BatchItem {
+                                kv: &mut nested,
+                                tokens: &b,
+                                logits: LogitsWanted::Last,
+                                adapter: None,
+                            }])
+                            .pop();
+                    }
+                },
+            )
+            .pop()
+            .unwrap()
+            .unwrap();
+        // One pause point per layer, one before the K/V is committed, one per slice.
+        assert_eq!(calls, model.config.n_layers + 1 + 4, "{ty:?}");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a_paused), bits(&unsliced), "{ty:?}: the paused step");
+        let b_nested = b_nested.expect("the nested step ran").unwrap();
+        assert_eq!(bits(&b_nested), bits(&b_alone), "{ty:?}: the nested step");
+    }
+}

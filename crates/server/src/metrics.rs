@@ -217,6 +217,17 @@ pub fn render_engine(engine: &EngineHandle, out: &mut String) {
         let _ = writeln!(out, "kvwarden_engine_steps_total {}", get(&m.steps));
         counter(
             out,
+            "kvwarden_engine_paused_steps_total",
+            "Steps paused between two layers to give a tenant with nothing running its first token.",
+            "counter",
+        );
+        let _ = writeln!(
+            out,
+            "kvwarden_engine_paused_steps_total {}",
+            get(&m.paused_steps)
+        );
+        counter(
+            out,
             "kvwarden_preemptions_total",
             "Requests that gave their KV pages back to let older ones grow, to recompute later.",
             "counter",

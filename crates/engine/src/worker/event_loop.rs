@@ -11,40 +11,52 @@ use crate::EngineError;
 
 impl Worker {
     pub(crate) fn run(mut self, commands: mpsc::Receiver<Command>) {
+        self.commands = Some(commands);
         loop {
             if self.lifecycle.stopping.load(Ordering::Acquire) {
                 self.fail_all(&EngineError::Shutdown);
                 return;
             }
-            // Idle: block for work. Busy: take whatever arrived and step.
-            if self.idle() {
-                match commands.recv() {
-                    Ok(cmd) => {
-                        if !self.accept(cmd) {
-                            return;
-                        }
-                    }
-                    Err(_) => return,
+            // What a paused step took and left, first: it arrived before anything else.
+            while let Some(cmd) = self.deferred.pop_front() {
+                if !self.accept(cmd) {
+                    return;
                 }
             }
-            loop {
-                match commands.try_recv() {
-                    Ok(cmd) => {
-                        if !self.accept(cmd) {
-                            return;
-                        }
-                    }
-                    Err(mpsc::TryRecvError::Empty) => break,
-                    Err(mpsc::TryRecvError::Disconnected) => {
-                        if self.idle() {
-                            return;
-                        }
-                        break;
-                    }
-                }
-            }
-            if !self.step() {
+            let Some(commands) = self.commands.take() else {
                 return;
+            };
+            let go_on = self.take_commands(&commands);
+            self.commands = Some(commands);
+            if !go_on || !self.step() {
+                return;
+            }
+        }
+    }
+
+    /// Blocks for a command while idle, then takes every one that arrived. Returns false on
+    /// shutdown.
+    fn take_commands(&mut self, commands: &mpsc::Receiver<Command>) -> bool {
+        // Idle: block for work. Busy: take whatever arrived and step.
+        if self.idle() {
+            match commands.recv() {
+                Ok(cmd) => {
+                    if !self.accept(cmd) {
+                        return false;
+                    }
+                }
+                Err(_) => return false,
+            }
+        }
+        loop {
+            match commands.try_recv() {
+                Ok(cmd) => {
+                    if !self.accept(cmd) {
+                        return false;
+                    }
+                }
+                Err(mpsc::TryRecvError::Empty) => return true,
+                Err(mpsc::TryRecvError::Disconnected) => return !self.idle(),
             }
         }
     }
@@ -54,7 +66,7 @@ impl Worker {
     }
 
     /// Returns false on shutdown.
-    fn accept(&mut self, cmd: Command) -> bool {
+    pub(super) fn accept(&mut self, cmd: Command) -> bool {
         match cmd {
             Command::Submit {
                 id,

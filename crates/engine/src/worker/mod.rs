@@ -18,12 +18,13 @@
 mod draft;
 mod event_loop;
 mod import;
+mod pause;
 mod sample;
 mod schedule;
 mod step;
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 
 use kv::{KvPool, PrefixCache, RequestId, SequenceKv};
 use model::Sampler;
@@ -31,7 +32,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
 use crate::admission::Admitted;
-use crate::command::Lifecycle;
+use crate::command::{Command, Lifecycle};
 use crate::config::EngineConfig;
 use crate::handoff::{ImportReservation, ReserveError};
 use crate::slot::Slot;
@@ -144,7 +145,8 @@ pub(crate) struct Worker {
     arrivals: u64,
     /// Shared prompt pages, keyed by isolation domain.
     cache: Option<PrefixCache>,
-    model: Box<dyn StepModel>,
+    /// Shared with the closure a step's forward pass calls between layers (`pause.rs`).
+    model: Arc<dyn StepModel>,
     pool: KvPool,
     config: EngineConfig,
     metrics: SharedMetrics,
@@ -164,6 +166,13 @@ pub(crate) struct Worker {
     cost: crate::step_cost::StepCost,
     /// The draft model, when drafts come from one rather than from prompt lookup.
     draft: Option<draft::DraftWorker>,
+    /// The commands' channel, once the loop runs; a paused step takes what arrived.
+    commands: Option<mpsc::Receiver<Command>>,
+    /// Commands a paused step took but leaves to the loop, in arrival order.
+    deferred: VecDeque<Command>,
+    /// Requests placed, and given their first token, while a step was paused: they join
+    /// `running` when the step ends.
+    early: Vec<Running>,
 }
 
 struct PendingReservation {
@@ -188,7 +197,7 @@ impl Worker {
             arrivals: 0,
             cache,
             cost: crate::step_cost::StepCost::of(model.config(), config.max_batch_tokens),
-            model,
+            model: Arc::from(model),
             pool,
             config,
             metrics,
@@ -199,6 +208,9 @@ impl Worker {
             first_tokens_last: false,
             reservations: VecDeque::new(),
             draft: draft.map(|(model, pool, cost)| draft::DraftWorker { model, pool, cost }),
+            commands: None,
+            deferred: VecDeque::new(),
+            early: Vec::new(),
         }
     }
 
@@ -207,7 +219,7 @@ impl Worker {
         for w in self.waiting.drain(..) {
             w.end(Event::Failed(error.clone()));
         }
-        for r in self.running.drain(..) {
+        for r in self.running.drain(..).chain(self.early.drain(..)) {
             finish(r, Event::Failed(error.clone()));
         }
         for r in self.reservations.drain(..) {

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-use kv::{Owner, SequenceKv, Visibility};
+use kv::{Owner, PrefixCache, SequenceKv, Visibility};
 
 use super::{Running, Worker};
 use crate::preemption::{self, Holding, Load};
@@ -98,73 +98,20 @@ impl Worker {
                     continue;
                 }
             }
-            let head = &self.waiting[w];
-            let owner = Owner {
-                request: head.id,
-                domain: head.request.domain.clone(),
-            };
-            let stream: Vec<u32> = (0..head.stream_len())
-                .map(|i| head.stream_token(i))
-                .collect();
-            // A cached prefix of the request's own domain (or a public one); the last token
-            // of the stream is always computed, since sampling needs its logits.
-            let prefix = match &mut self.cache {
-                Some(cache) => {
-                    let max_pages = (stream.len() - 1) / self.config.page_tokens;
-                    cache.lookup(&owner.domain, &stream, max_pages)
-                }
-                None => kv::PrefixMatch::default(),
-            };
-            let cached = prefix.tokens();
-            let mut kv = match SequenceKv::with_prefix(&self.pool, owner, prefix.into_pages()) {
-                Ok(kv) => kv,
-                Err(e) => {
-                    // Unreachable unless the cache broke its contract: fail the request, loudly.
-                    EngineMetrics::add(&self.metrics.isolation_failures, 1);
-                    tracing::error!("prefix cache offered an unreadable page: {e}");
-                    if let Some(failed) = self.waiting.remove(w) {
-                        failed.end(Event::Failed(EngineError::Isolation(e)));
+            match self.place(w, self.running.len()) {
+                Placement::Placed(r) => self.running.push(*r),
+                Placement::Failed => {}
+                Placement::NoRoom => {
+                    // No room for an extra row: the slot's holder gives its pages back
+                    // after all.
+                    if let Some(v) = bursting {
+                        let victim = self.running.remove(v);
+                        self.preempt(victim);
+                        continue;
                     }
-                    continue;
+                    break;
                 }
-            };
-            let target = (stream.len() + self.config.page_tokens).min(head.total_tokens);
-            let headroom = self.running.len();
-            let domain = kv.owner().domain.clone();
-            let placed = self.make_room(kv.pages_needed(target) + headroom, &domain)
-                && match kv.reserve(target) {
-                    Ok(()) => true,
-                    Err(e) => {
-                        tracing::debug!("reservation deferred: {e}");
-                        false
-                    }
-                };
-            if !placed {
-                // No room for an extra row: the slot's holder gives its pages back after all.
-                if let Some(v) = bursting {
-                    drop(kv);
-                    let victim = self.running.remove(v);
-                    self.preempt(victim);
-                    continue;
-                }
-                break;
             }
-            let Some(mut progress) = self.waiting.remove(w) else {
-                break;
-            };
-            #[cfg(feature = "fault-injection")]
-            if progress.fault_claim > 0 {
-                kv.fault_claim_unwritten(progress.fault_claim);
-            }
-            if progress.cached_tokens.is_none() {
-                progress.cached_tokens = Some(cached);
-                EngineMetrics::add(
-                    &self.metrics.prompt_tokens,
-                    progress.request.prompt.len() as u64,
-                );
-                EngineMetrics::add(&self.metrics.cached_prompt_tokens, cached as u64);
-            }
-            self.running.push(Running::new(progress, kv));
         }
         self.running.sort_by_key(|r| r.progress.arrival);
         self.metrics
@@ -173,6 +120,71 @@ impl Worker {
         self.metrics
             .waiting
             .store(self.waiting.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Gives waiting request `w` its pages: a cached prefix of its own domain (or a public
+    /// one) and room for its stream so far plus one page to grow into, with `headroom` spare
+    /// pages left for the requests already running. The request leaves `waiting` unless
+    /// there is no room (then nothing changed).
+    pub(super) fn place(&mut self, w: usize, headroom: usize) -> Placement {
+        let head = &self.waiting[w];
+        let owner = Owner {
+            request: head.id,
+            domain: head.request.domain.clone(),
+        };
+        let stream: Vec<u32> = (0..head.stream_len())
+            .map(|i| head.stream_token(i))
+            .collect();
+        // The last token of the stream is always computed, since sampling needs its logits.
+        let prefix = match &mut self.cache {
+            Some(cache) => {
+                let max_pages = (stream.len() - 1) / self.config.page_tokens;
+                cache.lookup(&owner.domain, &stream, max_pages)
+            }
+            None => kv::PrefixMatch::default(),
+        };
+        let cached = prefix.tokens();
+        let mut kv = match SequenceKv::with_prefix(&self.pool, owner, prefix.into_pages()) {
+            Ok(kv) => kv,
+            Err(e) => {
+                // Unreachable unless the cache broke its contract: fail the request, loudly.
+                EngineMetrics::add(&self.metrics.isolation_failures, 1);
+                tracing::error!("prefix cache offered an unreadable page: {e}");
+                if let Some(failed) = self.waiting.remove(w) {
+                    failed.end(Event::Failed(EngineError::Isolation(e)));
+                }
+                return Placement::Failed;
+            }
+        };
+        let target = (stream.len() + self.config.page_tokens).min(head.total_tokens);
+        let domain = kv.owner().domain.clone();
+        let placed = self.make_room(kv.pages_needed(target) + headroom, &domain)
+            && match kv.reserve(target) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::debug!("reservation deferred: {e}");
+                    false
+                }
+            };
+        if !placed {
+            return Placement::NoRoom;
+        }
+        let Some(mut progress) = self.waiting.remove(w) else {
+            return Placement::NoRoom;
+        };
+        #[cfg(feature = "fault-injection")]
+        if progress.fault_claim > 0 {
+            kv.fault_claim_unwritten(progress.fault_claim);
+        }
+        if progress.cached_tokens.is_none() {
+            progress.cached_tokens = Some(cached);
+            EngineMetrics::add(
+                &self.metrics.prompt_tokens,
+                progress.request.prompt.len() as u64,
+            );
+            EngineMetrics::add(&self.metrics.cached_prompt_tokens, cached as u64);
+        }
+        Placement::Placed(Box::new(Running::new(progress, kv)))
     }
 
     /// Gives every running request the pages its next input needs, oldest first. When the
@@ -261,18 +273,39 @@ impl Worker {
 
     /// Offers a request's full prompt pages to the prefix cache once its prompt is in KV.
     pub(super) fn share_prompt(&mut self, i: usize) {
-        let Some(cache) = &mut self.cache else {
-            return;
-        };
-        let r = &mut self.running[i];
-        let public = cache.public_pages(&r.progress.request.prompt);
-        let pages = r.kv.share_full_pages_split(public);
-        let prompt_pages = r.progress.request.prompt.len() / self.config.page_tokens;
-        let pages = &pages[..pages.len().min(prompt_pages)];
-        let visibility = Visibility::Domain(r.progress.request.domain.clone());
-        if let Err(e) = cache.insert(&visibility, &r.progress.request.prompt, pages) {
-            tracing::warn!("prompt pages not cached: {e}");
-        }
+        share_prompt_of(
+            &mut self.cache,
+            self.config.page_tokens,
+            &mut self.running[i],
+        );
+    }
+}
+
+/// Where [`Worker::place`] left a waiting request.
+pub(super) enum Placement {
+    Placed(Box<Running>),
+    /// Not enough pages: the request still waits.
+    NoRoom,
+    /// Ended with an error.
+    Failed,
+}
+
+/// [`Worker::share_prompt`] for a request wherever it is held.
+pub(super) fn share_prompt_of(
+    cache: &mut Option<PrefixCache>,
+    page_tokens: usize,
+    r: &mut Running,
+) {
+    let Some(cache) = cache else {
+        return;
+    };
+    let public = cache.public_pages(&r.progress.request.prompt);
+    let pages = r.kv.share_full_pages_split(public);
+    let prompt_pages = r.progress.request.prompt.len() / page_tokens;
+    let pages = &pages[..pages.len().min(prompt_pages)];
+    let visibility = Visibility::Domain(r.progress.request.domain.clone());
+    if let Err(e) = cache.insert(&visibility, &r.progress.request.prompt, pages) {
+        tracing::warn!("prompt pages not cached: {e}");
     }
 }
 

@@ -4,10 +4,12 @@
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use model::{BatchItem, LogitsWanted, ModelError};
 
+use super::pause::Pause;
 use super::sample::{hand_over, sample_next, verify_draft};
 use super::{finish, Outcome, Running, Worker};
 use crate::preemption::Load;
@@ -260,8 +262,12 @@ impl Worker {
                     .collect()
             })
             .collect();
+        // The running requests leave `self` for the forward pass, so that a pause between
+        // layers (`pause.rs`) can place and compute others meanwhile.
+        let mut running = std::mem::take(&mut self.running);
+        let mut pause = Pause::new(&running, !self.first_tokens_last);
         let results = {
-            let mut slots: Vec<Option<&mut Running>> = self.running.iter_mut().map(Some).collect();
+            let mut slots: Vec<Option<&mut Running>> = running.iter_mut().map(Some).collect();
             let mut items: Vec<BatchItem<'_>> = Vec::with_capacity(plan.len());
             let mut masks = Vec::new();
             for ((i, range), tokens) in plan.iter().zip(&inputs) {
@@ -295,19 +301,35 @@ impl Worker {
             // A panic in the model must not take the engine thread (and every other
             // request) with it. The model keeps no state between steps, so unwinding out
             // of one leaves nothing half-done but this step's requests, which fail below.
-            let model = &self.model;
+            let model = Arc::clone(&self.model);
+            let metrics = Arc::clone(&self.metrics);
+            let mut between_layers = || self.between_layers(&mut pause);
             if masks.is_empty() {
-                catch_unwind(AssertUnwindSafe(|| model.forward(&mut items)))
+                catch_unwind(AssertUnwindSafe(|| {
+                    model.forward_yielding(&mut items, &mut between_layers)
+                }))
             } else {
-                forward_beside_masks(model.as_ref(), &self.metrics, &mut items, masks)
+                forward_beside_masks(
+                    model.as_ref(),
+                    &metrics,
+                    &mut items,
+                    masks,
+                    &mut between_layers,
+                )
             }
         };
+        debug_assert!(self.running.is_empty());
+        self.running = running;
         let results = match results {
             Ok(results) => {
                 self.panics_in_a_row = 0;
                 results
             }
-            Err(panic) => return self.step_panicked(&plan, panic.as_ref()),
+            Err(panic) => {
+                let go_on = self.step_panicked(&plan, panic.as_ref());
+                self.join_early();
+                return go_on;
+            }
         };
 
         let mut outcomes: Vec<Outcome> =
@@ -319,15 +341,7 @@ impl Worker {
             let logits = match result {
                 Ok(l) => l,
                 Err(e) => {
-                    let err = match e {
-                        ModelError::Kv(k) => {
-                            EngineMetrics::add(&self.metrics.isolation_failures, 1);
-                            tracing::error!("isolation check failed: {k}");
-                            EngineError::Isolation(k)
-                        }
-                        other => EngineError::Model(other.to_string()),
-                    };
-                    outcomes[i] = Outcome::Done(Event::Failed(err));
+                    outcomes[i] = Outcome::Done(Event::Failed(self.step_error(e)));
                     continue;
                 }
             };
@@ -370,10 +384,32 @@ impl Worker {
             let r = self.running.remove(i);
             finish(r, ev);
         }
+        self.join_early();
+        true
+    }
+
+    /// The requests a paused step started join the running ones, in arrival order.
+    fn join_early(&mut self) {
+        if !self.early.is_empty() {
+            self.running.append(&mut self.early);
+            self.running.sort_by_key(|r| r.progress.arrival);
+        }
         self.metrics
             .running
             .store(self.running.len() as u64, Ordering::Relaxed);
-        true
+    }
+
+    /// A sequence's error in a forward pass, as its request's: a K/V check that failed is
+    /// an isolation failure, counted and logged loudly.
+    pub(super) fn step_error(&self, e: ModelError) -> EngineError {
+        match e {
+            ModelError::Kv(k) => {
+                EngineMetrics::add(&self.metrics.isolation_failures, 1);
+                tracing::error!("isolation check failed: {k}");
+                EngineError::Isolation(k)
+            }
+            other => EngineError::Model(other.to_string()),
+        }
     }
 
     /// Fails the requests of a step whose forward pass panicked; their pages are dropped
@@ -423,6 +459,7 @@ fn forward_beside_masks(
     metrics: &EngineMetrics,
     items: &mut [BatchItem<'_>],
     masks: Vec<(&mut constraint::RowConstraint, &mut Option<MaskResult>)>,
+    between_layers: &mut (dyn FnMut() + Send),
 ) -> std::thread::Result<Vec<Result<model::Logits, ModelError>>> {
     let count = masks.len() as u64;
     EngineMetrics::add(&metrics.constrained_tokens, count);
@@ -440,7 +477,9 @@ fn forward_beside_masks(
         let computing = std::thread::Builder::new()
             .name("masks".into())
             .spawn_scoped(scope, || take().map(|f| f()));
-        let results = catch_unwind(AssertUnwindSafe(|| model.forward(items)));
+        let results = catch_unwind(AssertUnwindSafe(|| {
+            model.forward_yielding(items, between_layers)
+        }));
         let waiting = Instant::now();
         let spent = match computing {
             Ok(handle) => handle.join().ok().flatten(),

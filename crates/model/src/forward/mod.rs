@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use crate::attention::attention;
 use crate::batch::{BatchItem, Logits, LogitsWanted};
 use crate::config::FfnAct;
-use crate::kernels::{matmul, matmul_group};
+use crate::kernels::{matmul, matmul_group, RowSlice};
 use crate::lora::{add_lora_rows, RowAdapters, Site, Target, Update};
 use crate::weights::{BlockQ8_1, Matrix, QK};
 use crate::{LlamaConfig, ModelError};
@@ -43,6 +43,12 @@ struct Layer {
     post_attn_norm: Option<Vec<f32>>,
     post_ffn_norm: Option<Vec<f32>>,
 }
+
+/// From this many sampled rows on, the output projection runs in [`OUTPUT_SLICES`]
+/// vocabulary slices with a pause point between them
+/// ([`Model::forward_yielding`]); the same values either way.
+const OUTPUT_SLICED_FROM: usize = 8;
+const OUTPUT_SLICES: usize = 4;
 
 /// A loaded llama-family model.
 pub struct Model {
@@ -99,10 +105,28 @@ impl Model {
     /// Runs one step over a batch. Each item's result is independent: an item whose KV
     /// access fails gets its error and is left out of the rest of the step, the others go on.
     pub fn forward(&self, items: &mut [BatchItem<'_>]) -> Vec<Result<Logits, ModelError>> {
-        self.threads.install(|| self.forward_in_pool(items))
+        self.forward_yielding(items, &mut || {})
     }
 
-    fn forward_in_pool(&self, items: &mut [BatchItem<'_>]) -> Vec<Result<Logits, ModelError>> {
+    /// [`Self::forward`], calling `between_layers` before each layer and before the output
+    /// projection, where the step may be paused to run another one (a nested call of
+    /// [`Self::forward`] on other sequences) and then go on: every value the paused step
+    /// holds is a local of this call, so a nested step neither sees nor changes it, and the
+    /// paused step's bits are those it would have had.
+    pub fn forward_yielding(
+        &self,
+        items: &mut [BatchItem<'_>],
+        between_layers: &mut (dyn FnMut() + Send),
+    ) -> Vec<Result<Logits, ModelError>> {
+        self.threads
+            .install(|| self.forward_in_pool(items, between_layers))
+    }
+
+    fn forward_in_pool(
+        &self,
+        items: &mut [BatchItem<'_>],
+        between_layers: &mut (dyn FnMut() + Send),
+    ) -> Vec<Result<Logits, ModelError>> {
         let c = &self.config;
         let (dim, kv_dim, q_dim, hd) = (c.dim, c.kv_dim(), c.q_dim(), c.head_dim);
         let mut status: Vec<Result<(), ModelError>> = items
@@ -177,6 +201,7 @@ impl Model {
         let mut hq = vec![BlockQ8_1::default(); n * c.ffn_dim / QK];
 
         for (li, layer) in self.layers.iter().enumerate() {
+            between_layers();
             let rope = &ropes[rope_of[li]];
             norm_quantize(&x, &layer.attn_norm, c.rms_eps, dim, &mut xn, &mut xq);
             matmul_group(
@@ -319,6 +344,7 @@ impl Model {
             residual(&mut x, &mut proj, &layer.post_ffn_norm, c.rms_eps, dim);
         }
 
+        between_layers();
         for (i, it) in items.iter_mut().enumerate() {
             if status[i].is_ok() {
                 let new_len = it.kv.len() + it.tokens.len();
@@ -354,16 +380,32 @@ impl Model {
         quantize_rows(&seln, dim, &mut selq);
         let out_w = self.output.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0f32; m * c.vocab_size];
-        if m > 0 {
-            matmul(out_w, &seln, &selq, m, &mut logits);
-            if lora && self.output.is_some() {
-                let mut output = [Update {
-                    site: Site::Output,
-                    out: &mut logits[..],
-                    n_out: c.vocab_size,
-                }];
-                add_lora_rows(&adapters.select(&wanted), &seln, dim, &mut output);
+        if m >= OUTPUT_SLICED_FROM {
+            // A batch's output projection is a fifth of its step: in vocabulary slices, so
+            // that a step can pause between them as between layers.
+            let per = c.vocab_size.div_ceil(OUTPUT_SLICES);
+            let mut part = vec![0f32; m * per];
+            for r0 in (0..c.vocab_size).step_by(per) {
+                between_layers();
+                let rows = per.min(c.vocab_size - r0);
+                let slice = RowSlice { w: out_w, r0, rows };
+                let part = &mut part[..m * rows];
+                matmul(&slice, &seln, &selq, m, part);
+                for (t, values) in part.chunks_exact(rows).enumerate() {
+                    logits[t * c.vocab_size + r0..t * c.vocab_size + r0 + rows]
+                        .copy_from_slice(values);
+                }
             }
+        } else if m > 0 {
+            matmul(out_w, &seln, &selq, m, &mut logits);
+        }
+        if m > 0 && lora && self.output.is_some() {
+            let mut output = [Update {
+                site: Site::Output,
+                out: &mut logits[..],
+                n_out: c.vocab_size,
+            }];
+            add_lora_rows(&adapters.select(&wanted), &seln, dim, &mut output);
         }
 
         let mut cursor = 0;

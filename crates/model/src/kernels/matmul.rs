@@ -42,6 +42,51 @@ pub trait WeightRows: Send + Sync {
     ) -> bool;
 }
 
+/// Rows `r0..r0 + rows` of a matrix as a matrix of their own. Work is split by row only, so
+/// its product holds exactly those rows' values of the whole matrix's product: a long
+/// product can be computed a slice at a time, with other work between the slices.
+pub struct RowSlice<'a, W: ?Sized> {
+    pub w: &'a W,
+    pub r0: usize,
+    pub rows: usize,
+}
+
+impl<W: WeightRows + ?Sized> WeightRows for RowSlice<'_, W> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.w.cols()
+    }
+
+    fn act_kind(&self) -> ActKind {
+        self.w.act_kind()
+    }
+
+    fn wants_tile_scales(&self) -> bool {
+        self.w.wants_tile_scales()
+    }
+
+    fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
+        assert!(r0 + nr <= self.rows, "row slice: rows out of range");
+        self.w.rows_kernel(self.r0 + r0, nr, acts, n, out);
+    }
+
+    fn rows_token_major(
+        &self,
+        r0: usize,
+        nr: usize,
+        acts: &Acts<'_>,
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        assert!(r0 + nr <= self.rows, "row slice: rows out of range");
+        self.w.rows_token_major(self.r0 + r0, nr, acts, n, out, ld)
+    }
+}
+
 /// `out[t * rows + r] = dot(W[r], x[t])` for `n` input rows. `x_f32` is used by f32
 /// weights, `x_q8` (the same rows quantized with [`super::quantize_row_q8_1`]) by
 /// quantized ones; the caller provides whichever the matrix's `wants_q8` asks for.

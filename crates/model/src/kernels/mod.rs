@@ -117,7 +117,7 @@ pub fn check_cpu_request() -> Result<&'static str, String> {
 }
 pub use f32_dot::{dot_f32, dot_f32_portable};
 pub use low_rank::{add_scaled_combination, add_scaled_combination_portable, dot_rows_f32};
-pub use matmul::{matmul, matmul_group, ActKind, WeightRows};
+pub use matmul::{matmul, matmul_group, ActKind, RowSlice, WeightRows};
 pub use quant_dot::{
     dot_q4_0, dot_q4_1, dot_q8_0, q4_0_product, q4_0_token_major, q4_1_product, q4_1_token_major,
     q8_0_product, q8_0_token_major, rows_q4_0, rows_q4_1, rows_q8_0, scalar,

@@ -1,0 +1,196 @@
+//! A step paused between two layers for a tenant with nothing running.
+//!
+//! A heavy tenant's step (tens of decode rows) takes tens of milliseconds, and a request
+//! that arrives just after it began would wait for all of it before its own first step:
+//! with a flood of one tenant in flight, another tenant's first token took 4-6 times its
+//! unloaded time, all of it waiting for steps it had no part in. So the forward pass calls
+//! back between layers ([`model::Model::forward_yielding`]); there the engine takes the
+//! commands that arrived, and when the oldest waiting request of a tenant with nothing
+//! running (and nothing in the paused step) fits, it places that request and computes its
+//! prompt and first token in a step of its own, nested in the paused one, then lets the
+//! paused step go on. The paused step's values are locals of its forward pass: the nested
+//! step neither reads nor changes them, so every row's bits are what they would have been
+//! (batch invariance), and its sequences' K/V is written only through their own leases.
+//!
+//! Bounds: at most one nested step per step, none inside a step that already computes only
+//! lighter tenants' first tokens, a nested step's prompts within one step's token budget,
+//! and its requests within the running rows' limit (with the extra rows of
+//! [`super::schedule::burst_rows`]). So a paused step is delayed by at most one first-token
+//! step, and a flood of new tenants cannot stall it. Constrained requests (their first mask
+//! is computed beside a normal step) and replays after preemption wait for a normal step.
+
+use std::collections::HashSet;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use model::{BatchItem, LogitsWanted};
+
+use super::sample::{hand_over, sample_next};
+use super::schedule::{burst_rows, share_prompt_of, Placement};
+use super::{finish, Outcome, Running, Worker};
+use crate::command::Command;
+use crate::{EngineError, EngineMetrics, Event};
+
+/// What a paused step lets through.
+pub(super) struct Pause {
+    /// Tenants with a request running (in the paused step or not): their requests wait.
+    busy: HashSet<String>,
+    /// The paused step's running rows (nested steps add `Worker::early`'s).
+    rows: usize,
+    /// Whether this step may pause at all.
+    may_pause: bool,
+    started: Instant,
+    /// Time spent in nested steps so far.
+    nested: Duration,
+}
+
+impl Pause {
+    pub(super) fn new(running: &[Running], may_pause: bool) -> Self {
+        Pause {
+            busy: running
+                .iter()
+                .map(|r| r.progress.request.domain.tenant_name().to_owned())
+                .collect(),
+            rows: running.len(),
+            may_pause,
+            started: Instant::now(),
+            nested: Duration::ZERO,
+        }
+    }
+
+    /// Whether another nested step may run: the first one always, later ones while the
+    /// paused step has had at least as much time as the nested ones.
+    fn open(&self) -> bool {
+        self.may_pause
+            && (self.nested.is_zero() || self.nested <= self.started.elapsed() - self.nested)
+    }
+}
+
+impl Worker {
+    /// Called between layers of a step whose running requests are out of `self.running`:
+    /// takes the commands that arrived (requests into `waiting`, anything else left for the
+    /// loop), then computes the first tokens of requests that qualify (module docs).
+    pub(super) fn between_layers(&mut self, pause: &mut Pause) {
+        if !pause.open() {
+            return;
+        }
+        while let Some(cmd) = self.commands.as_ref().and_then(|c| c.try_recv().ok()) {
+            match cmd {
+                Command::Submit { .. } => {
+                    self.accept(cmd);
+                }
+                other => self.deferred.push_back(other),
+            }
+        }
+        let placed = self.place_light(pause);
+        if placed.is_empty() {
+            return;
+        }
+        let began = Instant::now();
+        EngineMetrics::add(&self.metrics.paused_steps, 1);
+        EngineMetrics::add(&self.metrics.steps, 1);
+        self.first_tokens_now(placed);
+        pause.nested += began.elapsed();
+        // Those that go on run now: their tenants' next requests wait for a normal step.
+        for r in &self.early {
+            pause
+                .busy
+                .insert(r.progress.request.domain.tenant_name().to_owned());
+        }
+    }
+
+    /// Places the oldest waiting request of each tenant in `pause.busy`'s complement that
+    /// qualifies, within one step's tokens and the rows' limit.
+    fn place_light(&mut self, pause: &Pause) -> Vec<Running> {
+        let mut placed: Vec<Running> = Vec::new();
+        let rows_limit = self.config.max_running + burst_rows(self.config.max_running);
+        let mut tokens_left = self.config.max_batch_tokens;
+        let mut seen: HashSet<String> = HashSet::new();
+        let mut w = 0;
+        while w < self.waiting.len() && pause.rows + self.early.len() + placed.len() < rows_limit {
+            let head = &self.waiting[w];
+            let tenant = head.request.domain.tenant_name();
+            // Only a tenant's oldest: its requests start in arrival order.
+            if pause.busy.contains(tenant) || !seen.insert(tenant.to_owned()) {
+                w += 1;
+                continue;
+            }
+            let fits = head.output.is_empty()
+                && head.request.constraint.is_none()
+                && head.stream_len() <= tokens_left;
+            if !fits {
+                w += 1;
+                continue;
+            }
+            match self.place(w, pause.rows + self.early.len() + placed.len()) {
+                Placement::Placed(r) => {
+                    tokens_left -= r.remaining();
+                    placed.push(*r);
+                }
+                Placement::Failed => {}
+                Placement::NoRoom => break,
+            }
+        }
+        placed
+    }
+
+    /// The nested step: `placed`'s prompts and first tokens; those that go on wait in
+    /// `self.early` for the paused step to end.
+    fn first_tokens_now(&mut self, mut placed: Vec<Running>) {
+        let model = Arc::clone(&self.model);
+        let inputs: Vec<Vec<u32>> = placed
+            .iter()
+            .map(|r| {
+                let p = &r.progress;
+                (r.kv.len()..p.stream_len())
+                    .map(|t| p.stream_token(t))
+                    .collect()
+            })
+            .collect();
+        let results = {
+            let mut items: Vec<BatchItem<'_>> = placed
+                .iter_mut()
+                .zip(&inputs)
+                .map(|(r, tokens)| {
+                    let Running { progress, kv, .. } = r;
+                    BatchItem {
+                        kv,
+                        tokens,
+                        logits: LogitsWanted::Last,
+                        adapter: progress.request.adapter.as_ref().and_then(|a| a.weights()),
+                    }
+                })
+                .collect();
+            catch_unwind(AssertUnwindSafe(|| model.forward(&mut items)))
+        };
+        let Ok(results) = results else {
+            tracing::error!("the forward pass of a paused step's first tokens panicked");
+            let error = EngineError::Model("the forward pass panicked".into());
+            for r in placed {
+                finish(r, Event::Failed(error.clone()));
+            }
+            return;
+        };
+        for (mut r, result) in placed.into_iter().zip(results) {
+            let logits = match result {
+                Ok(l) => l,
+                Err(e) => {
+                    let error = self.step_error(e);
+                    finish(r, Event::Failed(error));
+                    continue;
+                }
+            };
+            let outcome = if r.progress.prefill_only {
+                hand_over(&mut r, &logits, model.config())
+            } else {
+                sample_next(&mut r.progress, &logits, model.config(), &self.metrics)
+            };
+            share_prompt_of(&mut self.cache, self.config.page_tokens, &mut r);
+            match outcome {
+                Outcome::Done(ev) => finish(r, ev),
+                Outcome::Continue => self.early.push(r),
+            }
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! A step pauses between its layers for a tenant with nothing running: that tenant's first
+//! token comes while the paused step is still in its forward pass, a busy tenant's request
+//! waits for a normal step, and no request's tokens or log-probabilities change.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use engine::{EngineConfig, EngineHandle, Event, GenerateRequest, IsolationDomain, SamplingParams};
+use gguf::GgmlType;
+use model::synth::SynthSpec;
+
+fn synth_model() -> model::Model {
+    SynthSpec::small(7, GgmlType::Q4_1, 4096).load().unwrap()
+}
+
+/// How long a held step waits for the test before going on by itself: far longer than any
+/// step, so a first token that comes before it ends came from a pause.
+const HOLD: Duration = Duration::from_secs(30);
+
+/// The synthetic model, whose next step of more than one sequence after `arm` is held in
+/// its forward pass (calling back between layers, as a long step does) until `release`.
+struct Held {
+    inner: model::Model,
+    armed: Arc<AtomicBool>,
+    release: Arc<AtomicBool>,
+    entered: Mutex<mpsc::Sender<()>>,
+}
+
+impl engine::StepModel for Held {
+    fn config(&self) -> &model::LlamaConfig {
+        &self.inner.config
+    }
+
+    fn kv_layout(&self, page_tokens: usize, dtype: kv::KvDtype) -> kv::KvLayout {
+        self.inner.kv_layout(page_tokens, dtype)
+    }
+
+    fn forward(
+        &self,
+        items: &mut [model::BatchItem<'_>],
+    ) -> Vec<Result<model::Logits, model::ModelError>> {
+        self.inner.forward(items)
+    }
+
+    fn forward_yielding(
+        &self,
+        items: &mut [model::BatchItem<'_>],
+        between_layers: &mut (dyn FnMut() + Send),
+    ) -> Vec<Result<model::Logits, model::ModelError>> {
+        if items.len() > 1 && self.armed.swap(false, Ordering::SeqCst) {
+            let _ = self.entered.lock().unwrap().send(());
+            let deadline = Instant::now() + HOLD;
+            while !self.release.load(Ordering::SeqCst) && Instant::now() < deadline {
+                between_layers();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        self.inner.forward_yielding(items, between_layers)
+    }
+}
+
+fn request(tenant: &str, seed: u32, max_tokens: usize) -> GenerateRequest {
+    let prompt = (0..12 + seed)
+        .map(|i| (seed * 31 + i * 7) % 250 + 3)
+        .collect();
+    GenerateRequest {
+        adapter: None,
+        weight: 1,
+        domain: IsolationDomain::tenant(tenant),
+        prompt,
+        max_tokens,
+        sampling: SamplingParams::default(),
+        ignore_eos: true,
+        logprobs: Some(2),
+        constraint: None,
+    }
+}
+
+/// A request's events, forwarded to a channel that can be waited on with a timeout.
+fn events_of(engine: &EngineHandle, r: GenerateRequest) -> mpsc::Receiver<Event> {
+    let mut handle = engine.submit(engine.admission().admit(r).unwrap()).unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        while let Some(ev) = handle.events.blocking_recv() {
+            if tx.send(ev).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// Token ids and log-probability bits up to the terminal event.
+fn rest(rx: &mpsc::Receiver<Event>, mut tokens: Vec<(u32, u32)>) -> Vec<(u32, u32)> {
+    loop {
+        match rx.recv_timeout(HOLD * 2).expect("an event") {
+            Event::Token(t) => tokens.push((t.id, t.logprob.unwrap().to_bits())),
+            Event::Finished { .. } => return tokens,
+            other => panic!("unexpected event {other:?}"),
+        }
+    }
+}
+
+fn token(ev: Event) -> (u32, u32) {
+    match ev {
+        Event::Token(t) => (t.id, t.logprob.unwrap().to_bits()),
+        other => panic!("expected a token, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_quiet_tenants_first_token_comes_while_a_busy_step_is_paused() {
+    let (armed, release) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (entered_tx, entered) = mpsc::channel();
+    let engine = engine::start(
+        Held {
+            inner: synth_model(),
+            armed: armed.clone(),
+            release: release.clone(),
+            entered: Mutex::new(entered_tx),
+        },
+        EngineConfig::default(),
+    )
+    .unwrap();
+
+    // Alice's requests decode together; the next of their steps is held.
+    let alice: Vec<_> = (0..3)
+        .map(|i| events_of(&engine, request("alice", i, 24)))
+        .collect();
+    let firsts: Vec<_> = alice
+        .iter()
+        .map(|rx| token(rx.recv_timeout(HOLD).expect("Alice's first token")))
+        .collect();
+    armed.store(true, Ordering::SeqCst);
+    entered.recv_timeout(HOLD).expect("a step of Alice's held");
+
+    // Bob runs nothing: his request starts in a pause of the held step. Alice's fourth
+    // request waits for a normal step, since she is running.
+    let alice_later = events_of(&engine, request("alice", 3, 6));
+    let bob = events_of(&engine, request("bob", 9, 4));
+    let bob_first = bob
+        .recv_timeout(HOLD / 2)
+        .expect("Bob's first token while Alice's step is held");
+    assert!(
+        matches!(alice_later.try_recv(), Err(mpsc::TryRecvError::Empty)),
+        "a running tenant's request started in a pause"
+    );
+    assert_eq!(engine.metrics().paused_steps.load(Ordering::Relaxed), 1);
+    release.store(true, Ordering::SeqCst);
+
+    let bob_tokens = rest(&bob, vec![token(bob_first)]);
+    let alice_tokens: Vec<_> = alice
+        .iter()
+        .zip(firsts)
+        .map(|(rx, first)| rest(rx, vec![first]))
+        .collect();
+    let later_tokens = rest(&alice_later, Vec::new());
+
+    // Each request alone, on an engine that never pauses: the same bits.
+    let alone = engine::start(synth_model(), EngineConfig::default()).unwrap();
+    let run = |r| rest(&events_of(&alone, r), Vec::new());
+    assert_eq!(bob_tokens, run(request("bob", 9, 4)));
+    for (i, tokens) in alice_tokens.iter().enumerate() {
+        assert_eq!(
+            tokens,
+            &run(request("alice", i as u32, 24)),
+            "Alice's request {i}"
+        );
+    }
+    assert_eq!(later_tokens, run(request("alice", 3, 6)));
+    assert_eq!(alone.metrics().paused_steps.load(Ordering::Relaxed), 0);
+}
