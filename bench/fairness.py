@@ -4,6 +4,7 @@
     bench/fairness.py                  # ROUNDS=2 BOB=20 by default
     ROUNDS=1 BOB=40 bench/fairness.py
     KVWARDEN_ARGS="--max-running 16" bench/fairness.py
+    DEPLOYMENT=cluster .venv/bin/python bench/fairness.py   # router + prefill + decode node
 
 `kvwarden serve` (release build, the default model, two API keys and no tenant limits,
 `--kv-pool-tokens POOL`, default 12288): Bob's time to first token alone (the fastest of 5 one-token
@@ -13,7 +14,10 @@ of tokens deep and the pool is short), BOB requests of Bob's one after the other
 after a random pause of 0-80 ms. Reported: Bob's loaded times over his unloaded one
 (median, 90th percentile, worst), Alice's output tok/s, and the engine's mean step time
 under the flood. Issue 26's bound is 3x. Writes bench/results/fairness-<time>.json
-(git-ignored). Timings are never pass/fail tests.
+(git-ignored). With DEPLOYMENT=cluster the same runs through `kvwarden router` over one
+prefill and one decode node (the test suite's `Cluster`, so the Python environment of
+scripts/python-env.sh), the three processes on the same cores. Timings are never pass/fail
+tests.
 """
 
 import json
@@ -36,6 +40,7 @@ ROUNDS = int(os.environ.get("ROUNDS", "2"))
 BOB = int(os.environ.get("BOB", "20"))
 HOLD = float(os.environ.get("HOLD", "10"))
 POOL = int(os.environ.get("POOL", "12288"))
+DEPLOYMENT = os.environ.get("DEPLOYMENT", "serve")
 ALICE, BOB_KEY = "alice-key-0123456789", "bob-key-0123456789"
 MODEL_ID = [""]
 
@@ -69,17 +74,24 @@ def metric(url, name):
         for line in r.read().decode().splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
-    raise RuntimeError(f"no metric {name}")
+    return float("nan")  # a router reports its nodes' engine counters on their own /metrics
 
 
 def one_round(tmp):
     keys = Path(tmp) / "keys.txt"
     keys.write_text(f"{ALICE} alice\n{BOB_KEY} bob\n")
-    port = serve.free_port()
-    cmd = [serve.BIN, "--threads", serve.THREADS, "serve", "--model", MODEL, "--port", port,
-           "--kv-pool-tokens", POOL, "--api-keys", keys,
-           *os.environ.get("KVWARDEN_ARGS", "").split()]
-    server = serve.Server("kvwarden", cmd, port, tmp)
+    args = ["--kv-pool-tokens", POOL, "--api-keys", keys,
+            *os.environ.get("KVWARDEN_ARGS", "").split()]
+    if DEPLOYMENT == "cluster":
+        os.environ["KVWARDEN_BIN"] = str(serve.BIN)
+        sys.path.insert(0, str(ROOT / "tests" / "python"))
+        import conftest  # noqa: E402  (the suite's cluster: certificates, nodes, router)
+        server = conftest.Cluster(args, Path(tmp) / "cluster")
+    else:
+        port = serve.free_port()
+        cmd = [serve.BIN, "--threads", serve.THREADS, "serve", "--model", MODEL, "--port", port,
+               *args]
+        server = serve.Server("kvwarden", cmd, port, tmp)
     url = server.url
     try:
         MODEL_ID[0] = model_id(url)
@@ -146,14 +158,15 @@ def main():
         tmp = os.environ.get("LOGDIR", tmp)
         for i in range(ROUNDS):
             r = one_round(tmp)
-            serve.log(f"round {i + 1}: unloaded {1000 * r['unloaded_s']:.1f} ms; loaded / "
+            serve.log(f"{DEPLOYMENT} round {i + 1}: unloaded {1000 * r['unloaded_s']:.1f} ms; loaded / "
                       f"unloaded median {r['median']:.2f}, p90 {r['p90']:.2f}, worst "
                       f"{r['worst']:.2f}; Alice {r['alice_tok_s']:.1f} tok/s; a step "
                       f"{r['mean_step_ms']:.1f} ms")
             rounds.append(r)
     out = ROOT / "bench" / "results" / f"fairness-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"args": os.environ.get("KVWARDEN_ARGS", ""), "rounds": rounds},
+    out.write_text(json.dumps({"deployment": DEPLOYMENT,
+                               "args": os.environ.get("KVWARDEN_ARGS", ""), "rounds": rounds},
                               indent=1))
     print(f"wrote {out}")
 

@@ -174,3 +174,96 @@ fn a_quiet_tenants_first_token_comes_while_a_busy_step_is_paused() {
     assert_eq!(later_tokens, run(request("alice", 3, 6)));
     assert_eq!(alone.metrics().paused_steps.load(Ordering::Relaxed), 0);
 }
+
+/// Runs `f` on a thread; its result, unless it takes longer than `limit`.
+fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit).ok()
+}
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
+}
+
+/// On a decode node, a reservation and an imported sequence's first token do not wait for
+/// the step in progress either.
+#[test]
+fn a_decode_nodes_reservation_and_first_token_do_not_wait_for_a_busy_step() {
+    use engine::handoff::{Manifest, PrefillOutput};
+
+    let (armed, release) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (entered_tx, entered) = mpsc::channel();
+    let decode = Arc::new(
+        engine::start(
+            Held {
+                inner: synth_model(),
+                armed: armed.clone(),
+                release: release.clone(),
+                entered: Mutex::new(entered_tx),
+            },
+            EngineConfig::default(),
+        )
+        .unwrap(),
+    );
+    let prefill = engine::start(synth_model(), EngineConfig::default()).unwrap();
+
+    let alice: Vec<_> = (0..2)
+        .map(|i| events_of(&decode, request("alice", i, 16)))
+        .collect();
+    for rx in &alice {
+        token(rx.recv_timeout(HOLD).expect("Alice's first token"));
+    }
+    armed.store(true, Ordering::SeqCst);
+    entered.recv_timeout(HOLD).expect("a step of Alice's held");
+
+    let bob = request("bob", 5, 5);
+    let mut handle = prefill
+        .submit_prefill(prefill.admission().admit(bob.clone()).unwrap())
+        .unwrap();
+    let out: PrefillOutput = match handle.events.blocking_recv() {
+        Some(Event::Prefilled(out)) => *out,
+        other => panic!("expected the prefilled K/V, got {other:?}"),
+    };
+    let admitted = decode.admission().admit(bob.clone()).unwrap();
+    let reserving = Arc::clone(&decode);
+    let reservation = within(HOLD / 2, move || {
+        block_on(reserving.reserve_import(admitted, "b".into())).unwrap()
+    })
+    .expect("the reservation while Alice's step is held");
+    let manifest = Manifest::describe(reservation.ticket(), "b".into(), bob.domain.clone(), &out);
+    let mut transfer = reservation.begin(manifest).unwrap();
+    for (i, page) in out.pages.iter().enumerate() {
+        let tokens = (out.prompt.len() - i * out.page_tokens).min(out.page_tokens);
+        transfer.receive_page(i, tokens, page).unwrap();
+    }
+    let mut imported = decode.submit_import(transfer.finish().unwrap()).unwrap();
+    let (tx, bob_events) = mpsc::channel();
+    std::thread::spawn(move || {
+        while let Some(ev) = imported.events.blocking_recv() {
+            if tx.send(ev).is_err() {
+                return;
+            }
+        }
+    });
+    let first = bob_events
+        .recv_timeout(HOLD / 2)
+        .expect("Bob's first token while Alice's step is held");
+    release.store(true, Ordering::SeqCst);
+    let split = rest(&bob_events, vec![token(first)]);
+
+    let alone = engine::start(synth_model(), EngineConfig::default()).unwrap();
+    assert_eq!(split, rest(&events_of(&alone, bob), Vec::new()));
+    for rx in &alice {
+        rest(rx, Vec::new());
+    }
+}

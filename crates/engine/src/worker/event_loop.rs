@@ -116,7 +116,9 @@ impl Worker {
                 true
             }
             Command::SubmitImport { verified, events } => {
-                self.start_import(*verified, events);
+                if let Some(r) = self.start_import(*verified, events) {
+                    self.running.push(r);
+                }
                 true
             }
             Command::Shutdown => {

@@ -46,13 +46,14 @@ impl Worker {
         }
     }
 
-    /// Decode role: a verified sequence joins the running set with its prompt's K/V in
-    /// place, and the prefill node's first token is accepted as if sampled here.
+    /// Decode role: a verified sequence, with its prompt's K/V in place, and the prefill
+    /// node's first token accepted as if sampled here (so the client has it now); the
+    /// request to run, unless that token ended it.
     pub(super) fn start_import(
         &mut self,
         verified: VerifiedImport,
         events: UnboundedSender<Event>,
-    ) {
+    ) -> Option<Running> {
         let VerifiedImport {
             id,
             admitted,
@@ -88,8 +89,11 @@ impl Worker {
             self.model.config(),
             &self.metrics,
         ) {
-            Outcome::Continue => self.running.push(Running::new(progress, kv)),
-            Outcome::Done(ev) => finish(Running::new(progress, kv), ev),
+            Outcome::Continue => Some(Running::new(progress, kv)),
+            Outcome::Done(ev) => {
+                finish(Running::new(progress, kv), ev);
+                None
+            }
         }
     }
 }

@@ -12,12 +12,17 @@
 //! step neither reads nor changes them, so every row's bits are what they would have been
 //! (batch invariance), and its sequences' K/V is written only through their own leases.
 //!
-//! Bounds: at most one nested step per step, none inside a step that already computes only
-//! lighter tenants' first tokens, a nested step's prompts within one step's token budget,
-//! and its requests within the running rows' limit (with the extra rows of
-//! [`super::schedule::burst_rows`]). So a paused step is delayed by at most one first-token
-//! step, and a flood of new tenants cannot stall it. Constrained requests (their first mask
-//! is computed beside a normal step) and replays after preemption wait for a normal step.
+//! Bounds: nested steps take at most as much of a step's time as the paused step itself
+//! has had (the first one always runs), none runs inside a step that already computes only
+//! lighter tenants' first tokens, a nested step's prompts fit one step's token budget, and
+//! its requests the running rows' limit (with the extra rows of
+//! [`super::schedule::burst_rows`]). So a flood of new tenants cannot stall the paused
+//! step: it keeps at least half of the time. Constrained requests (their first mask is
+//! computed beside a normal step) and replays after preemption wait for a normal step.
+//!
+//! The split roles take their commands here too: a decode node's reservations get their
+//! pages, and an imported sequence's first token (the prefill node's) goes to the client,
+//! without waiting for the step; other commands wait for the loop, in order.
 
 use std::collections::HashSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -69,19 +74,27 @@ impl Pause {
 
 impl Worker {
     /// Called between layers of a step whose running requests are out of `self.running`:
-    /// takes the commands that arrived (requests into `waiting`, anything else left for the
-    /// loop), then computes the first tokens of requests that qualify (module docs).
+    /// takes the commands that arrived (module docs), then computes the first tokens of
+    /// requests that qualify.
     pub(super) fn between_layers(&mut self, pause: &mut Pause) {
-        if !pause.open() {
-            return;
-        }
         while let Some(cmd) = self.commands.as_ref().and_then(|c| c.try_recv().ok()) {
             match cmd {
-                Command::Submit { .. } => {
+                // Requests wait; a decode node's reservations take their pages now.
+                Command::Submit { .. } | Command::Reserve { .. } => {
                     self.accept(cmd);
+                }
+                // A decode node's imported sequence brings its first token, which goes to
+                // the client now; the sequence runs from the next step.
+                Command::SubmitImport { verified, events } => {
+                    if let Some(r) = self.start_import(*verified, events) {
+                        self.early.push(r);
+                    }
                 }
                 other => self.deferred.push_back(other),
             }
+        }
+        if !pause.open() {
+            return;
         }
         let placed = self.place_light(pause);
         if placed.is_empty() {
