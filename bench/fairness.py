@@ -4,6 +4,7 @@
     bench/fairness.py                  # ROUNDS=2 BOB=20 by default
     ROUNDS=1 BOB=40 bench/fairness.py
     KVWARDEN_ARGS="--max-running 16" bench/fairness.py
+    KVWARDEN_BIN=/path/to/other/kvwarden bench/fairness.py   # another build, for before/after
     DEPLOYMENT=cluster .venv/bin/python bench/fairness.py   # router + prefill + decode node
 
 `kvwarden serve` (release build, the default model, two API keys and no tenant limits,
@@ -41,6 +42,8 @@ BOB = int(os.environ.get("BOB", "20"))
 HOLD = float(os.environ.get("HOLD", "10"))
 POOL = int(os.environ.get("POOL", "12288"))
 DEPLOYMENT = os.environ.get("DEPLOYMENT", "serve")
+# Another build to compare (built by whoever sets it); by default this checkout's release.
+BIN = Path(os.environ.get("KVWARDEN_BIN") or serve.BIN)
 ALICE, BOB_KEY = "alice-key-0123456789", "bob-key-0123456789"
 MODEL_ID = [""]
 
@@ -83,13 +86,13 @@ def one_round(tmp):
     args = ["--kv-pool-tokens", POOL, "--api-keys", keys,
             *os.environ.get("KVWARDEN_ARGS", "").split()]
     if DEPLOYMENT == "cluster":
-        os.environ["KVWARDEN_BIN"] = str(serve.BIN)
+        os.environ["KVWARDEN_BIN"] = str(BIN)
         sys.path.insert(0, str(ROOT / "tests" / "python"))
         import conftest  # noqa: E402  (the suite's cluster: certificates, nodes, router)
         server = conftest.Cluster(args, Path(tmp) / "cluster")
     else:
         port = serve.free_port()
-        cmd = [serve.BIN, "--threads", serve.THREADS, "serve", "--model", MODEL, "--port", port,
+        cmd = [BIN, "--threads", serve.THREADS, "serve", "--model", MODEL, "--port", port,
                *args]
         server = serve.Server("kvwarden", cmd, port, tmp)
     url = server.url
@@ -151,8 +154,9 @@ def one_round(tmp):
 
 
 def main():
-    serve.log("building kvwarden (release)")
-    serve.run(["cargo", "build", "--release", "-q", "-p", "kvwarden"])
+    if BIN == serve.BIN:
+        serve.log("building kvwarden (release)")
+        serve.run(["cargo", "build", "--release", "-q", "-p", "kvwarden"])
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = os.environ.get("LOGDIR", tmp)
