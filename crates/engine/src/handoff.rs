@@ -217,7 +217,15 @@ impl ImportReservation {
             return mismatch("request id");
         }
         if manifest.domain != request.domain {
-            return mismatch("tenant");
+            // Named by what differs: the operator reads whether a push came for another
+            // tenant or was computed under another adapter (the domain holds both).
+            let other_adapter = manifest.domain.adapter() != request.domain.adapter()
+                && manifest.domain.computed_under(None) == request.domain.computed_under(None);
+            return mismatch(if other_adapter {
+                "the adapter the K/V was computed under"
+            } else {
+                "tenant"
+            });
         }
         if manifest.prompt_len != request.prompt.len() {
             return mismatch("prompt length");

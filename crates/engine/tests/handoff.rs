@@ -251,6 +251,20 @@ fn every_mismatch_is_refused_and_releases_the_pages() {
         assert_eq!(err.reason(), reason, "{name}: {err}");
         assert_eq!(leased(&dec), 0, "{name}: pages left leased");
     }
+    // The domain holds the tenant and the adapter: the refusal names which differs.
+    for (domain, named) in [
+        (IsolationDomain::tenant("mallory"), "tenant"),
+        (req.domain.computed_under(Some(7)), "adapter"),
+    ] {
+        let reservation = reserve(&dec, &req, "r");
+        let mut manifest =
+            Manifest::describe(reservation.ticket(), "r".into(), req.domain.clone(), &out);
+        manifest.domain = domain;
+        let err = transfer(reservation, manifest, &out).expect_err(named);
+        assert_eq!(err.reason(), "manifest");
+        assert!(err.to_string().contains(named), "{err}");
+        assert_eq!(leased(&dec), 0, "{named}: pages left leased");
+    }
     // A page sent twice (the transport repeats a frame).
     let reservation = reserve(&dec, &req, "r");
     let manifest = Manifest::describe(reservation.ticket(), "r".into(), req.domain.clone(), &out);
