@@ -34,6 +34,8 @@ pub enum ModelError {
     Tensor { name: String, reason: String },
     #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
     TokenOutOfRange { id: u32, vocab: usize },
+    #[error("the LoRA adapter was not loaded for this model's shapes")]
+    AdapterDoesNotFit,
     #[error("KV cache: {0}")]
     Kv(#[from] kv::KvError),
 }

@@ -598,3 +598,67 @@ fn transposed(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         .flat_map(|c| (0..rows).map(move |r| m[r * cols + c]))
         .collect()
 }
+
+/// An adapter only runs on the model shapes it was loaded for: one loaded for a base with
+/// its own output projection does not fit the tied one, and a forward pass refuses that
+/// sequence alone (the others in the step are computed) instead of leaving updates out.
+#[test]
+fn an_adapter_for_other_shapes_is_refused_by_the_forward_pass() {
+    use kv::SequenceKv;
+    use kv::{IsolationDomain, KvDtype, KvPool, Owner, PoolConfig, RequestId, ScrubPolicy};
+    use model::{BatchItem, LogitsWanted, ModelError};
+
+    let (tied, own) = (base(false), base(true));
+    let mut spec = LoraSpec {
+        rank: 4,
+        seed: 3,
+        ..LoraSpec::default()
+    };
+    spec.set_targets("q,output").unwrap();
+    let out = temp("adapter-own-output.gguf");
+    write_synthetic_lora(&own.path, &out, &spec).unwrap();
+    let adapter = LoraAdapter::load_path(&out, &own.model.lora_base(), 1.0).unwrap();
+    std::fs::remove_file(&out).unwrap();
+    assert!(adapter.fits(&own.model.lora_base()));
+    assert!(!adapter.fits(&tied.model.lora_base()));
+
+    let pool = KvPool::new(PoolConfig {
+        layout: tied.model.kv_layout(16, KvDtype::F16),
+        pages: 16,
+        scrub: ScrubPolicy::Poison,
+    });
+    let seq = |id| {
+        let mut s = SequenceKv::new(
+            &pool,
+            Owner {
+                request: RequestId(id),
+                domain: IsolationDomain::tenant("t"),
+            },
+        );
+        s.reserve(8).unwrap();
+        s
+    };
+    let (mut a, mut b) = (seq(1), seq(2));
+    let tokens = [5u32, 6, 7, 8];
+    let results = tied.model.forward(&mut [
+        BatchItem {
+            kv: &mut a,
+            tokens: &tokens,
+            logits: LogitsWanted::Last,
+            adapter: Some(&adapter),
+        },
+        BatchItem {
+            kv: &mut b,
+            tokens: &tokens,
+            logits: LogitsWanted::Last,
+            adapter: None,
+        },
+    ]);
+    assert!(
+        matches!(results[0], Err(ModelError::AdapterDoesNotFit)),
+        "{:?}",
+        results[0].as_ref().err()
+    );
+    assert!(results[1].is_ok());
+    assert_eq!(a.len(), 0, "a refused sequence commits nothing");
+}

@@ -129,17 +129,24 @@ impl Model {
     ) -> Vec<Result<Logits, ModelError>> {
         let c = &self.config;
         let (dim, kv_dim, q_dim, hd) = (c.dim, c.kv_dim(), c.q_dim(), c.head_dim);
+        let base = items
+            .iter()
+            .any(|it| it.adapter.is_some())
+            .then(|| self.lora_base());
         let mut status: Vec<Result<(), ModelError>> = items
             .iter()
-            .map(
-                |it| match it.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-                    Some(&id) => Err(ModelError::TokenOutOfRange {
+            .map(|it| {
+                if let Some(&id) = it.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                    return Err(ModelError::TokenOutOfRange {
                         id,
                         vocab: c.vocab_size,
-                    }),
-                    None => Ok(()),
-                },
-            )
+                    });
+                }
+                match (it.adapter, &base) {
+                    (Some(a), Some(base)) if !a.fits(base) => Err(ModelError::AdapterDoesNotFit),
+                    _ => Ok(()),
+                }
+            })
             .collect();
         // Flat rows: (item, absolute position).
         let mut rows: Vec<(usize, usize)> = Vec::new();

@@ -98,9 +98,8 @@ pub fn add_lora_rows(
         let xr = &x[r * n_in..(r + 1) * n_in];
         let mut u = Vec::new();
         for (&(site, n_out), out) in sites.iter().zip(outs) {
-            // Loading checked every pair against this model's shapes; one that does not
-            // fit (an adapter handed to another model) changes nothing rather than read out
-            // of bounds.
+            // The forward pass refuses a sequence whose adapter does not fit this model
+            // (`LoraAdapter::fits`); this only keeps every read in bounds regardless.
             let Some(p) = site
                 .pair(adapter)
                 .filter(|p| p.n_in == n_in && p.n_out == n_out)

@@ -109,6 +109,26 @@ impl LoraAdapter {
         self.output.as_ref()
     }
 
+    /// Whether every pair has the shape of the weight it updates in `base` (what loading
+    /// checked against the base it was loaded for): a forward pass refuses a sequence whose
+    /// adapter does not fit rather than compute it without some of its updates.
+    pub fn fits(&self, base: &LoraBase) -> bool {
+        let c = &base.config;
+        let pair_fits =
+            |p: &LoraPair, (n_in, n_out): (usize, usize)| p.n_in == n_in && p.n_out == n_out;
+        self.layers.len() <= c.n_layers
+            && self.layers.iter().all(|pairs| {
+                pairs.iter().zip(Target::ALL).all(|(p, t)| {
+                    p.as_ref()
+                        .is_none_or(|p| pair_fits(p, load::base_dims(c, t)))
+                })
+            })
+            && self
+                .output
+                .as_ref()
+                .is_none_or(|p| base.own_output && pair_fits(p, load::output_dims(c)))
+    }
+
     /// Identity of the adapter's arithmetic (weights and factors, so the scale too).
     pub fn fingerprint(&self) -> u128 {
         self.fingerprint
