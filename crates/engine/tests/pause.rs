@@ -60,6 +60,45 @@ impl engine::StepModel for Held {
     }
 }
 
+/// An engine over [`Held`], and its controls: arm the next batch's hold, see it held,
+/// release it.
+struct HeldEngine {
+    engine: EngineHandle,
+    armed: Arc<AtomicBool>,
+    release: Arc<AtomicBool>,
+    entered: Mutex<mpsc::Receiver<()>>,
+}
+
+impl HeldEngine {
+    fn start() -> Self {
+        let (armed, release) = (Arc::default(), Arc::<AtomicBool>::default());
+        let (entered_tx, entered) = mpsc::channel();
+        let engine = engine::start(
+            Held {
+                inner: synth_model(),
+                armed: Arc::clone(&armed),
+                release: Arc::clone(&release),
+                entered: Mutex::new(entered_tx),
+            },
+            EngineConfig::default(),
+        )
+        .unwrap();
+        HeldEngine {
+            engine,
+            armed,
+            release,
+            entered: Mutex::new(entered),
+        }
+    }
+
+    /// Holds the engine's next step of more than one sequence, once it has begun.
+    fn hold_next_step(&self) {
+        self.armed.store(true, Ordering::SeqCst);
+        let entered = self.entered.lock().unwrap();
+        entered.recv_timeout(HOLD).expect("a step held");
+    }
+}
+
 fn request(tenant: &str, seed: u32, max_tokens: usize) -> GenerateRequest {
     let prompt = (0..12 + seed)
         .map(|i| (seed * 31 + i * 7) % 250 + 3)
@@ -111,37 +150,23 @@ fn token(ev: Event) -> (u32, u32) {
 
 #[test]
 fn a_quiet_tenants_first_token_comes_while_a_busy_step_is_paused() {
-    let (armed, release) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicBool::new(false)),
-    );
-    let (entered_tx, entered) = mpsc::channel();
-    let engine = engine::start(
-        Held {
-            inner: synth_model(),
-            armed: armed.clone(),
-            release: release.clone(),
-            entered: Mutex::new(entered_tx),
-        },
-        EngineConfig::default(),
-    )
-    .unwrap();
+    let held = HeldEngine::start();
+    let engine = &held.engine;
 
     // Alice's requests decode together; the next of their steps is held.
     let alice: Vec<_> = (0..3)
-        .map(|i| events_of(&engine, request("alice", i, 24)))
+        .map(|i| events_of(engine, request("alice", i, 24)))
         .collect();
     let firsts: Vec<_> = alice
         .iter()
         .map(|rx| token(rx.recv_timeout(HOLD).expect("Alice's first token")))
         .collect();
-    armed.store(true, Ordering::SeqCst);
-    entered.recv_timeout(HOLD).expect("a step of Alice's held");
+    held.hold_next_step();
 
     // Bob runs nothing: his request starts in a pause of the held step. Alice's fourth
     // request waits for a normal step, since she is running.
-    let alice_later = events_of(&engine, request("alice", 3, 6));
-    let bob = events_of(&engine, request("bob", 9, 4));
+    let alice_later = events_of(engine, request("alice", 3, 6));
+    let bob = events_of(engine, request("bob", 9, 4));
     let bob_first = bob
         .recv_timeout(HOLD / 2)
         .expect("Bob's first token while Alice's step is held");
@@ -150,7 +175,7 @@ fn a_quiet_tenants_first_token_comes_while_a_busy_step_is_paused() {
         "a running tenant's request started in a pause"
     );
     assert_eq!(engine.metrics().paused_steps.load(Ordering::Relaxed), 1);
-    release.store(true, Ordering::SeqCst);
+    held.release.store(true, Ordering::SeqCst);
 
     let bob_tokens = rest(&bob, vec![token(bob_first)]);
     let alice_tokens: Vec<_> = alice
@@ -198,33 +223,17 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
 fn a_decode_nodes_reservation_and_first_token_do_not_wait_for_a_busy_step() {
     use engine::handoff::{Manifest, PrefillOutput};
 
-    let (armed, release) = (
-        Arc::new(AtomicBool::new(false)),
-        Arc::new(AtomicBool::new(false)),
-    );
-    let (entered_tx, entered) = mpsc::channel();
-    let decode = Arc::new(
-        engine::start(
-            Held {
-                inner: synth_model(),
-                armed: armed.clone(),
-                release: release.clone(),
-                entered: Mutex::new(entered_tx),
-            },
-            EngineConfig::default(),
-        )
-        .unwrap(),
-    );
+    let held = Arc::new(HeldEngine::start());
+    let decode = &held.engine;
     let prefill = engine::start(synth_model(), EngineConfig::default()).unwrap();
 
     let alice: Vec<_> = (0..2)
-        .map(|i| events_of(&decode, request("alice", i, 16)))
+        .map(|i| events_of(decode, request("alice", i, 16)))
         .collect();
     for rx in &alice {
         token(rx.recv_timeout(HOLD).expect("Alice's first token"));
     }
-    armed.store(true, Ordering::SeqCst);
-    entered.recv_timeout(HOLD).expect("a step of Alice's held");
+    held.hold_next_step();
 
     let bob = request("bob", 5, 5);
     let mut handle = prefill
@@ -235,9 +244,9 @@ fn a_decode_nodes_reservation_and_first_token_do_not_wait_for_a_busy_step() {
         other => panic!("expected the prefilled K/V, got {other:?}"),
     };
     let admitted = decode.admission().admit(bob.clone()).unwrap();
-    let reserving = Arc::clone(&decode);
+    let reserving = Arc::clone(&held);
     let reservation = within(HOLD / 2, move || {
-        block_on(reserving.reserve_import(admitted, "b".into())).unwrap()
+        block_on(reserving.engine.reserve_import(admitted, "b".into())).unwrap()
     })
     .expect("the reservation while Alice's step is held");
     let manifest = Manifest::describe(reservation.ticket(), "b".into(), bob.domain.clone(), &out);
@@ -258,7 +267,7 @@ fn a_decode_nodes_reservation_and_first_token_do_not_wait_for_a_busy_step() {
     let first = bob_events
         .recv_timeout(HOLD / 2)
         .expect("Bob's first token while Alice's step is held");
-    release.store(true, Ordering::SeqCst);
+    held.release.store(true, Ordering::SeqCst);
     let split = rest(&bob_events, vec![token(first)]);
 
     let alone = engine::start(synth_model(), EngineConfig::default()).unwrap();
