@@ -105,6 +105,19 @@ def main():
     models = {c: flag_values(ct["args"]).get("--model", [None])[0] for c, ct in containers.items()}
     if len(set(models.values())) != 1:
         fail(f"--model differs between components: {models}")
+    # The same LoRA adapters on every node (the router refuses nodes whose sets differ), each
+    # file on the pod's mounts; the router loads none.
+    adapters = {pool: flag_values(containers[pool]["args"]).get("--lora", []) for pool in ("prefill", "decode")}
+    if adapters["prefill"] != adapters["decode"]:
+        fail(f"--lora differs between the pools: {adapters}")
+    if "--lora" in router_args:
+        fail("router: passed --lora (the router learns the nodes' adapters; it takes --lora-access)")
+    for pool, values in adapters.items():
+        for value in values:
+            spec = value.partition("=")[2]  # NAME=PATH[,SCALE]
+            path = spec.rpartition(",")[0] or spec
+            if not path.startswith("/") or not on_mount(path, containers[pool], pods[pool]):
+                fail(f"{pool}: --lora={value}: the file is on no mount")
     sources = set()
     issued = {c["spec"]["secretName"]: component_of(c) for c in crds if c["kind"] == "Certificate"}
     for component, pod in pods.items():
