@@ -22,7 +22,9 @@ import openai
 import pytest
 import requests
 
-from conftest import BIN, DEPLOYMENT, MODEL, MODEL_NAME, ROOT, TENANT_KEYS, require_binary, synth_lora
+from conftest import (
+    BIN, DEPLOYMENT, MODEL, MODEL_NAME, ROOT, TENANT_KEYS, parse_metrics, require_binary, synth_lora,
+)
 
 pytestmark = pytest.mark.skipif(
     DEPLOYMENT == "cluster", reason="test_lora_cluster.py covers the router"
@@ -362,3 +364,41 @@ def test_bad_adapters_and_access_files_fail_start(tmp_path, files):
     assert "empty" in err, err
     err = start_fails(tmp_path, "--admin-listen", "127.0.0.1:0")
     assert "--admin-token-file" in err, err
+
+
+def test_per_adapter_counters_are_the_operators_alone(make_server, files, lora_server):
+    """The operator's metrics listener counts each adapter's requests and tokens; behind the
+    API keys, where a tenant may not even learn another's adapter names, none are shown."""
+    s = make_server(
+        "--kv-pool-tokens", "2048", "--api-keys", files["keys"],
+        "--lora", f"lora-a={files['a']}", "--lora", f"lora-b={files['b']}",
+        "--metrics-listen", "127.0.0.1:0", api_key=ALICE, name="lora-metrics",
+    )
+    m = re.search(r"metrics on (http://[0-9.]+:\d+)/metrics", s.stderr())
+    assert m, s.stderr()
+    client = s.client_for(ALICE)
+    for _ in range(2):
+        complete(client, "lora-a", max_tokens=5, ignore_eos=True)
+    complete(client, MODEL_NAME, max_tokens=5, ignore_eos=True)
+    prompt_tokens = complete(client, "lora-b", max_tokens=3, ignore_eos=True).usage.prompt_tokens
+
+    def samples():
+        return parse_metrics(requests.get(m.group(1) + "/metrics", timeout=10).text)
+
+    deadline = time.monotonic() + 10
+    while samples().get('kvwarden_adapter_generated_tokens_total{adapter="lora-b"}') != 3:
+        assert time.monotonic() < deadline, samples()
+        time.sleep(0.05)
+    got = samples()
+    assert got['kvwarden_adapter_requests_total{adapter="lora-a"}'] == 2
+    assert got['kvwarden_adapter_generated_tokens_total{adapter="lora-a"}'] == 10
+    assert got['kvwarden_adapter_requests_total{adapter="lora-b"}'] == 1
+    assert got['kvwarden_adapter_prompt_tokens_total{adapter="lora-b"}'] == prompt_tokens
+    assert not any(MODEL_NAME in k for k in got if k.startswith("kvwarden_adapter_"))
+
+    complete(lora_server.client_for(ALICE), "lora-a", max_tokens=2)
+    behind_keys = requests.get(
+        lora_server.url + "/metrics", headers={"Authorization": f"Bearer {BOB}"}, timeout=10
+    ).text
+    assert "kvwarden_requests_total" in behind_keys
+    assert "kvwarden_adapter_" not in behind_keys and "lora-a" not in behind_keys

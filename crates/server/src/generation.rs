@@ -94,6 +94,16 @@ pub struct Generation {
     last_token_at: Option<Instant>,
     metrics: Arc<ServerMetrics>,
     guard: OutcomeGuard,
+    /// The LoRA adapter's name, for the per-adapter counters.
+    adapter: Option<Arc<str>>,
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if let Some(name) = &self.adapter {
+            self.metrics.adapter_generated(name, self.completion_tokens);
+        }
+    }
 }
 
 impl Generation {
@@ -104,6 +114,7 @@ impl Generation {
         prompt_tokens: usize,
         admitted_at: Instant,
         metrics: Arc<ServerMetrics>,
+        adapter: Option<Arc<str>>,
     ) -> Self {
         Self {
             handle: Some(handle),
@@ -123,6 +134,7 @@ impl Generation {
                 recorded: false,
             },
             metrics,
+            adapter,
         }
     }
 

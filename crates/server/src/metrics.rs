@@ -55,9 +55,19 @@ const COMPILE_BUCKETS: &[f64] = &[
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
 ];
 
+/// One LoRA adapter's use, for the operator (`kvwarden_adapter_*`).
+#[derive(Debug, Default, Clone, Copy)]
+struct AdapterUse {
+    requests: u64,
+    prompt_tokens: u64,
+    generated_tokens: u64,
+}
+
 #[derive(Debug)]
 pub struct ServerMetrics {
     outcomes: [AtomicU64; 5],
+    /// By adapter name: bounded by the adapters the operator loaded.
+    adapters: Mutex<BTreeMap<String, AdapterUse>>,
     rejections: Mutex<BTreeMap<&'static str, u64>>,
     pub ttft: Histogram,
     pub itl: Histogram,
@@ -69,6 +79,7 @@ impl Default for ServerMetrics {
     fn default() -> Self {
         Self {
             outcomes: Default::default(),
+            adapters: Mutex::default(),
             rejections: Mutex::default(),
             ttft: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
@@ -92,7 +103,25 @@ impl ServerMetrics {
         *map.entry(code).or_insert(0) += 1;
     }
 
-    pub fn render(&self, backend: &dyn crate::Backend) -> String {
+    /// A request admitted under adapter `name`, with its prompt's tokens.
+    pub fn adapter_request(&self, name: &str, prompt_tokens: usize) {
+        let mut map = self.adapters.lock().unwrap_or_else(|p| p.into_inner());
+        let u = map.entry(name.to_owned()).or_default();
+        u.requests += 1;
+        u.prompt_tokens += prompt_tokens as u64;
+    }
+
+    /// Tokens a request under adapter `name` generated, once it has ended.
+    pub fn adapter_generated(&self, name: &str, tokens: usize) {
+        let mut map = self.adapters.lock().unwrap_or_else(|p| p.into_inner());
+        map.entry(name.to_owned()).or_default().generated_tokens += tokens as u64;
+    }
+
+    /// The text of `/metrics`. `adapter_names`: whether the reader may see every adapter's
+    /// name (the operator's own listener, or a server with one tenant): a tenant sees only
+    /// the adapters granted to it, even by name, so behind API keys the per-adapter series
+    /// are left out.
+    pub fn render(&self, backend: &dyn crate::Backend, adapter_names: bool) -> String {
         let mut out = String::with_capacity(4096);
         let counter = |out: &mut String, name: &str, help: &str, ty: &str| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {ty}");
@@ -122,6 +151,32 @@ impl ServerMetrics {
             let map = self.rejections.lock().unwrap_or_else(|p| p.into_inner());
             for (code, n) in map.iter() {
                 let _ = writeln!(out, "kvwarden_rejections_total{{reason=\"{code}\"}} {n}");
+            }
+        }
+        if adapter_names {
+            let map = self.adapters.lock().unwrap_or_else(|p| p.into_inner());
+            for (name, help, get) in [
+                (
+                    "kvwarden_adapter_requests_total",
+                    "Requests admitted under each LoRA adapter.",
+                    (|u: &AdapterUse| u.requests) as fn(&AdapterUse) -> u64,
+                ),
+                (
+                    "kvwarden_adapter_prompt_tokens_total",
+                    "Prompt tokens of the requests under each LoRA adapter.",
+                    |u| u.prompt_tokens,
+                ),
+                (
+                    "kvwarden_adapter_generated_tokens_total",
+                    "Tokens generated under each LoRA adapter, counted when a request ends.",
+                    |u| u.generated_tokens,
+                ),
+            ] {
+                counter(&mut out, name, help, "counter");
+                for (adapter, u) in map.iter() {
+                    // Adapter names are checked at load: no quote or backslash to escape.
+                    let _ = writeln!(out, "{name}{{adapter=\"{adapter}\"}} {}", get(u));
+                }
             }
         }
         self.ttft.render(

@@ -391,12 +391,16 @@ async fn start(
     let Some(first) = admitted.next() else {
         return Err(ApiError::Internal("a request with no choices".into()));
     };
+    let adapter: Option<Arc<str>> = first.request().adapter.as_ref().map(|a| a.name().into());
     let handle = submit(app, first, input_param).await?;
     let id = match api {
         Api::Chat => app.response_id("chatcmpl", handle.id),
         Api::Completion => app.response_id("cmpl", handle.id),
     };
     let generation = |handle| {
+        if let Some(name) = &adapter {
+            app.metrics.adapter_request(name, prompt_tokens);
+        }
         Generation::new(
             handle,
             app.tokenizer.clone(),
@@ -404,6 +408,7 @@ async fn start(
             prompt_tokens,
             admitted_at,
             app.metrics.clone(),
+            adapter.clone(),
         )
     };
     let mut generations = vec![generation(handle)];
@@ -845,16 +850,22 @@ async fn metrics_behind_keys(State(app): State<Arc<AppState>>, headers: HeaderMa
     if let Err(e) = app.auth.authenticate(&headers) {
         return e.into_response();
     }
-    metrics(State(app)).await
+    let one_tenant = matches!(app.auth, crate::auth::Auth::Open);
+    render_metrics(&app, one_tenant)
 }
 
+/// The operator's own listener.
 async fn metrics(State(app): State<Arc<AppState>>) -> Response {
+    render_metrics(&app, true)
+}
+
+fn render_metrics(app: &AppState, adapter_names: bool) -> Response {
     (
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        app.metrics.render(app.backend.as_ref()),
+        app.metrics.render(app.backend.as_ref(), adapter_names),
     )
         .into_response()
 }

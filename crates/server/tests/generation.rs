@@ -36,6 +36,7 @@ fn generation(tok: &Arc<Tokenizer>, stops: &[&str]) -> (Generation, UnboundedSen
         5,
         Instant::now(),
         Arc::new(ServerMetrics::default()),
+        None,
     );
     (g, tx)
 }
@@ -205,6 +206,7 @@ async fn dropping_the_generation_cancels_the_request() {
         1,
         Instant::now(),
         metrics.clone(),
+        None,
     );
     assert!(!tx.is_closed());
     drop(g);
