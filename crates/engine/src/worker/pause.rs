@@ -68,7 +68,8 @@ impl Pause {
     /// paused step has had at least as much time as the nested ones.
     fn open(&self) -> bool {
         self.may_pause
-            && (self.nested.is_zero() || self.nested <= self.started.elapsed() - self.nested)
+            && (self.nested.is_zero()
+                || self.nested <= self.started.elapsed().saturating_sub(self.nested))
     }
 }
 
