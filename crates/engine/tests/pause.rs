@@ -10,8 +10,17 @@ use engine::{EngineConfig, EngineHandle, Event, GenerateRequest, IsolationDomain
 use gguf::GgmlType;
 use model::synth::SynthSpec;
 
+fn spec() -> SynthSpec {
+    SynthSpec::small(7, GgmlType::Q4_1, 4096)
+}
+
 fn synth_model() -> model::Model {
-    SynthSpec::small(7, GgmlType::Q4_1, 4096).load().unwrap()
+    spec().load().unwrap()
+}
+
+fn tokenizer() -> std::sync::Arc<tokenizer::Tokenizer> {
+    let file = gguf::GgufFile::parse(spec().build().unwrap().to_bytes()).unwrap();
+    std::sync::Arc::new(tokenizer::Tokenizer::from_gguf(&file).unwrap())
 }
 
 /// How long a held step waits for the test before going on by itself: far longer than any
@@ -99,6 +108,17 @@ impl HeldEngine {
     }
 }
 
+/// Bob's request: a structured output (its first mask is computed in the pause).
+fn bob_request() -> GenerateRequest {
+    let tok = tokenizer();
+    let vocab = constraint::Vocabulary::new(tok.clone(), spec().vocab, tok.eos_id());
+    let choice = constraint::ConstraintSpec::Choice(vec!["alpha".into(), "beta".into()]);
+    GenerateRequest {
+        constraint: Some(vocab.compile(&choice).unwrap()),
+        ..request("bob", 9, 4)
+    }
+}
+
 fn request(tenant: &str, seed: u32, max_tokens: usize) -> GenerateRequest {
     let prompt = (0..12 + seed)
         .map(|i| (seed * 31 + i * 7) % 250 + 3)
@@ -166,7 +186,7 @@ fn a_quiet_tenants_first_token_comes_while_a_busy_step_is_paused() {
     // Bob runs nothing: his request starts in a pause of the held step. Alice's fourth
     // request waits for a normal step, since she is running.
     let alice_later = events_of(engine, request("alice", 3, 6));
-    let bob = events_of(engine, request("bob", 9, 4));
+    let bob = events_of(engine, bob_request());
     let bob_first = bob
         .recv_timeout(HOLD / 2)
         .expect("Bob's first token while Alice's step is held");
@@ -188,7 +208,13 @@ fn a_quiet_tenants_first_token_comes_while_a_busy_step_is_paused() {
     // Each request alone, on an engine that never pauses: the same bits.
     let alone = engine::start(synth_model(), EngineConfig::default()).unwrap();
     let run = |r| rest(&events_of(&alone, r), Vec::new());
-    assert_eq!(bob_tokens, run(request("bob", 9, 4)));
+    assert_eq!(bob_tokens, run(bob_request()));
+    let ids: Vec<u32> = bob_tokens.iter().map(|&(id, _)| id).collect();
+    let text = tokenizer().decode(&ids).unwrap();
+    assert!(
+        "alpha".starts_with(&text) || "beta".starts_with(&text),
+        "Bob's constrained answer {text:?}"
+    );
     for (i, tokens) in alice_tokens.iter().enumerate() {
         assert_eq!(
             tokens,

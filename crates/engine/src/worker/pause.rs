@@ -17,8 +17,10 @@
 //! lighter tenants' first tokens, a nested step's prompts fit one step's token budget, and
 //! its requests the running rows' limit (with the extra rows of
 //! [`super::schedule::burst_rows`]). So a flood of new tenants cannot stall the paused
-//! step: it keeps at least half of the time. Constrained requests (their first mask is
-//! computed beside a normal step) and replays after preemption wait for a normal step.
+//! step: it keeps at least half of the time. Replays after preemption wait for a normal
+//! step. A constrained request's first mask, which a normal step computes beside its
+//! forward pass, is computed by the sampling step here (the same mask: it depends only on
+//! the request's own tokens).
 //!
 //! The split roles take their commands here too: a decode node's reservations get their
 //! pages, and an imported sequence's first token (the prefill node's) goes to the client,
@@ -130,9 +132,7 @@ impl Worker {
                 w += 1;
                 continue;
             }
-            let fits = head.output.is_empty()
-                && head.request.constraint.is_none()
-                && head.stream_len() <= tokens_left;
+            let fits = head.output.is_empty() && head.stream_len() <= tokens_left;
             if !fits {
                 w += 1;
                 continue;
@@ -195,6 +195,9 @@ impl Worker {
                     continue;
                 }
             };
+            if r.progress.request.constraint.is_some() {
+                EngineMetrics::add(&self.metrics.constrained_tokens, 1);
+            }
             let outcome = if r.progress.prefill_only {
                 hand_over(&mut r, &logits, model.config())
             } else {
