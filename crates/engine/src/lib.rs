@@ -195,7 +195,7 @@ pub struct EngineMetrics {
     pub cached_prompt_tokens: AtomicU64,
     pub steps: AtomicU64,
     /// Steps paused between two layers to compute the first tokens of requests that
-    /// arrived meanwhile from tenants with nothing running (`worker::pause`).
+    /// arrived meanwhile from tenants running fewer than the heaviest (`worker::pause`).
     pub paused_steps: AtomicU64,
     /// Requests that gave their pages back to let older ones grow, and recomputed later.
     pub preemptions: AtomicU64,

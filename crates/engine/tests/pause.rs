@@ -169,36 +169,43 @@ fn token(ev: Event) -> (u32, u32) {
 }
 
 #[test]
-fn a_quiet_tenants_first_token_comes_while_a_busy_step_is_paused() {
+fn a_lighter_tenants_first_token_comes_while_a_busy_step_is_paused() {
     let held = HeldEngine::start();
     let engine = &held.engine;
 
-    // Alice's requests decode together; the next of their steps is held.
-    let alice: Vec<_> = (0..3)
+    // Alice's three requests and one of Carol's decode together; the next of their steps
+    // is held.
+    let mut running: Vec<_> = (0..3)
         .map(|i| events_of(engine, request("alice", i, 24)))
         .collect();
-    let firsts: Vec<_> = alice
+    running.push(events_of(engine, request("carol", 4, 24)));
+    let firsts: Vec<_> = running
         .iter()
-        .map(|rx| token(rx.recv_timeout(HOLD).expect("Alice's first token")))
+        .map(|rx| token(rx.recv_timeout(HOLD).expect("a first token")))
         .collect();
     held.hold_next_step();
 
-    // Bob runs nothing: his request starts in a pause of the held step. Alice's fourth
-    // request waits for a normal step, since she is running.
+    // Bob runs nothing and Carol one request, fewer than Alice: their requests start in a
+    // pause of the held step. Alice's fourth waits for a normal step: she is the heaviest.
     let alice_later = events_of(engine, request("alice", 3, 6));
     let bob = events_of(engine, bob_request());
+    let carol = events_of(engine, request("carol", 5, 5));
     let bob_first = bob
         .recv_timeout(HOLD / 2)
         .expect("Bob's first token while Alice's step is held");
+    let carol_first = carol
+        .recv_timeout(HOLD / 2)
+        .expect("Carol's second request's first token while the step is held");
     assert!(
         matches!(alice_later.try_recv(), Err(mpsc::TryRecvError::Empty)),
-        "a running tenant's request started in a pause"
+        "the heaviest tenant's request started in a pause"
     );
-    assert_eq!(engine.metrics().paused_steps.load(Ordering::Relaxed), 1);
+    assert!(engine.metrics().paused_steps.load(Ordering::Relaxed) >= 1);
     held.release.store(true, Ordering::SeqCst);
 
     let bob_tokens = rest(&bob, vec![token(bob_first)]);
-    let alice_tokens: Vec<_> = alice
+    let carol_tokens = rest(&carol, vec![token(carol_first)]);
+    let running_tokens: Vec<_> = running
         .iter()
         .zip(firsts)
         .map(|(rx, first)| rest(rx, vec![first]))
@@ -215,11 +222,17 @@ fn a_quiet_tenants_first_token_comes_while_a_busy_step_is_paused() {
         "alpha".starts_with(&text) || "beta".starts_with(&text),
         "Bob's constrained answer {text:?}"
     );
-    for (i, tokens) in alice_tokens.iter().enumerate() {
+    assert_eq!(carol_tokens, run(request("carol", 5, 5)));
+    for (i, tokens) in running_tokens.iter().enumerate() {
+        let (tenant, seed) = if i < 3 {
+            ("alice", i as u32)
+        } else {
+            ("carol", 4)
+        };
         assert_eq!(
             tokens,
-            &run(request("alice", i as u32, 24)),
-            "Alice's request {i}"
+            &run(request(tenant, seed, 24)),
+            "{tenant}'s request {seed}"
         );
     }
     assert_eq!(later_tokens, run(request("alice", 3, 6)));

@@ -273,7 +273,7 @@ pub fn render_engine(engine: &EngineHandle, out: &mut String) {
         counter(
             out,
             "kvwarden_engine_paused_steps_total",
-            "Steps paused between two layers to give a tenant with nothing running its first token.",
+            "Steps paused between two layers to give a lighter tenant's request its first token.",
             "counter",
         );
         let _ = writeln!(

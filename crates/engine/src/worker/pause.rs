@@ -1,14 +1,14 @@
-//! A step paused between two layers for a tenant with nothing running.
+//! A step paused between two layers for a lighter tenant's first token.
 //!
 //! A heavy tenant's step (tens of decode rows) takes tens of milliseconds, and a request
 //! that arrives just after it began would wait for all of it before its own first step:
 //! with a flood of one tenant in flight, another tenant's first token took 4-6 times its
 //! unloaded time, all of it waiting for steps it had no part in. So the forward pass calls
 //! back between layers ([`model::Model::forward_yielding`]); there the engine takes the
-//! commands that arrived, and when the oldest waiting request of a tenant with nothing
-//! running (and nothing in the paused step) fits, it places that request and computes its
-//! prompt and first token in a step of its own, nested in the paused one, then lets the
-//! paused step go on. The paused step's values are locals of its forward pass: the nested
+//! commands that arrived, and when the oldest waiting request of a tenant running fewer
+//! requests than the heaviest tenant (for their weights, as `Worker::plan` compares them)
+//! fits, it places that request and computes its prompt and first token in a step of its
+//! own, nested in the paused one, then lets the paused step go on. The paused step's values are locals of its forward pass: the nested
 //! step neither reads nor changes them, so every row's bits are what they would have been
 //! (batch invariance), and its sequences' K/V is written only through their own leases.
 //!
@@ -26,7 +26,7 @@
 //! pages, and an imported sequence's first token (the prefill node's) goes to the client,
 //! without waiting for the step; other commands wait for the loop, in order.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -37,12 +37,14 @@ use super::sample::{hand_over, sample_next};
 use super::schedule::{burst_rows, share_prompt_of, Placement};
 use super::{finish, Outcome, Running, Worker};
 use crate::command::Command;
+use crate::preemption::Load;
 use crate::{EngineError, EngineMetrics, Event};
 
 /// What a paused step lets through.
 pub(super) struct Pause {
-    /// Tenants with a request running (in the paused step or not): their requests wait.
-    busy: HashSet<String>,
+    /// Each tenant's running requests (in the paused step or started in a pause of it) and
+    /// weight: only a tenant running less than the heaviest, for its weight, starts here.
+    running: HashMap<String, (usize, u32)>,
     /// The paused step's running rows (nested steps add `Worker::early`'s).
     rows: usize,
     /// Whether this step may pause at all.
@@ -54,16 +56,34 @@ pub(super) struct Pause {
 
 impl Pause {
     pub(super) fn new(running: &[Running], may_pause: bool) -> Self {
+        let mut counts: HashMap<String, (usize, u32)> = HashMap::new();
+        for r in running {
+            let request = &r.progress.request;
+            let entry = counts
+                .entry(request.domain.tenant_name().to_owned())
+                .or_insert((0, request.weight));
+            entry.0 += 1;
+        }
         Pause {
-            busy: running
-                .iter()
-                .map(|r| r.progress.request.domain.tenant_name().to_owned())
-                .collect(),
+            running: counts,
             rows: running.len(),
             may_pause,
             started: Instant::now(),
             nested: Duration::ZERO,
         }
+    }
+
+    /// Whether `tenant`'s next request, of weight `weight`, runs less than the heaviest
+    /// tenant (as `Worker::plan`'s first-tokens-only steps choose).
+    fn lighter(&self, tenant: &str, weight: u32) -> bool {
+        let load = |&(count, w): &(usize, u32)| Load::new(count, w);
+        let heaviest =
+            self.running
+                .values()
+                .map(load)
+                .reduce(|a, b| if a.lighter_than(b) { b } else { a });
+        let own = self.running.get(tenant).map_or(Load::new(0, weight), load);
+        heaviest.is_some_and(|h| own.lighter_than(h))
     }
 
     /// Whether another nested step may run: the first one always, later ones while the
@@ -104,19 +124,23 @@ impl Worker {
             return;
         }
         let began = Instant::now();
+        let early_before = self.early.len();
         EngineMetrics::add(&self.metrics.paused_steps, 1);
         EngineMetrics::add(&self.metrics.steps, 1);
         self.first_tokens_now(placed);
         pause.nested += began.elapsed();
-        // Those that go on run now: their tenants' next requests wait for a normal step.
-        for r in &self.early {
+        // Those that go on count as running from now.
+        for r in &self.early[early_before..] {
+            let request = &r.progress.request;
             pause
-                .busy
-                .insert(r.progress.request.domain.tenant_name().to_owned());
+                .running
+                .entry(request.domain.tenant_name().to_owned())
+                .or_insert((0, request.weight))
+                .0 += 1;
         }
     }
 
-    /// Places the oldest waiting request of each tenant in `pause.busy`'s complement that
+    /// Places the oldest waiting request of each tenant lighter than the heaviest that
     /// qualifies, within one step's tokens and the rows' limit.
     fn place_light(&mut self, pause: &Pause) -> Vec<Running> {
         let mut placed: Vec<Running> = Vec::new();
@@ -128,7 +152,7 @@ impl Worker {
             let head = &self.waiting[w];
             let tenant = head.request.domain.tenant_name();
             // Only a tenant's oldest: its requests start in arrival order.
-            if pause.busy.contains(tenant) || !seen.insert(tenant.to_owned()) {
+            if !seen.insert(tenant.to_owned()) || !pause.lighter(tenant, head.request.weight) {
                 w += 1;
                 continue;
             }
