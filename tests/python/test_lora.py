@@ -367,8 +367,9 @@ def test_bad_adapters_and_access_files_fail_start(tmp_path, files):
 
 
 def test_per_adapter_counters_are_the_operators_alone(make_server, files, lora_server):
-    """The operator's metrics listener counts each adapter's requests and tokens; behind the
-    API keys, where a tenant may not even learn another's adapter names, none are shown."""
+    """The operator's metrics listener counts each adapter's requests (once, however many
+    choices) and tokens; behind the API keys, where a tenant may not even learn another's
+    adapter names, none are shown."""
     s = make_server(
         "--kv-pool-tokens", "2048", "--api-keys", files["keys"],
         "--lora", f"lora-a={files['a']}", "--lora", f"lora-b={files['b']}",
@@ -377,8 +378,9 @@ def test_per_adapter_counters_are_the_operators_alone(make_server, files, lora_s
     m = re.search(r"metrics on (http://[0-9.]+:\d+)/metrics", s.stderr())
     assert m, s.stderr()
     client = s.client_for(ALICE)
-    for _ in range(2):
-        complete(client, "lora-a", max_tokens=5, ignore_eos=True)
+    complete(client, "lora-a", max_tokens=5, ignore_eos=True)
+    # Two choices: one request, both choices' tokens.
+    complete(client, "lora-a", max_tokens=5, ignore_eos=True, n=2)
     complete(client, MODEL_NAME, max_tokens=5, ignore_eos=True)
     prompt_tokens = complete(client, "lora-b", max_tokens=3, ignore_eos=True).usage.prompt_tokens
 
@@ -391,7 +393,7 @@ def test_per_adapter_counters_are_the_operators_alone(make_server, files, lora_s
         time.sleep(0.05)
     got = samples()
     assert got['kvwarden_adapter_requests_total{adapter="lora-a"}'] == 2
-    assert got['kvwarden_adapter_generated_tokens_total{adapter="lora-a"}'] == 10
+    assert got['kvwarden_adapter_generated_tokens_total{adapter="lora-a"}'] == 15
     assert got['kvwarden_adapter_requests_total{adapter="lora-b"}'] == 1
     assert got['kvwarden_adapter_prompt_tokens_total{adapter="lora-b"}'] == prompt_tokens
     assert not any(MODEL_NAME in k for k in got if k.startswith("kvwarden_adapter_"))

@@ -1,6 +1,8 @@
-//! A step pauses between its layers for a tenant with nothing running: that tenant's first
-//! token comes while the paused step is still in its forward pass, a busy tenant's request
-//! waits for a normal step, and no request's tokens or log-probabilities change.
+//! A step pauses between its layers for a tenant running fewer requests than the heaviest:
+//! that tenant's first token comes while the paused step is still in its forward pass, the
+//! heaviest tenant's request waits for a normal step, a decode node's reservation and
+//! imported first token do not wait either, and no request's tokens or log-probabilities
+//! change.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};

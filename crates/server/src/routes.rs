@@ -393,14 +393,16 @@ async fn start(
     };
     let adapter: Option<Arc<str>> = first.request().adapter.as_ref().map(|a| a.name().into());
     let handle = submit(app, first, input_param).await?;
+    // Once per request, however many choices (`n`) it asks for; each choice's generated
+    // tokens are counted when it ends.
+    if let Some(name) = &adapter {
+        app.metrics.adapter_request(name, prompt_tokens);
+    }
     let id = match api {
         Api::Chat => app.response_id("chatcmpl", handle.id),
         Api::Completion => app.response_id("cmpl", handle.id),
     };
     let generation = |handle| {
-        if let Some(name) = &adapter {
-            app.metrics.adapter_request(name, prompt_tokens);
-        }
         Generation::new(
             handle,
             app.tokenizer.clone(),

@@ -52,6 +52,10 @@ pub(super) struct Pause {
     started: Instant,
     /// Time spent in nested steps so far.
     nested: Duration,
+    /// Whether a request arrived since the waiting queue was last looked at: only a new
+    /// arrival can qualify (those waiting before the step were offered to it already), so
+    /// a pause point with nothing new costs one empty channel read.
+    arrived: bool,
 }
 
 impl Pause {
@@ -70,6 +74,7 @@ impl Pause {
             may_pause,
             started: Instant::now(),
             nested: Duration::ZERO,
+            arrived: false,
         }
     }
 
@@ -102,8 +107,13 @@ impl Worker {
     pub(super) fn between_layers(&mut self, pause: &mut Pause) {
         while let Some(cmd) = self.commands.as_ref().and_then(|c| c.try_recv().ok()) {
             match cmd {
-                // Requests wait; a decode node's reservations take their pages now.
-                Command::Submit { .. } | Command::Reserve { .. } => {
+                // A request waits, to be looked at below.
+                Command::Submit { .. } => {
+                    pause.arrived = true;
+                    self.accept(cmd);
+                }
+                // A decode node's reservation takes its pages now.
+                Command::Reserve { .. } => {
                     self.accept(cmd);
                 }
                 // A decode node's imported sequence brings its first token, which goes to
@@ -116,9 +126,10 @@ impl Worker {
                 other => self.deferred.push_back(other),
             }
         }
-        if !pause.open() {
+        if !pause.arrived || !pause.open() {
             return;
         }
+        pause.arrived = false;
         let placed = self.place_light(pause);
         if placed.is_empty() {
             return;
@@ -156,7 +167,10 @@ impl Worker {
                 w += 1;
                 continue;
             }
-            let fits = head.output.is_empty() && head.stream_len() <= tokens_left;
+            // A client that already left is dropped at the next step, not computed here.
+            let fits = head.output.is_empty()
+                && !head.events.is_closed()
+                && head.stream_len() <= tokens_left;
             if !fits {
                 w += 1;
                 continue;
