@@ -29,8 +29,8 @@ fn tokenizer() -> std::sync::Arc<tokenizer::Tokenizer> {
 /// step, so a first token that comes before it ends came from a pause.
 const HOLD: Duration = Duration::from_secs(30);
 
-/// The synthetic model, whose next step of more than one sequence after `arm` is held in
-/// its forward pass (calling back between layers, as a long step does) until `release`.
+/// The synthetic model, whose first step that decodes several rows (while `armed`) is held
+/// in its forward pass (calling back between layers, as a long step does) until `release`.
 struct Held {
     inner: model::Model,
     armed: Arc<AtomicBool>,
@@ -59,7 +59,10 @@ impl engine::StepModel for Held {
         items: &mut [model::BatchItem<'_>],
         between_layers: &mut (dyn FnMut() + Send),
     ) -> Vec<Result<model::Logits, model::ModelError>> {
-        if items.len() > 1 && self.armed.swap(false, Ordering::SeqCst) {
+        // The first step that only decodes several rows: every one of them has had its
+        // first token, and none can have finished before it.
+        let decoding = items.len() > 1 && items.iter().all(|i| i.tokens.len() == 1);
+        if decoding && self.armed.swap(false, Ordering::SeqCst) {
             let _ = self.entered.lock().unwrap().send(());
             let deadline = Instant::now() + HOLD;
             while !self.release.load(Ordering::SeqCst) && Instant::now() < deadline {
@@ -71,7 +74,7 @@ impl engine::StepModel for Held {
     }
 }
 
-/// An engine over [`Held`], and its controls: arm the next batch's hold, see it held,
+/// An engine over [`Held`], armed from the start, and its controls: see the step held,
 /// release it.
 struct HeldEngine {
     engine: EngineHandle,
@@ -82,7 +85,10 @@ struct HeldEngine {
 
 impl HeldEngine {
     fn start() -> Self {
-        let (armed, release) = (Arc::default(), Arc::<AtomicBool>::default());
+        let (armed, release) = (
+            Arc::new(AtomicBool::new(true)),
+            Arc::<AtomicBool>::default(),
+        );
         let (entered_tx, entered) = mpsc::channel();
         let engine = engine::start(
             Held {
@@ -102,9 +108,8 @@ impl HeldEngine {
         }
     }
 
-    /// Holds the engine's next step of more than one sequence, once it has begun.
-    fn hold_next_step(&self) {
-        self.armed.store(true, Ordering::SeqCst);
+    /// Waits until the engine's first step that decodes several rows is held.
+    fn wait_held(&self) {
         let entered = self.entered.lock().unwrap();
         entered.recv_timeout(HOLD).expect("a step held");
     }
@@ -175,17 +180,17 @@ fn a_lighter_tenants_first_token_comes_while_a_busy_step_is_paused() {
     let held = HeldEngine::start();
     let engine = &held.engine;
 
-    // Alice's three requests and one of Carol's decode together; the next of their steps
+    // Alice's three requests and one of Carol's decode together; their first such step
     // is held.
     let mut running: Vec<_> = (0..3)
-        .map(|i| events_of(engine, request("alice", i, 24)))
+        .map(|i| events_of(engine, request("alice", i, 200)))
         .collect();
-    running.push(events_of(engine, request("carol", 4, 24)));
+    running.push(events_of(engine, request("carol", 4, 200)));
     let firsts: Vec<_> = running
         .iter()
         .map(|rx| token(rx.recv_timeout(HOLD).expect("a first token")))
         .collect();
-    held.hold_next_step();
+    held.wait_held();
 
     // Bob runs nothing and Carol one request, fewer than Alice: their requests start in a
     // pause of the held step. Alice's fourth waits for a normal step: she is the heaviest.
@@ -233,7 +238,7 @@ fn a_lighter_tenants_first_token_comes_while_a_busy_step_is_paused() {
         };
         assert_eq!(
             tokens,
-            &run(request(tenant, seed, 24)),
+            &run(request(tenant, seed, 200)),
             "{tenant}'s request {seed}"
         );
     }
@@ -269,12 +274,12 @@ fn a_decode_nodes_reservation_and_first_token_do_not_wait_for_a_busy_step() {
     let prefill = engine::start(synth_model(), EngineConfig::default()).unwrap();
 
     let alice: Vec<_> = (0..2)
-        .map(|i| events_of(decode, request("alice", i, 16)))
+        .map(|i| events_of(decode, request("alice", i, 200)))
         .collect();
     for rx in &alice {
         token(rx.recv_timeout(HOLD).expect("Alice's first token"));
     }
-    held.hold_next_step();
+    held.wait_held();
 
     let bob = request("bob", 5, 5);
     let mut handle = prefill
