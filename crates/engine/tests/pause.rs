@@ -33,7 +33,7 @@ const HOLD: Duration = Duration::from_secs(30);
 /// in its forward pass (calling back between layers, as a long step does) until `release`.
 struct Held {
     inner: model::Model,
-    armed: Arc<AtomicBool>,
+    armed: AtomicBool,
     release: Arc<AtomicBool>,
     entered: Mutex<mpsc::Sender<()>>,
 }
@@ -78,22 +78,18 @@ impl engine::StepModel for Held {
 /// release it.
 struct HeldEngine {
     engine: EngineHandle,
-    armed: Arc<AtomicBool>,
     release: Arc<AtomicBool>,
     entered: Mutex<mpsc::Receiver<()>>,
 }
 
 impl HeldEngine {
     fn start() -> Self {
-        let (armed, release) = (
-            Arc::new(AtomicBool::new(true)),
-            Arc::<AtomicBool>::default(),
-        );
+        let release = Arc::<AtomicBool>::default();
         let (entered_tx, entered) = mpsc::channel();
         let engine = engine::start(
             Held {
                 inner: synth_model(),
-                armed: Arc::clone(&armed),
+                armed: AtomicBool::new(true),
                 release: Arc::clone(&release),
                 entered: Mutex::new(entered_tx),
             },
@@ -102,7 +98,6 @@ impl HeldEngine {
         .unwrap();
         HeldEngine {
             engine,
-            armed,
             release,
             entered: Mutex::new(entered),
         }
