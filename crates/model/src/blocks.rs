@@ -76,6 +76,53 @@ impl Default for BlockQ8K {
     }
 }
 
+/// Tokens per [`LanesQ8K`]: one 512-bit register's `i32` lanes.
+pub const LANE_TOKENS: usize = 16;
+
+/// One Q8_K super-block of [`LANE_TOKENS`] tokens laid out with the tokens as lanes, for
+/// `vpdpbusd` against a broadcast weight quad: `q[g]` holds quants `4g..4g + 4` of every
+/// token (token `t` at bytes `4t..4t + 4`) offset by 128 into unsigned bytes. Lanes past the
+/// product's last token hold zero activations and are never stored.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub struct LanesQ8K {
+    pub q: [[u8; 64]; QK_K / 4],
+    /// Each token's scale.
+    pub d: [f32; LANE_TOKENS],
+    /// Pair `k` of sub-block sums (32 quants each: within ±4,064, an exact `i16`): sums
+    /// `2k` and `2k + 1` of each token as the low and high halves of its `i32` lane.
+    pub sum_pairs: [[i32; LANE_TOKENS]; 4],
+}
+
+impl LanesQ8K {
+    /// Tokens `x[0..]` (at most [`LANE_TOKENS`], each `nb` super-blocks) as `nb` lane
+    /// blocks, super-block `i` at `out[i]`.
+    pub fn fill(x: &[&[BlockQ8K]], out: &mut [LanesQ8K]) {
+        assert!(x.len() <= LANE_TOKENS, "lanes: too many tokens");
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = LanesQ8K {
+                q: [[128; 64]; QK_K / 4],
+                d: [0.0; LANE_TOKENS],
+                sum_pairs: [[0; LANE_TOKENS]; 4],
+            };
+            for (t, row) in x.iter().enumerate() {
+                let b = &row[i];
+                for (g, lane) in o.q.iter_mut().enumerate() {
+                    for k in 0..4 {
+                        lane[4 * t + k] = (b.qs[4 * g + k] as u8) ^ 0x80;
+                    }
+                }
+                o.d[t] = b.d;
+                for (k, pair) in o.sum_pairs.iter_mut().enumerate() {
+                    let sum = |j: usize| b.bsums[2 * j] + b.bsums[2 * j + 1];
+                    pair[t] =
+                        i32::from(sum(2 * k) as u16) | (i32::from(sum(2 * k + 1) as u16) << 16);
+                }
+            }
+        }
+    }
+}
+
 /// The activation scales of a whole tile of Q8_1 rows, per block: `[d of its 4 tokens, s
 /// of its 4 tokens]` (what the 256-bit Q4_1 kernel reads).
 pub type TileScales = [f32; 2 * TILE];
@@ -90,6 +137,9 @@ pub struct Acts<'a> {
     /// Every whole tile's Q8_1 scales, `[tile * nb + block]`, where a matrix of the
     /// product asks for them (else empty).
     pub tile_scales: &'a [TileScales],
+    /// The Q8_K rows as lanes (`[group * nb + super-block]`, groups of [`LANE_TOKENS`]
+    /// tokens), where a matrix of the product asks for them (else empty).
+    pub q8_k_lanes: &'a [LanesQ8K],
 }
 
 /// llama.cpp's `hsum_float_8`: the order in which its AVX2 kernels add their eight lanes.

@@ -17,16 +17,14 @@ fn load<T: Copy>(b: &[T], at: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
 }
 
-/// One Q4_K weight row against one activation row, all of `Q4K::dot_with`'s float part in
-/// registers: the same products, the same fused multiply-adds into the same eight lanes
-/// (converted from the same exact `i32` lanes) and four min lanes, in the same
-/// super-block order, and the same final sums, so the bits of `Q4K::dot_scalar`. A decode
-/// step spends most of its time here; kept in scalar code, the float part's shuffles and
-/// the scales unpacked twice cost more than the integer lanes.
+/// One Q4_K weight row against one activation row: `Q4K::dot_with`'s float chain (two
+/// fused multiply-adds per super-block, the same operands in the same order) on the exact
+/// sums of [`q4_k_lanes_n`], so the bits of `Q4K::dot_scalar`. Kept whole in one function
+/// compiled for AVX2: a decode step spends most of its time here, and a call per
+/// super-block across the target-feature boundary would cost more than its lanes.
 #[target_feature(enable = "avx2,fma")]
 pub fn q4_k_dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
-    let mut acc = _mm256_setzero_ps();
-    let mut acc_m = [0f32; 4];
+    let mut acc = 0f32;
     for (wb, ab) in w.chunks_exact(144).zip(a) {
         let d = ab.d * f16_at(wb, 0);
         let dmin = -ab.d * f16_at(wb, 2);
@@ -35,21 +33,17 @@ pub fn q4_k_dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         for j in 0..8 {
             (sc[j], m[j]) = gguf::k4_scale_min(j, &wb[4..16]);
         }
-        let sums = |j: usize| i32::from(ab.bsums[2 * j]) + i32::from(ab.bsums[2 * j + 1]);
-        for (k, acc) in acc_m.iter_mut().enumerate() {
-            let prod =
-                i32::from(m[2 * k]) * sums(2 * k) + i32::from(m[2 * k + 1]) * sums(2 * k + 1);
-            *acc = dmin.mul_add(prod as f32, *acc);
-        }
+        let min_sum: i32 = (0..8)
+            .map(|j| {
+                i32::from(m[j]) * (i32::from(ab.bsums[2 * j]) + i32::from(ab.bsums[2 * j + 1]))
+            })
+            .sum();
         let [lanes] = q4_k_lanes_n(&wb[16..144], [&ab.qs], &sc);
-        // SAFETY: `lanes` is 32 readable bytes; the load is unaligned.
-        let lanes = unsafe { _mm256_loadu_si256(lanes.as_ptr().cast()) };
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
+        let sum: i32 = lanes.iter().sum();
+        acc = d.mul_add(sum as f32, acc);
+        acc = dmin.mul_add(min_sum as f32, acc);
     }
-    let mut lanes = [0f32; 8];
-    // SAFETY: `lanes` is 32 writable bytes; the store is unaligned.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-    hsum8(lanes) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]))
+    acc
 }
 
 /// The lanes of `Σ_j sc[j] · Σ_l q[32j + l] · a[32j + l]` (see `Q4K::dot_scalar`) for one

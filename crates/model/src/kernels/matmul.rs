@@ -7,7 +7,7 @@
 use rayon::prelude::*;
 
 use super::quantize::quantize_row_q8_k;
-use crate::blocks::{Acts, BlockQ8K, BlockQ8_1, TileScales, QK, TILE};
+use crate::blocks::{Acts, BlockQ8K, BlockQ8_1, LanesQ8K, TileScales, LANE_TOKENS, QK, TILE};
 
 /// The activation quantization a format's dot product is defined on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,6 +26,11 @@ pub trait WeightRows: Send + Sync {
     fn act_kind(&self) -> ActKind;
     /// Whether the product reads [`Acts::tile_scales`].
     fn wants_tile_scales(&self) -> bool;
+    /// Whether a product of `n` tokens reads [`Acts::q8_k_lanes`].
+    fn wants_q8_k_lanes(&self, n: usize) -> bool {
+        let _ = n;
+        false
+    }
     /// `out[r * n + t] = dot(W[r0 + r], x[t])` for `nr` rows and the `n` tokens of `acts`.
     fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]);
     /// Rows `r0..r0 + nr` against the `n` tokens straight into token-major `out`
@@ -66,6 +71,10 @@ impl<W: WeightRows + ?Sized> WeightRows for RowSlice<'_, W> {
 
     fn wants_tile_scales(&self) -> bool {
         self.w.wants_tile_scales()
+    }
+
+    fn wants_q8_k_lanes(&self, n: usize) -> bool {
+        self.w.wants_q8_k_lanes(n)
     }
 
     fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
@@ -151,12 +160,18 @@ pub fn matmul_group<W: WeightRows + ?Sized>(
     } else {
         Vec::new()
     };
+    let lanes = if ws.iter().any(|w| w.wants_q8_k_lanes(n)) {
+        q8_k_lanes(&q8_k, n, cols / gguf::QK_K)
+    } else {
+        Vec::new()
+    };
     let input = Input {
         acts: Acts {
             f32: x_f32,
             q8_1: x_q8,
             q8_k: &q8_k,
             tile_scales: &scales,
+            q8_k_lanes: &lanes,
         },
         cols,
     };
@@ -173,6 +188,7 @@ pub fn matmul_group<W: WeightRows + ?Sized>(
 pub(super) const TOKEN_SPLIT_MIN: usize = 64;
 /// Tokens per task of the token split (a whole number of tiles).
 pub(super) const TOKEN_BLOCK: usize = 8 * TILE;
+const _: () = assert!(TOKEN_BLOCK.is_multiple_of(LANE_TOKENS));
 /// Weight rows whose blocks stay in L1/L2 while a token block passes over them.
 pub(super) const ROW_BLOCK: usize = 64;
 
@@ -183,8 +199,9 @@ struct Input<'a> {
 }
 
 impl Input<'_> {
-    /// The kernels' view of tokens `t0..t0 + nt` (`t0` a multiple of [`TILE`], so tile
-    /// indices stay aligned with [`tile_scales`]). Forms the group does not use are empty.
+    /// The kernels' view of tokens `t0..t0 + nt` (`t0` a multiple of [`TOKEN_BLOCK`], so
+    /// tile indices stay aligned with [`tile_scales`] and lane groups with
+    /// [`q8_k_lanes`]). Forms the group does not use are empty.
     fn tokens(&self, t0: usize, nt: usize) -> Acts<'_> {
         let nb = self.cols / QK;
         let nbk = self.cols / gguf::QK_K;
@@ -198,6 +215,11 @@ impl Input<'_> {
             q8_1: self.acts.q8_1.get(t0 * nb..(t0 + nt) * nb).unwrap_or(&[]),
             q8_k: self.acts.q8_k.get(t0 * nbk..(t0 + nt) * nbk).unwrap_or(&[]),
             tile_scales: self.acts.tile_scales.get(t0 / TILE * nb..).unwrap_or(&[]),
+            q8_k_lanes: self
+                .acts
+                .q8_k_lanes
+                .get(t0 / LANE_TOKENS * nbk..(t0 + nt).div_ceil(LANE_TOKENS) * nbk)
+                .unwrap_or(&[]),
         }
     }
 }
@@ -209,8 +231,15 @@ fn by_token_blocks<W: WeightRows + ?Sized>(ws: &[&W], input: &Input<'_>, outs: &
     let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
     for (m, out) in outs.iter_mut().enumerate() {
         let rows = ws[m].rows();
-        for (b, chunk) in out.chunks_mut(TOKEN_BLOCK * rows).enumerate() {
-            tasks.push((m, b * TOKEN_BLOCK, chunk));
+        // Longer blocks from 256 tokens: a kernel's per-row preparation then serves more
+        // tokens, while shorter products keep enough tasks for every core.
+        let block = if out.len() / rows >= 256 {
+            2 * TOKEN_BLOCK
+        } else {
+            TOKEN_BLOCK
+        };
+        for (b, chunk) in out.chunks_mut(block * rows).enumerate() {
+            tasks.push((m, b * block, chunk));
         }
     }
     tasks.into_par_iter().for_each(|(m, t0, chunk)| {
@@ -324,6 +353,26 @@ fn assemble_token_major(
                 }
             }
         });
+}
+
+/// The `n` Q8_K rows (`nb` super-blocks each) as lane blocks, `[group * nb + i]`, groups
+/// of [`LANE_TOKENS`] tokens (the last padded), built in parallel by group.
+pub(crate) fn q8_k_lanes(x: &[BlockQ8K], n: usize, nb: usize) -> Vec<LanesQ8K> {
+    let groups = n.div_ceil(LANE_TOKENS);
+    let empty = LanesQ8K {
+        q: [[0; 64]; gguf::QK_K / 4],
+        d: [0.0; LANE_TOKENS],
+        sum_pairs: [[0; LANE_TOKENS]; 4],
+    };
+    let mut out = vec![empty; groups * nb];
+    out.par_chunks_mut(nb).enumerate().for_each(|(g, o)| {
+        let t0 = g * LANE_TOKENS;
+        let rows: Vec<&[BlockQ8K]> = (t0..n.min(t0 + LANE_TOKENS))
+            .map(|t| &x[t * nb..(t + 1) * nb])
+            .collect();
+        LanesQ8K::fill(&rows, o);
+    });
+    out
 }
 
 /// The activation scales of every whole tile, laid out for the kernels:

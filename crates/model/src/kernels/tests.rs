@@ -963,6 +963,7 @@ fn wide_token_major_tiles_match_row_major_bit_for_bit() {
                 q8_1: &xq,
                 q8_k: &[],
                 tile_scales: &[],
+                q8_k_lanes: &[],
             };
             // Through the matrix as the driver calls it: row-major, then token-major.
             m.rows_kernel(0, rows, &acts, n, &mut by_row);

@@ -12,7 +12,7 @@ use crate::blocks::TILE;
 pub(super) const ROWS: usize = 4;
 
 /// Where the tiles' results go: `out[r * n + t]`, or `out[t * ld + r]`.
-pub(super) enum Out<'a> {
+pub(crate) enum Out<'a> {
     RowMajor { out: &'a mut [f32], n: usize },
     TokenMajor { out: &'a mut [f32], ld: usize },
 }
@@ -20,7 +20,7 @@ pub(super) enum Out<'a> {
 impl Out<'_> {
     /// Row `r`'s results for tokens `t0..t0 + vals.len()`.
     #[inline]
-    pub(super) fn put_slice(&mut self, r: usize, t0: usize, vals: &[f32]) {
+    pub(crate) fn put_slice(&mut self, r: usize, t0: usize, vals: &[f32]) {
         match self {
             Out::RowMajor { out, n } => {
                 out[r * *n + t0..r * *n + t0 + vals.len()].copy_from_slice(vals);

@@ -1,17 +1,16 @@
-//! Register-tiled Q4_K and Q6_K prefill products for CPUs with AVX-512 (BW, VNNI): two
+//! Register-tiled Q6_K prefill products for CPUs with AVX-512 (BW, VNNI): two
 //! tokens per 512-bit register (token `2k` of a tile in the low half, `2k + 1` in the
 //! high half), each super-block unpacked once for two tiles of 4 tokens (one at the end
 //! when the count of tiles is odd), one weight row at a time. On Zen 5 two rows per pass
-//! (sharing each activation register) and four tiles per pass both measured slower for
-//! Q4_K than this (6-8%), and no faster for Q6_K.
+//! (sharing each activation register) and four tiles per pass both measured no faster.
+//! (Q4_K has its own arithmetic and kernel: `x86_512_lanes.rs`.)
 //!
-//! The integer lanes are the 256-bit kernels' (`avx2_kquants::q4_k_lanes_n`,
-//! `q6_k_lanes_n`) exact `i32` sums, formed with `vpdpwssd` (the scale multiply-add and
-//! the accumulation in one instruction, exact: no saturation, and far from overflow). The
-//! float part is `Q4K::dot_with`'s or `Q6K::dot_with`'s per token, lane for lane: the
-//! same `d_a · d_w` products, the same fused multiply-adds into the same lanes in the same
-//! super-block order, the same final sums; so every token gets exactly the 256-bit
-//! kernels' bits, and llama.cpp's.
+//! The integer lanes are the 256-bit kernel's (`avx2_kquants::q6_k_lanes_n`) exact `i32`
+//! sums, formed with `vpdpwssd` (the scale multiply-add and the accumulation in one
+//! instruction, exact: no saturation, and far from overflow). The float part is
+//! `Q6K::dot_with`'s per token, lane for lane: the same `d_a · d_w` products, the same
+//! fused multiply-adds into the same lanes in the same super-block order, the same final
+//! sums; so every token gets exactly the 256-bit kernels' bits, and llama.cpp's.
 
 use std::arch::x86_64::*;
 
@@ -26,12 +25,9 @@ struct TileActs {
     /// `[d0 x8, d1 x8]` and `[d2 x8, d3 x8]`: each token's scale over its eight lanes.
     d01: __m512,
     d23: __m512,
-    /// `[-d0 x4, -d1 x4, -d2 x4, -d3 x4]` (Q4_K's min term: four lanes a token).
-    neg_d: __m512,
-    /// Q4_K: each token's eight sub-block sums of activations (`bsums` pairs) as `i16`,
-    /// 128 bits a token. Q6_K: tokens 0 and 1's `bsums` (256 bits each).
+    /// Tokens 0 and 1's `bsums` (256 bits each).
     s0: __m512i,
-    /// Q6_K: tokens 2 and 3's `bsums`.
+    /// Tokens 2 and 3's `bsums`.
     s1: __m512i,
     /// Tokens 0 and 1's quants (`q[0]`), 2 and 3's (`q[1]`), 32 bytes of each a register:
     /// interleaved once per pass, so each row's products load one register where they
@@ -39,7 +35,7 @@ struct TileActs {
     q: [[__m512i; 8]; 2],
 }
 
-/// Q4_K (`six` false) or Q6_K rows (`w` ggml's super-blocks as bytes, `nb` a row) against
+/// Q6_K rows (`w` ggml's super-blocks as bytes, `nb` a row) against
 /// the whole tiles of the `n` tokens, into `out`; returns how many tokens it did (a
 /// multiple of [`TILE`]); the caller does the rest with the 256-bit kernel.
 ///
@@ -52,7 +48,6 @@ pub(super) unsafe fn k_quant_tiles(
     nb: usize,
     x: &[BlockQ8K],
     n: usize,
-    six: bool,
     out: &mut Out<'_>,
 ) -> usize {
     let tiles = n / TILE;
@@ -60,11 +55,9 @@ pub(super) unsafe fn k_quant_tiles(
     let mut tile = 0;
     while tile < tiles {
         let p = if tile + 2 <= tiles { 2 } else { 1 };
-        match (p, six) {
-            (2, false) => pass::<2, false>(w, nb, x, tile, &mut prep, out),
-            (2, true) => pass::<2, true>(w, nb, x, tile, &mut prep, out),
-            (_, false) => pass::<1, false>(w, nb, x, tile, &mut prep, out),
-            (_, true) => pass::<1, true>(w, nb, x, tile, &mut prep, out),
+        match p {
+            2 => pass::<2>(w, nb, x, tile, &mut prep, out),
+            _ => pass::<1>(w, nb, x, tile, &mut prep, out),
         }
         tile += p;
     }
@@ -82,18 +75,17 @@ pub unsafe fn k_quant_rows(
     nb: usize,
     x: &[BlockQ8K],
     n: usize,
-    six: bool,
     out: &mut [f32],
 ) -> usize {
     // SAFETY (both calls): the caller guarantees the CPU features, the function's only
     // requirement.
     let padded = super::x86_512::padded_to_tiles(x, nb, n, out, |xp, np, wide| unsafe {
-        k_quant_tiles(w, nb, xp, np, six, &mut Out::RowMajor { out: wide, n: np });
+        k_quant_tiles(w, nb, xp, np, &mut Out::RowMajor { out: wide, n: np });
     });
     if padded {
         return n;
     }
-    unsafe { k_quant_tiles(w, nb, x, n, six, &mut Out::RowMajor { out, n }) }
+    unsafe { k_quant_tiles(w, nb, x, n, &mut Out::RowMajor { out, n }) }
 }
 
 /// [`k_quant_tiles`] straight into token-major `out[t * ld + r]`, where `n` is whole tiles;
@@ -106,7 +98,6 @@ pub unsafe fn k_quant_token_major(
     nb: usize,
     x: &[BlockQ8K],
     n: usize,
-    six: bool,
     out: &mut [f32],
     ld: usize,
 ) -> bool {
@@ -114,14 +105,14 @@ pub unsafe fn k_quant_token_major(
         return false;
     }
     // SAFETY: the caller guarantees the CPU features, the function's only requirement.
-    unsafe { k_quant_tiles(w, nb, x, n, six, &mut Out::TokenMajor { out, ld }) };
+    unsafe { k_quant_tiles(w, nb, x, n, &mut Out::TokenMajor { out, ld }) };
     true
 }
 
 /// Every row against tiles `tile..tile + P`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn pass<const P: usize, const SIX: bool>(
+fn pass<const P: usize>(
     w: &[u8],
     nb: usize,
     x: &[BlockQ8K],
@@ -129,7 +120,7 @@ fn pass<const P: usize, const SIX: bool>(
     prep: &mut Vec<TileActs>,
     out: &mut Out<'_>,
 ) {
-    let rb = nb * if SIX { 210 } else { 144 };
+    let rb = nb * 210;
     let nr = w.len() / rb;
     let t0 = tile * TILE;
     let acts: [[&[BlockQ8K]; TILE]; P] = std::array::from_fn(|p| {
@@ -138,18 +129,12 @@ fn pass<const P: usize, const SIX: bool>(
     prep.clear();
     for i in 0..nb {
         for tile_acts in &acts {
-            prep.push(tile_acts_of::<SIX>(std::array::from_fn(|j| {
-                &tile_acts[j][i]
-            })));
+            prep.push(tile_acts_of(std::array::from_fn(|j| &tile_acts[j][i])));
         }
     }
     for r in 0..nr {
         let row = &w[r * rb..(r + 1) * rb];
-        let res = if SIX {
-            q6_k_row::<P>(row, prep)
-        } else {
-            q4_k_row::<P>(row, prep)
-        };
+        let res = q6_k_row::<P>(row, prep);
         for (p, part) in res.iter().enumerate() {
             out.put_slice(r, t0 + p * TILE, part);
         }
@@ -158,34 +143,16 @@ fn pass<const P: usize, const SIX: bool>(
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn tile_acts_of<const SIX: bool>(a: [&BlockQ8K; TILE]) -> TileActs {
+fn tile_acts_of(a: [&BlockQ8K; TILE]) -> TileActs {
     let d: [f32; 16] = std::array::from_fn(|l| a[l / 8].d);
     let d2: [f32; 16] = std::array::from_fn(|l| a[2 + l / 8].d);
-    let neg_d: [f32; 16] = std::array::from_fn(|l| -a[l / 4].d);
     let loadps = |v: &[f32; 16]| {
         // SAFETY: `v` is 16 readable f32; the load is unaligned.
         unsafe { _mm512_loadu_ps(v.as_ptr()) }
     };
-    let (s0, s1) = if SIX {
-        let b = |t: usize| {
-            // SAFETY: `bsums` is 16 readable i16 (32 bytes); the load is unaligned.
-            unsafe { _mm256_loadu_si256(a[t].bsums.as_ptr().cast()) }
-        };
-        (
-            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(b(0)), b(1)),
-            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(b(2)), b(3)),
-        )
-    } else {
-        // Each sum is of 32 activations in -128..=127: within ±4,096, an exact i16.
-        let sums: [i16; 32] = std::array::from_fn(|l| {
-            let (t, j) = (l / 8, l % 8);
-            a[t].bsums[2 * j] + a[t].bsums[2 * j + 1]
-        });
-        // SAFETY: `sums` is 64 readable bytes; the load is unaligned.
-        (
-            unsafe { _mm512_loadu_si512(sums.as_ptr().cast()) },
-            _mm512_setzero_si512(),
-        )
+    let b = |t: usize| {
+        // SAFETY: `bsums` is 16 readable i16 (32 bytes); the load is unaligned.
+        unsafe { _mm256_loadu_si256(a[t].bsums.as_ptr().cast()) }
     };
     let q = std::array::from_fn(|h| {
         std::array::from_fn(|c| pair(&a[2 * h].qs, &a[2 * h + 1].qs, 32 * c))
@@ -194,9 +161,8 @@ fn tile_acts_of<const SIX: bool>(a: [&BlockQ8K; TILE]) -> TileActs {
         q,
         d01: loadps(&d),
         d23: loadps(&d2),
-        neg_d: loadps(&neg_d),
-        s0,
-        s1,
+        s0: _mm512_inserti64x4::<1>(_mm512_castsi256_si512(b(0)), b(1)),
+        s1: _mm512_inserti64x4::<1>(_mm512_castsi256_si512(b(2)), b(3)),
     }
 }
 
@@ -235,22 +201,9 @@ pub(super) fn f16_pair(b: &[u8], at: usize) -> __m128 {
     ])))
 }
 
-/// The eight 6-bit scales and mins of a Q4_K super-block from its 12 packed bytes.
-#[inline]
-fn scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
-    let (mut sc, mut m) = ([0u8; 8], [0u8; 8]);
-    for j in 0..4 {
-        sc[j] = s[j] & 63;
-        m[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0x0f) | ((s[j] >> 6) << 4);
-        m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-    }
-    (sc, m)
-}
-
 /// The four tokens' results from two lane accumulators `[t0 | t1]`, `[t2 | t3]`, each
-/// summed as `low_kquants::hsum8`, plus (Q4_K) each token's four min-term lanes summed as
-/// `Q4K::dot_with` does.
+/// summed as `low_kquants::hsum8`, plus (the low k-quants) each token's four min-term lanes
+/// summed as their `dot_with` does.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) fn finish(acc: [__m512; 2], acc_m: Option<__m512>) -> [f32; TILE] {
@@ -281,7 +234,7 @@ pub(super) fn finish(acc: [__m512; 2], acc_m: Option<__m512>) -> [f32; TILE] {
 }
 
 /// `acc[h] = fma(d_a * d_w, f32(lanes[h]), acc[h])` for a tile's two token pairs: the float
-/// step `Q4K::dot_with` and `Q6K::dot_with` take per super-block, on every lane.
+/// step `Q6K::dot_with` takes per super-block, on every lane.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn scale_lanes(acc: &mut [__m512; 2], ta: &TileActs, dw: __m512, lanes: [__m512i; 2]) {
@@ -295,55 +248,6 @@ fn scale_lanes(acc: &mut [__m512; 2], ta: &TileActs, dw: __m512, lanes: [__m512i
         _mm512_cvtepi32_ps(lanes[1]),
         acc[1],
     );
-}
-
-/// One Q4_K row against `P` tiles: `[tile][token]`.
-// Indexed loops: written with iterators, this measured 4% slower (worse inlining).
-#[allow(clippy::needless_range_loop)]
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn q4_k_row<const P: usize>(row: &[u8], prep: &[TileActs]) -> [[f32; TILE]; P] {
-    let mut acc = [[_mm512_setzero_ps(); 2]; P];
-    let mut acc_m = [_mm512_setzero_ps(); P];
-    let mask = _mm512_set1_epi8(0x0f);
-    for (i, wb) in row.chunks_exact(144).enumerate() {
-        let dd = f16_pair(wb, 0);
-        let dw = _mm512_set1_ps(_mm_cvtss_f32(dd));
-        let dm = _mm512_set1_ps(_mm_cvtss_f32(_mm_movehdup_ps(dd)));
-        let (sc, m) = scales_mins(&wb[4..16]);
-        let mut lanes = [[_mm512_setzero_si512(); 2]; P];
-        for c in 0..4 {
-            let q = both_halves(wb, 16 + 32 * c);
-            let lo = _mm512_and_si512(q, mask);
-            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), mask);
-            let sc_lo = _mm512_set1_epi16(i16::from(sc[2 * c]));
-            let sc_hi = _mm512_set1_epi16(i16::from(sc[2 * c + 1]));
-            for p in 0..P {
-                let ta = &prep[i * P + p];
-                for h in 0..2 {
-                    let x_lo = _mm512_maddubs_epi16(lo, ta.q[h][2 * c]);
-                    let x_hi = _mm512_maddubs_epi16(hi, ta.q[h][2 * c + 1]);
-                    lanes[p][h] = _mm512_dpwssd_epi32(lanes[p][h], x_lo, sc_lo);
-                    lanes[p][h] = _mm512_dpwssd_epi32(lanes[p][h], x_hi, sc_hi);
-                }
-            }
-        }
-        // SAFETY: `m` is 8 readable bytes; the load is unaligned.
-        let m16 = unsafe { _mm_cvtepu8_epi16(_mm_loadl_epi64(m.as_ptr().cast())) };
-        let mins = _mm512_broadcast_i32x4(m16);
-        for p in 0..P {
-            let ta = &prep[i * P + p];
-            scale_lanes(&mut acc[p], ta, dw, lanes[p]);
-            // Lane k of each token: m[2k]·sums(2k) + m[2k + 1]·sums(2k + 1), exact.
-            let prod = _mm512_madd_epi16(ta.s0, mins);
-            acc_m[p] = _mm512_fmadd_ps(
-                _mm512_mul_ps(ta.neg_d, dm),
-                _mm512_cvtepi32_ps(prod),
-                acc_m[p],
-            );
-        }
-    }
-    std::array::from_fn(|p| finish(acc[p], Some(acc_m[p])))
 }
 
 /// One Q6_K row against `P` tiles: `[tile][token]`. Each lane starts at `-32 · offset`

@@ -1,16 +1,23 @@
 //! Q4_K, Q5_K and Q6_K against Q8_K activations, kept as ggml's bytes: one [`QuantFormat`]
-//! each, a portable definition in llama.cpp's AVX2 float order and AVX2 integer lanes
-//! (`kernels/avx2_kquants.rs`), dispatched at run time as the other formats are, and for
-//! prefill on AVX-512 CPUs the register tiles of `kernels/x86_512_kquants.rs`.
+//! each, a portable definition, AVX2 integer lanes (`kernels/avx2_kquants.rs`) dispatched at
+//! run time as the other formats are, and for prefill on AVX-512 CPUs the tokens-in-lanes
+//! kernel of `kernels/x86_512_lanes.rs` (Q4_K) or the register tiles of
+//! `kernels/x86_512_kquants.rs` (Q6_K). Q5_K and Q6_K keep llama.cpp's AVX2 float order;
+//! Q4_K has one float chain per output (see [`Q4K::dot_scalar`]).
 
 use gguf::GgmlType;
 
 use super::{byte_blocks, byte_view, QuantFormat};
 #[cfg(target_arch = "x86_64")]
 use crate::blocks::TILE;
-use crate::blocks::{f16_at, hsum8, BlockQ8K};
+use crate::blocks::{f16_at, hsum8, BlockQ8K, LanesQ8K};
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::{avx2_kquants as simd, cpu, x86_512_kquants};
+use crate::kernels::{avx2_kquants as simd, cpu, tile_out::Out, x86_512_kquants, x86_512_lanes};
+
+/// From this many tokens on, a Q4_K product takes the activations as lanes (sixteen tokens
+/// a register): below it most lanes would be padding.
+#[cfg(target_arch = "x86_64")]
+const LANES_MIN: usize = 8;
 
 /// Rows of at most this many super-blocks (16,384 columns) keep a tile's integer lanes on
 /// the stack; longer ones go one token at a time.
@@ -45,58 +52,74 @@ pub(crate) fn wide_tiles(n: usize) -> bool {
 pub struct Q4K;
 
 impl Q4K {
-    /// Eight sub-blocks of 32 with 6-bit scales and mins, in llama.cpp's AVX2 float order
-    /// (`ggml_vec_dot_q4_K_q8_K`): eight lanes of scaled sums (lane `i` holding elements
-    /// `4i..4i+4` of every sub-block), four of the min term (sub-blocks `2k`, `2k + 1`), each
-    /// accumulated across super-blocks by a fused multiply-add, then summed as llama.cpp
-    /// does. The portable definition (the SIMD path is tested against it).
+    /// Eight sub-blocks of 32 with 6-bit scales and mins, one float chain per output: per
+    /// super-block the exact integers `S = Σ_j sc_j Σ_l q·a` and `M = Σ_j m_j Σ a`, then
+    /// `acc = fma(d_a·d_w, S, acc)` and `acc = fma(−d_a·dmin_w, M, acc)`, super-block after
+    /// super-block. Exact integers do not depend on how they are formed, so every path (one
+    /// row, a tile, the 512-bit kernels' tokens-in-lanes `vpdpbusd`) gives these bits
+    /// whatever its lanes. This is not llama.cpp's order (eight float lanes, four min lanes,
+    /// its lane sum): issue 20 gave that up for the products' speed, and `kvwarden eval`
+    /// holds the difference to llama.cpp's own spread. The portable definition.
     pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
         Self::dot_with(w, a, |_, wb, ab, sc| {
-            let mut lanes = [0i32; 8];
+            let mut sum = 0i32;
             for (j, &s) in sc.iter().enumerate() {
                 let qs = &wb[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
-                for (i, lane) in lanes.iter_mut().enumerate() {
-                    let sum: i32 = (4 * i..4 * i + 4)
-                        .map(|l| {
-                            let v = if j % 2 == 0 { qs[l] & 0x0f } else { qs[l] >> 4 };
-                            i32::from(v) * i32::from(ab.qs[32 * j + l])
-                        })
-                        .sum();
-                    *lane += i32::from(s) * sum;
-                }
+                let sub: i32 = (0..32)
+                    .map(|l| {
+                        let v = if j % 2 == 0 { qs[l] & 0x0f } else { qs[l] >> 4 };
+                        i32::from(v) * i32::from(ab.qs[32 * j + l])
+                    })
+                    .sum();
+                sum += i32::from(s) * sub;
             }
-            lanes
+            sum
         })
     }
 
-    /// The float part shared by both paths; `lanes` gives a super-block's scaled sums.
+    /// The float chain shared by every path; `scaled_sum` gives a super-block's exact `S`.
     #[inline(always)]
-    fn dot_with(
+    pub(crate) fn dot_with(
         w: &[u8],
         a: &[BlockQ8K],
-        lanes: impl Fn(usize, &[u8], &BlockQ8K, &[u8; 8]) -> [i32; 8],
+        scaled_sum: impl Fn(usize, &[u8], &BlockQ8K, &[u8; 8]) -> i32,
     ) -> f32 {
-        let mut acc = [0f32; 8];
-        let mut acc_m = [0f32; 4];
+        let mut acc = 0f32;
         for (i, (wb, ab)) in w.chunks_exact(144).zip(a).enumerate() {
-            let d = ab.d * f16_at(wb, 0);
-            let dmin = -ab.d * f16_at(wb, 2);
-            let (sc, m): ([u8; 8], [u8; 8]) = (
-                std::array::from_fn(|j| gguf::k4_scale_min(j, &wb[4..16]).0),
-                std::array::from_fn(|j| gguf::k4_scale_min(j, &wb[4..16]).1),
-            );
-            let sums = |j: usize| i32::from(ab.bsums[2 * j]) + i32::from(ab.bsums[2 * j + 1]);
-            for (k, acc) in acc_m.iter_mut().enumerate() {
-                let prod =
-                    i32::from(m[2 * k]) * sums(2 * k) + i32::from(m[2 * k + 1]) * sums(2 * k + 1);
-                *acc = dmin.mul_add(prod as f32, *acc);
-            }
-            for (acc, lane) in acc.iter_mut().zip(lanes(i, wb, ab, &sc)) {
-                *acc = d.mul_add(lane as f32, *acc);
-            }
+            let (d, dmin) = Self::block_scales(wb, ab.d);
+            let (sc, m) = scales_mins(wb);
+            let s = scaled_sum(i, wb, ab, &sc);
+            acc = d.mul_add(s as f32, acc);
+            acc = dmin.mul_add(Self::min_sum(&m, &ab.bsums) as f32, acc);
         }
-        hsum8(acc) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3]))
+        acc
     }
+
+    /// A super-block's two float factors against activations of scale `d_a`: `d_a·d_w` and
+    /// `−d_a·dmin_w`.
+    #[inline(always)]
+    pub(crate) fn block_scales(wb: &[u8], d_a: f32) -> (f32, f32) {
+        (d_a * f16_at(wb, 0), -d_a * f16_at(wb, 2))
+    }
+
+    /// `M = Σ_j m_j · Σ a` over sub-block `j` (from the activations' sums of 16), exact.
+    #[inline(always)]
+    pub(crate) fn min_sum(m: &[u8; 8], bsums: &[i16; 16]) -> i32 {
+        (0..8)
+            .map(|j| i32::from(m[j]) * (i32::from(bsums[2 * j]) + i32::from(bsums[2 * j + 1])))
+            .sum()
+    }
+}
+
+/// A Q4_K super-block's eight 6-bit sub-block scales and mins.
+#[inline(always)]
+pub(crate) fn scales_mins(wb: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let mut sc = [0u8; 8];
+    let mut m = [0u8; 8];
+    for j in 0..8 {
+        (sc[j], m[j]) = gguf::k4_scale_min(j, &wb[4..16]);
+    }
+    (sc, m)
 }
 
 impl QuantFormat for Q4K {
@@ -132,7 +155,7 @@ impl QuantFormat for Q4K {
                     lanes[i] = unsafe { simd::q4_k_lanes_n(&wb[16..144], a, &sc) };
                 }
                 for (t, (a, o)) in acts.iter().zip(out.iter_mut()).enumerate() {
-                    *o = Self::dot_with(w, a, |i, _, _, _| lanes[i][t]);
+                    *o = Self::dot_with(w, a, |i, _, _, _| lanes[i][t].iter().sum());
                 }
             });
             return;
@@ -143,37 +166,37 @@ impl QuantFormat for Q4K {
     }
 
     #[inline(always)]
-    fn wide_rows(w: &[[u8; 144]], nb: usize, x: &[BlockQ8K], n: usize, out: &mut [f32]) -> usize {
+    fn wants_lanes(n: usize) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if wide_tiles(n) {
-            // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ, VL,
-            // VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
-            // bounds-checks its slices.
-            return unsafe {
-                x86_512_kquants::k_quant_rows(w.as_flattened(), nb, x, n, false, out)
-            };
+        return n >= LANES_MIN && cpu::wide_available() && cpu::avx2_fma_f16c_detected();
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = n;
+            false
         }
-        let _ = (w, nb, x, n, out);
-        0
     }
 
     #[inline(always)]
-    fn rows_token_major(
+    fn lanes_rows(
         w: &[[u8; 144]],
         nb: usize,
-        x: &[BlockQ8K],
+        lanes: &[LanesQ8K],
         n: usize,
         out: &mut [f32],
-        ld: usize,
+        ld: Option<usize>,
     ) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if cpu::wide_available() {
-            let w = w.as_flattened();
-            // SAFETY: the CPU has the features `wide_available` checks, the function's
-            // only requirement; it bounds-checks its slices.
-            return unsafe { x86_512_kquants::k_quant_token_major(w, nb, x, n, false, out, ld) };
+        if Self::wants_lanes(n) {
+            let mut out = match ld {
+                Some(ld) => Out::TokenMajor { out, ld },
+                None => Out::RowMajor { out, n },
+            };
+            // SAFETY: the CPU has the features `wide_available` checks and F16C, the
+            // function's only requirement; it bounds-checks its slices.
+            unsafe { x86_512_lanes::q4_k_lanes(w.as_flattened(), nb, lanes, n, &mut out) };
+            return true;
         }
-        let _ = (w, nb, x, n, out, ld);
+        let _ = (w, nb, lanes, n, out, ld);
         false
     }
 
@@ -336,7 +359,7 @@ impl QuantFormat for Q6K {
             // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ, VL,
             // VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
             // bounds-checks its slices.
-            return unsafe { x86_512_kquants::k_quant_rows(w.as_flattened(), nb, x, n, true, out) };
+            return unsafe { x86_512_kquants::k_quant_rows(w.as_flattened(), nb, x, n, out) };
         }
         let _ = (w, nb, x, n, out);
         0
@@ -356,7 +379,7 @@ impl QuantFormat for Q6K {
             let w = w.as_flattened();
             // SAFETY: the CPU has the features `wide_available` checks, the function's
             // only requirement; it bounds-checks its slices.
-            return unsafe { x86_512_kquants::k_quant_token_major(w, nb, x, n, true, out, ld) };
+            return unsafe { x86_512_kquants::k_quant_token_major(w, nb, x, n, out, ld) };
         }
         let _ = (w, nb, x, n, out, ld);
         false

@@ -8,7 +8,9 @@
 //! holding elements `4i..4i+4` of each 32-element chunk), one fused multiply-add per lane and
 //! block, the min/offset terms as llama.cpp accumulates them, and its final lane sum. So the
 //! logits on these types equal llama.cpp's bit for bit (`tests/llama_references.rs`); with
-//! the same products in another order this small model moved by tenths of a nat. The
+//! the same products in another order this small model moved by tenths of a nat. Q4_K alone
+//! has an order of its own (one float chain per output, `kquants::Q4K::dot_scalar`) for the
+//! tokens-in-lanes kernel; `kvwarden eval` measures it against llama.cpp's spread. The
 //! k-quants have AVX2 builds of the integer lanes (run-time dispatch, as in `kernels/`);
 //! integer lanes do not depend on how they are summed, so both paths give the same bits.
 
@@ -26,7 +28,7 @@ pub mod table;
 
 use gguf::{GgmlType, TensorData};
 
-use crate::blocks::{Acts, BlockQ8K, BlockQ8_1, TILE};
+use crate::blocks::{Acts, BlockQ8K, BlockQ8_1, LanesQ8K, TILE};
 use crate::kernels::{ActKind, WeightRows};
 
 /// An activation block type: how many elements a block covers, and where to find it.
@@ -129,6 +131,30 @@ pub trait QuantFormat: Send + Sync + Sized + 'static {
         }
         Self::rows(w, x, nb, n, out);
     }
+    /// Whether a product of `n` tokens runs the format's tokens-in-lanes kernel here (so
+    /// the product builds [`Acts::q8_k_lanes`]): where it has one and the CPU runs it.
+    #[inline(always)]
+    fn wants_lanes(n: usize) -> bool {
+        let _ = n;
+        false
+    }
+
+    /// The rows of `w` against the `n` tokens of `lanes` with the tokens-in-lanes kernel,
+    /// into `out[r * n + t]`, or token-major `out[t * ld + r]` given `ld`; false (nothing
+    /// done) where [`Self::wants_lanes`] is false.
+    #[inline(always)]
+    fn lanes_rows(
+        w: &[Self::Block],
+        nb: usize,
+        lanes: &[LanesQ8K],
+        n: usize,
+        out: &mut [f32],
+        ld: Option<usize>,
+    ) -> bool {
+        let _ = (w, nb, lanes, n, out, ld);
+        false
+    }
+
     /// As [`Self::rows`] but token-major, `out[t * ld + r]`, for formats with a kernel that
     /// writes that layout (a prefill then needs no transposition); false, nothing done, for
     /// the others or where the CPU lacks the kernel.
@@ -279,9 +305,17 @@ impl<F: QuantFormat> WeightRows for QuantMatrix<F> {
         F::TILE_SCALES
     }
 
+    fn wants_q8_k_lanes(&self, n: usize) -> bool {
+        F::wants_lanes(n)
+    }
+
     fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
         let nb = self.nb();
-        F::product(&self.data()[r0 * nb..(r0 + nr) * nb], nb, acts, n, out);
+        let w = &self.data()[r0 * nb..(r0 + nr) * nb];
+        if !acts.q8_k_lanes.is_empty() && F::lanes_rows(w, nb, acts.q8_k_lanes, n, out, None) {
+            return;
+        }
+        F::product(w, nb, acts, n, out);
     }
 
     fn rows_token_major(
@@ -295,6 +329,9 @@ impl<F: QuantFormat> WeightRows for QuantMatrix<F> {
     ) -> bool {
         let nb = self.nb();
         let w = &self.data()[r0 * nb..(r0 + nr) * nb];
+        if !acts.q8_k_lanes.is_empty() && F::lanes_rows(w, nb, acts.q8_k_lanes, n, out, Some(ld)) {
+            return true;
+        }
         F::rows_token_major(w, nb, F::Act::pick(acts), n, out, ld)
     }
 }
