@@ -6,7 +6,7 @@
 use std::arch::x86_64::*;
 
 use super::x86::prefetch_ahead;
-use crate::blocks::{f16_at, hsum8, BlockQ8K, BlockQ8_1, TILE};
+use crate::blocks::{f16_at, BlockQ8K, BlockQ8_1, TILE};
 
 /// 32 bytes from `b[at..at + 32]`.
 #[target_feature(enable = "avx2")]
@@ -115,14 +115,13 @@ pub fn q5_k_lanes(qh: &[u8], qs: &[u8], a: &[i8; 256], sc: &[u8; 8]) -> [i32; 8]
     lanes
 }
 
-/// One Q6_K weight row against one activation row, `Q6K::dot_with`'s float part in
-/// registers (as [`q4_k_dot`] for Q4_K): each lane's offset `Σ bsums · sc` over its two
-/// groups is one `madd` of the same exact `i32`s, subtracted shifted by 5 from the same
-/// lanes, converted and fused-multiply-added into the same eight lanes in the same order,
-/// then summed as there: the bits of `Q6K::dot_scalar`.
+/// One Q6_K weight row against one activation row, `Q6K::dot_with`'s float chain (as
+/// [`q4_k_dot`] for Q4_K): each lane's offset `Σ bsums · sc` over its two groups is one
+/// `madd` of the same exact `i32`s, subtracted shifted by 5 from the lanes, their exact sum
+/// then one fused multiply-add per super-block: the bits of `Q6K::dot_scalar`.
 #[target_feature(enable = "avx2,fma")]
 pub fn q6_k_dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
-    let mut acc = _mm256_setzero_ps();
+    let mut acc = 0f32;
     for (wb, ab) in w.chunks_exact(210).zip(a) {
         let mut sc = [0i8; 16];
         for (s, &b) in sc.iter_mut().zip(&wb[192..208]) {
@@ -141,13 +140,13 @@ pub fn q6_k_dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
         };
         // |bsums| ≤ 16 · 128 and |sc| ≤ 128: each product and pair sum is an exact i32.
         let offset = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bsums, scales));
-        let value = _mm256_cvtepi32_ps(_mm256_sub_epi32(lanes, offset));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d), value, acc);
+        let v = _mm256_sub_epi32(lanes, offset);
+        let v = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
+        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v));
+        acc = d.mul_add(_mm_cvtsi128_si32(v) as f32, acc);
     }
-    let mut lanes = [0f32; 8];
-    // SAFETY: `lanes` is 32 writable bytes; the store is unaligned.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-    hsum8(lanes)
+    acc
 }
 
 /// The eight lane sums of one Q6_K super-block, for each of `N` activation rows (unpacked

@@ -26,18 +26,18 @@
 //!   `PairBlock` per format), four rows × eight tokens, two tokens per register, each token
 //!   pair's `d_w * d_a` picked by an in-lane shuffle from one multiply per row and block;
 //!   Q4_0 nibbles unpacked once per product rather than per pass.
-//! - `x86_512_lanes.rs` (Q4_K): sixteen tokens as the `i32` lanes of a register (the
+//! - `x86_512_lanes.rs` (Q4_K, Q6_K): sixteen tokens as the `i32` lanes of a register (the
 //!   activations laid out so once per product, `blocks::LanesQ8K`), each weight quad
 //!   broadcast, so one `vpdpbusd` does 64 multiply-adds, and four rows × two token groups
-//!   share each load; the format's float part is one chain per output
+//!   share each load; these formats' float part is one chain per output
 //!   (`quant::kquants::Q4K::dot_scalar`), so lanes need no reordering. On a 2-core Zen 4 a
-//!   Llama-3.2-1B-shaped Q4_K prefill (pp512) went from 127 to 234 tokens/s.
-//! - `x86_512_kquants.rs` (Q6_K) and `x86_512_low_kquants.rs` (Q2_K, Q3_K): llama.cpp's
-//!   eight lanes per token, two tokens per register; the low k-quants' weights first
-//!   replaced by their group-scaled values through a per-group byte table (`sc·q`, or
-//!   `sc·(q − 4) + 127` with the offset taken back once per pass from the activations'
-//!   sums), so one `vpdpbusd` forms a lane where `maddubs` and `vpdpwssd` took two
-//!   multiplies; the rows unpacked once per product in L2-sized chunks.
+//!   Llama-3.2-1B-shaped Q4_K prefill (pp512) went from 127 to 234 tokens/s. The lanes from
+//!   8 tokens: decode steps of fewer go one row at a time (`avx2_kquants`).
+//! - `x86_512_low_kquants.rs` (Q2_K, Q3_K): llama.cpp's eight lanes per token, two tokens
+//!   per register; each weight first replaced by its group-scaled value through a
+//!   per-group byte table (`sc·q`, or `sc·(q − 4) + 127` with the offset taken back once per
+//!   pass from the activations' sums), so one `vpdpbusd` forms a lane where `maddubs` and
+//!   `vpdpwssd` took two multiplies; the rows unpacked once per product in L2-sized chunks.
 //! - `avx2_kquants.rs`, `avx2_low_kquants.rs`: the k-quants' 256-bit integer lanes.
 //! - `quantize.rs`: Q8_1 and Q8_K activation quantization on vector lanes, the definition's
 //!   first maximum and rounding lane for lane.
@@ -54,9 +54,10 @@
 //!
 //! The weight products reproduce llama.cpp's CPU arithmetic (its plain `vec_dot` kernels):
 //! ggml's `expf` in SwiGLU, its rounding of Q8_1 scales and its RoPE contractions; each
-//! format's float order is said in `crate::quant`. Q4_K is the exception: its float part is
-//! one chain per output, which lets 16 tokens share a register (issue 20 gave the last bits
-//! up for prefill speed; `kvwarden eval` holds it within llama.cpp's own spread). Attention does not: llama.cpp's one-row
+//! format's float order is said in `crate::quant`. Q4_K and Q6_K are the exception: their
+//! float part is one chain per output, which lets 16 tokens share a register (issue 20 gave
+//! the last bits up for prefill speed; `kvwarden eval` holds it within llama.cpp's own
+//! spread). Attention does not: llama.cpp's one-row
 //! flash attention (an f16 accumulator rounded after every key) cannot take a tile of query
 //! rows, so attention has an arithmetic of its own (`attention/`), an f32 online softmax
 //! whose order depends only on positions, and agreement with llama.cpp is a stated tolerance
@@ -92,8 +93,6 @@ pub(crate) mod tile_out;
 mod x86;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_512;
-#[cfg(target_arch = "x86_64")]
-pub(crate) mod x86_512_kquants;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_512_lanes;
 #[cfg(target_arch = "x86_64")]

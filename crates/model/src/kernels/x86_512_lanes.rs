@@ -1,68 +1,86 @@
-//! Q4_K products with the tokens as lanes, for CPUs with AVX-512 VNNI: sixteen tokens per
-//! 512-bit register (`LanesQ8K`, built once per product), each weight quad broadcast from
-//! a row's unpacked super-block, so one `vpdpbusd` does 64 multiply-adds where the
-//! `maddubs` and `vpdpwssd` pair of the lane-for-lane kernels did 32 each, and the float
-//! part is one multiply-add pair per row, token and super-block.
+//! Q4_K and Q6_K products with the tokens as lanes, for CPUs with AVX-512 VNNI: sixteen
+//! tokens per 512-bit register (`LanesQ8K`, built once per product), each weight quad
+//! broadcast from a row's unpacked super-block, so one `vpdpbusd` does 64 multiply-adds
+//! where the `maddubs` and `vpdpwssd` pair of lane-for-lane kernels did 32 each, and the
+//! float part is one multiply-add (two with Q4_K's mins) per row, token and super-block.
 //!
 //! `vpdpbusd` multiplies unsigned by signed bytes, so the activations enter offset by 128
-//! (`a + 128`, unsigned) and the weights as they are (0..15, a valid signed byte); the
-//! offset's share, `128 · Σ_j sc_j Σ q`, is one exact integer per row and super-block,
-//! taken off before the float part. Every sum is an exact `i32` (at most about 6.2·10^7),
-//! so the result is `Q4K::dot_with`'s chain on `Q4K::dot_scalar`'s integers: the portable
-//! definition's bits, as `quant/tests.rs` checks.
+//! (`a + 128`, unsigned) and the weights as signed bytes (Q4_K's 0..15, Q6_K's `q − 32`);
+//! the offset's share, `128 · Σ_g sc_g Σ w`, is one exact integer per row and super-block,
+//! taken off before the float part. Every sum is an exact `i32` (at most about 2.7·10^8),
+//! so the result is the format's float chain on its definition's integers
+//! (`Q4K::dot_scalar`, `Q6K::dot_scalar`): their bits, as `quant/tests.rs` checks.
 //!
 //! Four rows × two groups of sixteen tokens per pass: the activation register of a quad
-//! serves four rows, the broadcast weight quad two groups (24 accumulators).
+//! serves four rows, the broadcast weight quad two groups (24 accumulators). Each row's
+//! super-blocks are unpacked once per call for every token group.
 
 use std::arch::x86_64::*;
 
 use super::tile_out::Out;
 use crate::blocks::{f16_at, LanesQ8K, LANE_TOKENS};
 
-/// Bytes of a Q4_K super-block.
-const BLOCK: usize = 144;
+/// The super-block formats this kernel takes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Format {
+    Q4K,
+    Q6K,
+}
 
-/// A row's super-block as every token group needs it, prepared once per pass.
+impl Format {
+    const fn block_bytes(self) -> usize {
+        match self {
+            Format::Q4K => 144,
+            Format::Q6K => 210,
+        }
+    }
+}
+
+/// A row's super-block as every token group needs it, prepared once per call.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct RowBlock {
-    /// The 256 quants as bytes, in element order (sub-block `j` at `32j..32j + 32`).
+    /// The 256 weights as signed bytes, in element order.
     q: [u8; 256],
-    sc: [i32; 8],
-    /// `m_2k | m_2k+1 << 16`: the min pairs against the activations' sum pairs.
+    /// The group scales: Q4_K's eight (32 weights each), Q6_K's sixteen (16 each).
+    sc: [i32; 16],
+    /// Q4_K: `m_2k | m_2k+1 << 16`, the min pairs against the activations' sum pairs.
     m_pairs: [i32; 4],
     d: f32,
+    /// Q4_K: `−dmin`.
     neg_dmin: f32,
-    /// `128 · Σ_j sc_j Σ_l q_l`: what the activations' offset added.
+    /// `128 · Σ_g sc_g Σ w`: what the activations' offset added.
     offset: i32,
 }
 
 const EMPTY: RowBlock = RowBlock {
     q: [0; 256],
-    sc: [0; 8],
+    sc: [0; 16],
     m_pairs: [0; 4],
     d: 0.0,
     neg_dmin: 0.0,
     offset: 0,
 };
 
-/// Every row of `w` (Q4_K, `nb` super-blocks a row) against the `n` tokens of `lanes`
-/// (`[group * nb + i]`), into `out`.
+/// Every row of `w` (ggml's super-blocks of `format`, `nb` a row) against the `n` tokens of
+/// `lanes` (`[group * nb + i]`), into `out`.
 ///
 /// # Safety
 /// The CPU must support the features `super::cpu::wide_available` checks, and F16C.
 /// Slices are bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn q4_k_lanes(
+pub(crate) unsafe fn k_quant_lanes(
+    format: Format,
     w: &[u8],
     nb: usize,
     lanes: &[LanesQ8K],
     n: usize,
     out: &mut Out<'_>,
 ) {
-    let rows = w.len() / (nb * BLOCK);
+    let block = format.block_bytes();
+    let rows = w.len() / (nb * block);
     let groups = n.div_ceil(LANE_TOKENS);
-    assert!(lanes.len() >= groups * nb, "q4_k_lanes: lanes too short");
+    assert!(lanes.len() >= groups * nb, "k_quant_lanes: lanes too short");
     // Each row's super-blocks are prepared once for every group: `prep[r * nb + i]`.
     let mut prep = vec![EMPTY; 4 * nb];
     let mut r = 0;
@@ -70,8 +88,12 @@ pub(crate) unsafe fn q4_k_lanes(
         let rr = if r + 4 <= rows { 4 } else { 1 };
         for k in 0..rr {
             for i in 0..nb {
-                let at = ((r + k) * nb + i) * BLOCK;
-                row_block(&w[at..at + BLOCK], &mut prep[k * nb + i]);
+                let at = ((r + k) * nb + i) * block;
+                let (wb, rb) = (&w[at..at + block], &mut prep[k * nb + i]);
+                match format {
+                    Format::Q4K => q4_k_block(wb, rb),
+                    Format::Q6K => q6_k_block(wb, rb),
+                }
             }
         }
         let mut g = 0;
@@ -84,11 +106,15 @@ pub(crate) unsafe fn q4_k_lanes(
                 g0: g,
                 n,
             };
-            match (rr, t) {
-                (4, 2) => pass.run::<4, 2>(&prep, out),
-                (4, _) => pass.run::<4, 1>(&prep, out),
-                (_, 2) => pass.run::<1, 2>(&prep, out),
-                _ => pass.run::<1, 1>(&prep, out),
+            match (format, rr, t) {
+                (Format::Q4K, 4, 2) => pass.run::<4, 2, 8, true>(&prep, out),
+                (Format::Q4K, 4, _) => pass.run::<4, 1, 8, true>(&prep, out),
+                (Format::Q4K, _, 2) => pass.run::<1, 2, 8, true>(&prep, out),
+                (Format::Q4K, _, _) => pass.run::<1, 1, 8, true>(&prep, out),
+                (Format::Q6K, 4, 2) => pass.run::<4, 2, 16, false>(&prep, out),
+                (Format::Q6K, 4, _) => pass.run::<4, 1, 16, false>(&prep, out),
+                (Format::Q6K, _, 2) => pass.run::<1, 2, 16, false>(&prep, out),
+                (Format::Q6K, _, _) => pass.run::<1, 1, 16, false>(&prep, out),
             }
             g += t;
         }
@@ -110,7 +136,14 @@ impl Pass<'_> {
     #[allow(clippy::needless_range_loop)]
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-    fn run<const R: usize, const T: usize>(&self, prep: &[RowBlock], out: &mut Out<'_>) {
+    /// `G` groups of `256 / G` weights a super-block, each with its scale; `MINS`: Q4_K's
+    /// min term.
+    fn run<const R: usize, const T: usize, const G: usize, const MINS: bool>(
+        &self,
+        prep: &[RowBlock],
+        out: &mut Out<'_>,
+    ) {
+        let quads = 64 / G;
         let nb = self.nb;
         let zero = _mm512_setzero_si512();
         let mut acc = [[_mm512_setzero_ps(); T]; R];
@@ -118,15 +151,15 @@ impl Pass<'_> {
             let rb: [&RowBlock; R] = std::array::from_fn(|r| &prep[r * nb + i]);
             let la: [&LanesQ8K; T] = std::array::from_fn(|t| &self.lanes[(self.g0 + t) * nb + i]);
             let mut isum = [[zero; T]; R];
-            for j in 0..8 {
+            for j in 0..G {
                 let mut s = [[zero; T]; R];
-                for g in 0..8 {
+                for g in quads * j..quads * (j + 1) {
                     let a: [__m512i; T] = std::array::from_fn(|t| {
-                        // SAFETY: `q[8j + g]` is 64 readable bytes, 64-byte aligned.
-                        unsafe { _mm512_load_si512(la[t].q[8 * j + g].as_ptr().cast()) }
+                        // SAFETY: `q[g]` is 64 readable bytes, 64-byte aligned.
+                        unsafe { _mm512_load_si512(la[t].q[g].as_ptr().cast()) }
                     });
                     for r in 0..R {
-                        let at = 32 * j + 4 * g;
+                        let at = 4 * g;
                         let quad = &rb[r].q[at..at + 4];
                         let wq = _mm512_set1_epi32(i32::from_le_bytes([
                             quad[0], quad[1], quad[2], quad[3],
@@ -153,14 +186,17 @@ impl Pass<'_> {
                 for r in 0..R {
                     let b = rb[r];
                     let sum = _mm512_sub_epi32(isum[r][t], _mm512_set1_epi32(b.offset));
-                    let mut mins = zero;
-                    for (k, &p) in pairs.iter().enumerate() {
-                        mins = _mm512_dpwssd_epi32(mins, p, _mm512_set1_epi32(b.m_pairs[k]));
-                    }
                     let d = _mm512_mul_ps(d_a, _mm512_set1_ps(b.d));
-                    let dmin = _mm512_mul_ps(d_a, _mm512_set1_ps(b.neg_dmin));
                     acc[r][t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sum), acc[r][t]);
-                    acc[r][t] = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(mins), acc[r][t]);
+                    if MINS {
+                        let mut mins = zero;
+                        for (k, &p) in pairs.iter().enumerate() {
+                            let m = _mm512_set1_epi32(b.m_pairs[k]);
+                            mins = _mm512_dpwssd_epi32(mins, p, m);
+                        }
+                        let dmin = _mm512_mul_ps(d_a, _mm512_set1_ps(b.neg_dmin));
+                        acc[r][t] = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(mins), acc[r][t]);
+                    }
                 }
             }
         }
@@ -183,9 +219,9 @@ impl Pass<'_> {
 /// Unpacks one Q4_K super-block into `b`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn row_block(wb: &[u8], b: &mut RowBlock) {
+fn q4_k_block(wb: &[u8], b: &mut RowBlock) {
     let mask = _mm256_set1_epi8(0x0f);
-    let qs = &wb[16..BLOCK];
+    let qs = &wb[16..144];
     for c in 0..4 {
         let src = &qs[32 * c..32 * c + 32];
         let (lo, hi) = b.q[64 * c..64 * c + 64].split_at_mut(32);
@@ -223,4 +259,87 @@ fn row_block(wb: &[u8], b: &mut RowBlock) {
         sum = _mm512_dpbusd_epi32(sum, q, _mm512_shuffle_epi8(scales, pick));
     }
     b.offset = 128 * _mm512_reduce_add_epi32(sum);
+}
+
+/// Unpacks one Q6_K super-block into `b`: each weight `q − 32` (ggml's order: in each half
+/// of 128, `ql`'s low nibbles then high nibbles of its two 32-byte rows, `qh`'s bit pairs
+/// above them), the sixteen signed scales.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn q6_k_block(wb: &[u8], b: &mut RowBlock) {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let m2 = _mm256_set1_epi8(0x03);
+    let load = |at: usize| {
+        let src = &wb[at..at + 32];
+        // SAFETY: `src` is 32 readable bytes (sliced above); the load is unaligned.
+        unsafe { _mm256_loadu_si256(src.as_ptr().cast()) }
+    };
+    // The unsigned values 0..63 first: the offset sum takes them unsigned.
+    let mut unsigned = [_mm256_setzero_si256(); 8];
+    for half in 0..2 {
+        let (l0, l1, h) = (load(64 * half), load(64 * half + 32), load(128 + 32 * half));
+        let high = |shift: i32| {
+            let bits = match shift {
+                0 => h,
+                2 => _mm256_srli_epi16::<2>(h),
+                4 => _mm256_srli_epi16::<4>(h),
+                _ => _mm256_srli_epi16::<6>(h),
+            };
+            _mm256_slli_epi16::<4>(_mm256_and_si256(bits, m2))
+        };
+        unsigned[4 * half] = _mm256_or_si256(_mm256_and_si256(l0, m4), high(0));
+        unsigned[4 * half + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), high(2));
+        let l0h = _mm256_and_si256(_mm256_srli_epi16::<4>(l0), m4);
+        let l1h = _mm256_and_si256(_mm256_srli_epi16::<4>(l1), m4);
+        unsigned[4 * half + 2] = _mm256_or_si256(l0h, high(4));
+        unsigned[4 * half + 3] = _mm256_or_si256(l1h, high(6));
+    }
+    let mut sc = [0u8; 16];
+    sc.copy_from_slice(&wb[192..208]);
+    for (s, &v) in b.sc.iter_mut().zip(&sc) {
+        *s = i32::from(v as i8);
+    }
+    b.d = f16_at(wb, 208);
+    b.neg_dmin = 0.0;
+    b.m_pairs = [0; 4];
+    // `Σ_g sc_g Σ q` over the unsigned values, each 128-bit quarter of a register one group
+    // against its scale as bytes.
+    let scales = _mm512_broadcast_i32x4(
+        // SAFETY: `sc` is 16 readable bytes; the load is unaligned.
+        unsafe { _mm_loadu_si128(sc.as_ptr().cast()) },
+    );
+    let mut sum = _mm512_setzero_si512();
+    let thirty_two = _mm256_set1_epi8(32);
+    for k in 0..4 {
+        let v =
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(unsigned[2 * k]), unsigned[2 * k + 1]);
+        let first = (4 * k) as i8;
+        let pick = _mm512_set_epi32(
+            i32::from_le_bytes([first as u8 + 3; 4]),
+            i32::from_le_bytes([first as u8 + 3; 4]),
+            i32::from_le_bytes([first as u8 + 3; 4]),
+            i32::from_le_bytes([first as u8 + 3; 4]),
+            i32::from_le_bytes([first as u8 + 2; 4]),
+            i32::from_le_bytes([first as u8 + 2; 4]),
+            i32::from_le_bytes([first as u8 + 2; 4]),
+            i32::from_le_bytes([first as u8 + 2; 4]),
+            i32::from_le_bytes([first as u8 + 1; 4]),
+            i32::from_le_bytes([first as u8 + 1; 4]),
+            i32::from_le_bytes([first as u8 + 1; 4]),
+            i32::from_le_bytes([first as u8 + 1; 4]),
+            i32::from_le_bytes([first as u8; 4]),
+            i32::from_le_bytes([first as u8; 4]),
+            i32::from_le_bytes([first as u8; 4]),
+            i32::from_le_bytes([first as u8; 4]),
+        );
+        sum = _mm512_dpbusd_epi32(sum, v, _mm512_shuffle_epi8(scales, pick));
+        for (h, &u) in [unsigned[2 * k], unsigned[2 * k + 1]].iter().enumerate() {
+            let dst = &mut b.q[64 * k + 32 * h..64 * k + 32 * h + 32];
+            // SAFETY: `dst` is 32 writable bytes (sliced above); the store is unaligned.
+            unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), _mm256_sub_epi8(u, thirty_two)) };
+        }
+    }
+    // Σ_g sc_g Σ (q − 32) = Σ_g sc_g Σ q − 32 · 16 · Σ_g sc_g.
+    let sc_sum: i32 = b.sc.iter().sum();
+    b.offset = 128 * (_mm512_reduce_add_epi32(sum) - 512 * sc_sum);
 }

@@ -1,5 +1,5 @@
-//! Register-tiled Q2_K and Q3_K prefill products for CPUs with AVX-512 (BW, VNNI), laid
-//! out as `x86_512_kquants.rs`'s Q4_K and Q6_K tiles: two tokens per 512-bit register
+//! Register-tiled Q2_K and Q3_K prefill products for CPUs with AVX-512 (BW, VNNI), in
+//! llama.cpp's eight lanes per token: two tokens per 512-bit register
 //! (token `2k` of a tile in the low half, `2k + 1` in the high half), passes of two tiles of
 //! 4 tokens (one at the end when the count of tiles is odd), two weight rows at a time. The
 //! rows are unpacked once per product, in chunks that stay in L2, for all its passes.
@@ -21,7 +21,6 @@ use std::arch::x86_64::*;
 
 use super::avx2_low_kquants::q3_k_scale_bytes;
 use super::tile_out::Out;
-use super::x86_512_kquants::{both_halves, f16_pair, finish, pair};
 use crate::blocks::BlockQ8K;
 use crate::blocks::TILE;
 
@@ -484,4 +483,71 @@ fn scaled_rows<const M: usize, const P: usize, const TWO: bool>(
         }
     }
     std::array::from_fn(|m| std::array::from_fn(|p| finish(acc[m][p], None)))
+}
+
+/// Bytes `at..at + 32` of two tokens' quants, the first in the low half.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn pair(a: &[i8; 256], b: &[i8; 256], at: usize) -> __m512i {
+    let (a, b) = (&a[at..at + 32], &b[at..at + 32]);
+    // SAFETY: `a` and `b` are 32 readable bytes each (sliced above); the loads are unaligned.
+    unsafe {
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_loadu_si256(a.as_ptr().cast())),
+            _mm256_loadu_si256(b.as_ptr().cast()),
+        )
+    }
+}
+
+/// 32 bytes of `b` from `at`, in both halves.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn both_halves(b: &[u8], at: usize) -> __m512i {
+    let s = &b[at..at + 32];
+    // SAFETY: `s` is 32 readable bytes (sliced above); the load is unaligned.
+    _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(s.as_ptr().cast()) })
+}
+
+/// The f16s at `b[at..at + 4]` as f32s, in the low two lanes (exact conversions).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn f16_pair(b: &[u8], at: usize) -> __m128 {
+    _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
+        b[at],
+        b[at + 1],
+        b[at + 2],
+        b[at + 3],
+    ])))
+}
+
+/// The four tokens' results from two lane accumulators `[t0 | t1]`, `[t2 | t3]`, each
+/// summed as `low_kquants::hsum8`, plus (the low k-quants) each token's four min-term lanes
+/// summed as their `dot_with` does.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn finish(acc: [__m512; 2], acc_m: Option<__m512>) -> [f32; TILE] {
+    // Every addition keeps the scalar definitions' operands and their order (first operand
+    // first, as NaN payloads depend on it), four tokens at once: the 128-bit units of
+    // `acc` are `[t0 lanes 0..4, t0 4..8, t1 0..4, t1 4..8]` and `[t2 .., t3 ..]`.
+    let low = _mm512_shuffle_f32x4::<0b10_00_10_00>(acc[0], acc[1]);
+    let high = _mm512_shuffle_f32x4::<0b11_01_11_01>(acc[0], acc[1]);
+    // `r[j] = acc[4 + j] + acc[j]`, one unit per token.
+    let r = _mm512_add_ps(high, low);
+    // `(v[0] + v[2]) + (v[1] + v[3])` in lane 0 of each unit.
+    let quad = |v: __m512| {
+        let s = _mm512_add_ps(v, _mm512_permute_ps::<0b01_00_11_10>(v));
+        _mm512_add_ps(s, _mm512_permute_ps::<0b10_11_00_01>(s))
+    };
+    let mut sums = quad(r);
+    if let Some(m) = acc_m {
+        sums = _mm512_add_ps(sums, quad(m));
+    }
+    let firsts = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+        sums,
+    );
+    let mut out = [0f32; TILE];
+    // SAFETY: `out` is 4 writable f32; the store is unaligned.
+    unsafe { _mm_storeu_ps(out.as_mut_ptr(), _mm512_castps512_ps128(firsts)) };
+    out
 }

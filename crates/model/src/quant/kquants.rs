@@ -1,9 +1,8 @@
 //! Q4_K, Q5_K and Q6_K against Q8_K activations, kept as ggml's bytes: one [`QuantFormat`]
 //! each, a portable definition, AVX2 integer lanes (`kernels/avx2_kquants.rs`) dispatched at
 //! run time as the other formats are, and for prefill on AVX-512 CPUs the tokens-in-lanes
-//! kernel of `kernels/x86_512_lanes.rs` (Q4_K) or the register tiles of
-//! `kernels/x86_512_kquants.rs` (Q6_K). Q5_K and Q6_K keep llama.cpp's AVX2 float order;
-//! Q4_K has one float chain per output (see [`Q4K::dot_scalar`]).
+//! kernel of `kernels/x86_512_lanes.rs` (Q4_K, Q6_K). Q5_K keeps llama.cpp's AVX2 float
+//! order; Q4_K and Q6_K have one float chain per output (see [`Q4K::dot_scalar`]).
 
 use gguf::GgmlType;
 
@@ -12,7 +11,9 @@ use super::{byte_blocks, byte_view, QuantFormat};
 use crate::blocks::TILE;
 use crate::blocks::{f16_at, hsum8, BlockQ8K, LanesQ8K};
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::{avx2_kquants as simd, cpu, tile_out::Out, x86_512_kquants, x86_512_lanes};
+use crate::kernels::x86_512_lanes::{self, Format};
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::{avx2_kquants as simd, cpu, tile_out::Out};
 
 /// From this many tokens on, a Q4_K product takes the activations as lanes (sixteen tokens
 /// a register): below it most lanes would be padding.
@@ -193,7 +194,9 @@ impl QuantFormat for Q4K {
             };
             // SAFETY: the CPU has the features `wide_available` checks and F16C, the
             // function's only requirement; it bounds-checks its slices.
-            unsafe { x86_512_lanes::q4_k_lanes(w.as_flattened(), nb, lanes, n, &mut out) };
+            unsafe {
+                x86_512_lanes::k_quant_lanes(Format::Q4K, w.as_flattened(), nb, lanes, n, &mut out)
+            };
             return true;
         }
         let _ = (w, nb, lanes, n, out, ld);
@@ -353,35 +356,33 @@ impl QuantFormat for Q6K {
     }
 
     #[inline(always)]
-    fn wide_rows(w: &[[u8; 210]], nb: usize, x: &[BlockQ8K], n: usize, out: &mut [f32]) -> usize {
-        #[cfg(target_arch = "x86_64")]
-        if wide_tiles(n) {
-            // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ, VL,
-            // VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
-            // bounds-checks its slices.
-            return unsafe { x86_512_kquants::k_quant_rows(w.as_flattened(), nb, x, n, out) };
-        }
-        let _ = (w, nb, x, n, out);
-        0
+    fn wants_lanes(n: usize) -> bool {
+        Q4K::wants_lanes(n)
     }
 
     #[inline(always)]
-    fn rows_token_major(
+    fn lanes_rows(
         w: &[[u8; 210]],
         nb: usize,
-        x: &[BlockQ8K],
+        lanes: &[LanesQ8K],
         n: usize,
         out: &mut [f32],
-        ld: usize,
+        ld: Option<usize>,
     ) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if cpu::wide_available() {
-            let w = w.as_flattened();
-            // SAFETY: the CPU has the features `wide_available` checks, the function's
-            // only requirement; it bounds-checks its slices.
-            return unsafe { x86_512_kquants::k_quant_token_major(w, nb, x, n, out, ld) };
+        if Self::wants_lanes(n) {
+            let mut out = match ld {
+                Some(ld) => Out::TokenMajor { out, ld },
+                None => Out::RowMajor { out, n },
+            };
+            // SAFETY: the CPU has the features `wide_available` checks and F16C, the
+            // function's only requirement; it bounds-checks its slices.
+            unsafe {
+                x86_512_lanes::k_quant_lanes(Format::Q6K, w.as_flattened(), nb, lanes, n, &mut out)
+            };
+            return true;
         }
-        let _ = (w, nb, x, n, out, ld);
+        let _ = (w, nb, lanes, n, out, ld);
         false
     }
 
@@ -399,13 +400,13 @@ impl QuantFormat for Q6K {
 }
 
 impl Q6K {
-    /// Sixteen groups of 16 with signed 8-bit scales: `d·da·Σ_g sc_g Σ (q − 32)·a`, in
-    /// llama.cpp's AVX2 float order (`ggml_vec_dot_q6_K_q8_K`): eight integer lanes per
-    /// super-block, lane `i` holding elements `4i..4i+4` (mod 32) of every 32-element chunk
-    /// scaled by its group, minus `32·Σ sc·bsums` of groups `2i` and `2i + 1`; each lane
-    /// accumulated across super-blocks by a fused multiply-add, then summed as its
-    /// `hsum_float_8`. This is what makes the logits equal llama.cpp's bit for bit. The
-    /// portable definition (the SIMD path is tested against it).
+    /// Sixteen groups of 16 with signed 8-bit scales: `d·da·Σ_g sc_g Σ (q − 32)·a`, one
+    /// float chain per output as Q4_K's: per super-block the exact `S` (formed here as
+    /// llama.cpp's eight lanes, lane `i` holding elements `4i..4i+4` (mod 32) of every
+    /// 32-element chunk scaled by its group, minus `32·Σ sc·bsums` of groups `2i` and
+    /// `2i + 1`; exact integers, so any grouping gives the same `S`), then one fused
+    /// multiply-add. Not llama.cpp's float order (eight float lanes and its `hsum_float_8`),
+    /// which the tokens-in-lanes kernel could not keep. The portable definition.
     pub fn dot_scalar(w: &[u8], a: &[BlockQ8K]) -> f32 {
         Self::dot_with(w, a, |_, wb, ab, sc| {
             let mut lanes = [0i32; 8];
@@ -428,29 +429,31 @@ impl Q6K {
         })
     }
 
-    /// The float part shared by both paths: `lanes` gives a super-block's eight unsigned
-    /// lane sums (values taken as 0..63).
+    /// The float chain shared by every path: `lanes` gives a super-block's eight unsigned
+    /// lane sums (values taken as 0..63), from which its exact `S = Σ_g sc_g Σ (q − 32)·a`;
+    /// then `acc = fma(d_a·d_w, S, acc)`, super-block after super-block.
     #[inline(always)]
-    fn dot_with(
+    pub(crate) fn dot_with(
         w: &[u8],
         a: &[BlockQ8K],
         lanes: impl Fn(usize, &[u8], &BlockQ8K, &[i8; 16]) -> [i32; 8],
     ) -> f32 {
-        let mut acc = [0f32; 8];
+        let mut acc = 0f32;
         for (b, (wb, ab)) in w.chunks_exact(210).zip(a).enumerate() {
             let mut sc = [0i8; 16];
             for (s, &b) in sc.iter_mut().zip(&wb[192..208]) {
                 *s = b as i8;
             }
             let d = ab.d * f16_at(wb, 208);
-            for (i, (acc, lane)) in acc.iter_mut().zip(lanes(b, wb, ab, &sc)).enumerate() {
+            let mut sum = 0i32;
+            for (i, lane) in lanes(b, wb, ab, &sc).into_iter().enumerate() {
                 // Σ (q − 32)·a = Σ q·a − 32·Σ a, the last sums per group from `bsums`.
                 let offset = i32::from(ab.bsums[2 * i]) * i32::from(sc[2 * i])
                     + i32::from(ab.bsums[2 * i + 1]) * i32::from(sc[2 * i + 1]);
-                *acc = d.mul_add((lane - (offset << 5)) as f32, *acc);
+                sum += lane - (offset << 5);
             }
+            acc = d.mul_add(sum as f32, acc);
         }
-        let r: [f32; 4] = std::array::from_fn(|j| acc[4 + j] + acc[j]);
-        (r[0] + r[2]) + (r[1] + r[3])
+        acc
     }
 }

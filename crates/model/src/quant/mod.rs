@@ -8,9 +8,9 @@
 //! holding elements `4i..4i+4` of each 32-element chunk), one fused multiply-add per lane and
 //! block, the min/offset terms as llama.cpp accumulates them, and its final lane sum. So the
 //! logits on these types equal llama.cpp's bit for bit (`tests/llama_references.rs`); with
-//! the same products in another order this small model moved by tenths of a nat. Q4_K alone
-//! has an order of its own (one float chain per output, `kquants::Q4K::dot_scalar`) for the
-//! tokens-in-lanes kernel; `kvwarden eval` measures it against llama.cpp's spread. The
+//! the same products in another order this small model moved by tenths of a nat. Q4_K and Q6_K
+//! have an order of their own (one float chain per output, `kquants::Q4K::dot_scalar`) for
+//! the tokens-in-lanes kernel; `kvwarden eval` measures it against llama.cpp's spread. The
 //! k-quants have AVX2 builds of the integer lanes (run-time dispatch, as in `kernels/`);
 //! integer lanes do not depend on how they are summed, so both paths give the same bits.
 

@@ -332,80 +332,6 @@ fn wide_five_bit_tiles_match_the_256_bit_kernel_bit_for_bit() {
     }
 }
 
-/// The register-tiled 512-bit Q6_K products against the 256-bit kernels
-/// (`dot_tile`, `dot`) one token at a time, bit for bit: row counts of one and more, token
-/// counts not a multiple of the tile (the wide kernel does the whole tiles, one pass of two
-/// tiles and one of one among them, `QuantFormat::rows` the rest), wide value ranges, tokens
-/// of very different magnitudes. Needs AVX-512 VNNI, so ignored by default like the other
-/// wide-kernel tests, and run by `scripts/test.sh` where the CPU has it.
-#[cfg(target_arch = "x86_64")]
-#[test]
-#[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
-fn wide_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
-    assert!(
-        crate::kernels::wide_available(),
-        "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
-    );
-    let mut s = 41u64;
-    for ty in [GgmlType::Q6_K] {
-        for (rows, n, nb) in [(5, 15, 6), (1, 4, 1), (3, 66, 2), (2, 7, 3), (4, 13, 6)] {
-            let cols = nb * QK_K;
-            let rb = nb * ty.block_bytes();
-            let vals: Vec<f32> = (0..rows * cols)
-                .map(|i| lcg(&mut s) * (0.5 + 9.0 * (i / cols % 3) as f32))
-                .collect();
-            let w = ty.quantize(&vals);
-            assert_eq!(w.len(), rows * rb);
-            let x: Vec<f32> = (0..n * cols)
-                .map(|i| lcg(&mut s) * (1.0 + 37.0 * (i / cols % 5) as f32))
-                .collect();
-            let mut xk = vec![BlockQ8K::default(); n * nb];
-            for (row, o) in x.chunks_exact(cols).zip(xk.chunks_exact_mut(nb)) {
-                quantize_row_q8_k(row, o);
-            }
-            let mut wide = vec![f32::NAN; rows * n];
-            // SAFETY: the features are present (checked above, F16C with them on every
-            // AVX-512 CPU, and checked again here).
-            let done = unsafe {
-                assert!(is_x86_feature_detected!("f16c"));
-                crate::kernels::x86_512_kquants::k_quant_rows(&w, nb, &xk, n, &mut wide)
-            };
-            assert_eq!(done, crate::kernels::x86_512::tiled_tokens(n));
-            let mut all = vec![f32::NAN; rows * n];
-            if ty == GgmlType::Q4_K {
-                Q4K::rows(as_blocks(&w), &xk, nb, n, &mut all);
-            } else {
-                Q6K::rows(as_blocks(&w), &xk, nb, n, &mut all);
-            }
-            for r in 0..rows {
-                let row = &w[r * rb..(r + 1) * rb];
-                for t in 0..n {
-                    let a = &xk[t * nb..(t + 1) * nb];
-                    let (mut one, single) = (
-                        [0f32; 1],
-                        if ty == GgmlType::Q4_K {
-                            Q4K::dot(as_blocks(row), a)
-                        } else {
-                            Q6K::dot(as_blocks(row), a)
-                        },
-                    );
-                    if ty == GgmlType::Q4_K {
-                        Q4K::dot_tile(as_blocks(row), &[a], &mut one);
-                    } else {
-                        Q6K::dot_tile(as_blocks(row), &[a], &mut one);
-                    }
-                    let at = format!("{ty:?} {rows}x{n}x{nb} row {r} token {t}");
-                    assert_eq!(one[0].to_bits(), single.to_bits(), "{at}");
-                    if t < done {
-                        assert_eq!(wide[r * n + t].to_bits(), one[0].to_bits(), "{at}");
-                    }
-                    assert_eq!(all[r * n + t].to_bits(), one[0].to_bits(), "{at}");
-                }
-            }
-        }
-    }
-}
-
 /// The integer f16 conversion the formats' float parts use, on every f16 against `half`'s.
 #[test]
 fn f16_conversion_matches_half_on_every_value() {
@@ -563,108 +489,120 @@ fn wide_low_k_quant_tiles_match_the_256_bit_kernel_bit_for_bit() {
     }
 }
 
-/// The tokens-in-lanes Q4_K kernel against the portable definition and the 256-bit row
-/// kernel, bit for bit: row counts around its four-row pass, token counts around its groups
+/// The tokens-in-lanes Q4_K and Q6_K kernel against the portable definitions and the
+/// 256-bit row kernels, bit for bit: row counts around its four-row pass, token counts around its groups
 /// of sixteen and pairs of groups (padding lanes never stored), wide value ranges, tokens of
 /// very different magnitudes, extreme quants (every nibble 15 and the largest activations,
 /// the sums' bound), row-major and token-major.
 #[cfg(target_arch = "x86_64")]
 #[test]
 #[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
-fn q4_k_lanes_give_the_definitions_bits() {
+fn k_quant_lanes_give_the_definitions_bits() {
     assert!(
         crate::kernels::wide_available(),
         "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
     );
     use crate::kernels::tile_out::Out;
+    use crate::kernels::x86_512_lanes::{k_quant_lanes, Format};
     let mut s = 47u64;
-    for (rows, n, nb, extreme) in [
-        (5, 15, 6, false),
-        (4, 16, 1, false),
-        (9, 66, 2, false),
-        (1, 8, 3, false),
-        (6, 33, 8, false),
-        (4, 40, 2, true),
-    ] {
-        let cols = nb * QK_K;
-        let vals: Vec<f32> = (0..rows * cols)
-            .map(|i| lcg(&mut s) * (0.5 + 9.0 * (i / cols % 3) as f32))
-            .collect();
-        let mut w = GgmlType::Q4_K.quantize(&vals);
-        let x: Vec<f32> = (0..n * cols)
-            .map(|i| {
-                if extreme {
-                    if i % 7 == 0 {
-                        -100.0
+    for (ty, format) in [(GgmlType::Q4_K, Format::Q4K), (GgmlType::Q6_K, Format::Q6K)] {
+        for (rows, n, nb, extreme) in [
+            (5, 15, 6, false),
+            (4, 16, 1, false),
+            (9, 66, 2, false),
+            (1, 8, 3, false),
+            (6, 33, 8, false),
+            (4, 40, 2, true),
+        ] {
+            let cols = nb * QK_K;
+            let vals: Vec<f32> = (0..rows * cols)
+                .map(|i| lcg(&mut s) * (0.5 + 9.0 * (i / cols % 3) as f32))
+                .collect();
+            let mut w = ty.quantize(&vals);
+            let x: Vec<f32> = (0..n * cols)
+                .map(|i| {
+                    if extreme {
+                        if i % 7 == 0 {
+                            -100.0
+                        } else {
+                            100.0
+                        }
                     } else {
-                        100.0
+                        lcg(&mut s) * (1.0 + 37.0 * (i / cols % 5) as f32)
                     }
-                } else {
-                    lcg(&mut s) * (1.0 + 37.0 * (i / cols % 5) as f32)
+                })
+                .collect();
+            if extreme {
+                // The integer sums' bounds. Q4_K: every nibble 15, every 6-bit scale and min 63.
+                // Q6_K: every value 63 (or, in odd super-blocks, 0: `q − 32` at both ends) and
+                // every scale −128.
+                for (i, b) in w.chunks_exact_mut(ty.block_bytes()).enumerate() {
+                    if ty == GgmlType::Q4_K {
+                        b[4..16].fill(0xff);
+                        b[16..].fill(0xff);
+                    } else {
+                        b[..192].fill(if i % 2 == 0 { 0xff } else { 0 });
+                        b[192..208].fill(0x80);
+                    }
                 }
-            })
-            .collect();
-        if extreme {
-            // Every nibble 15 and every 6-bit scale and min 63: the integer sums' bound.
-            for b in w.chunks_exact_mut(144) {
-                b[4..16].fill(0xff);
-                b[16..].fill(0xff);
             }
-        }
-        let mut xk = vec![BlockQ8K::default(); n * nb];
-        for (row, o) in x.chunks_exact(cols).zip(xk.chunks_exact_mut(nb)) {
-            quantize_row_q8_k(row, o);
-        }
-        let lanes = crate::kernels::q8_k_lanes(&xk, n, nb);
-        let mut by_row = vec![f32::NAN; rows * n];
-        let ld = rows + 2;
-        let mut by_token = vec![f32::NAN; n * ld];
-        // SAFETY: the features are present (checked above, F16C with them on every AVX-512
-        // CPU, and checked again here).
-        unsafe {
-            assert!(is_x86_feature_detected!("f16c"));
-            crate::kernels::x86_512_lanes::q4_k_lanes(
-                &w,
-                nb,
-                &lanes,
-                n,
-                &mut Out::RowMajor {
-                    out: &mut by_row,
+            let mut xk = vec![BlockQ8K::default(); n * nb];
+            for (row, o) in x.chunks_exact(cols).zip(xk.chunks_exact_mut(nb)) {
+                quantize_row_q8_k(row, o);
+            }
+            let lanes = crate::kernels::q8_k_lanes(&xk, n, nb);
+            let mut by_row = vec![f32::NAN; rows * n];
+            let ld = rows + 2;
+            let mut by_token = vec![f32::NAN; n * ld];
+            // SAFETY: the features are present (checked above, F16C with them on every AVX-512
+            // CPU, and checked again here).
+            unsafe {
+                assert!(is_x86_feature_detected!("f16c"));
+                k_quant_lanes(
+                    format,
+                    &w,
+                    nb,
+                    &lanes,
                     n,
-                },
-            );
-            crate::kernels::x86_512_lanes::q4_k_lanes(
-                &w,
-                nb,
-                &lanes,
-                n,
-                &mut Out::TokenMajor {
-                    out: &mut by_token,
-                    ld,
-                },
-            );
-        }
-        let rb = nb * 144;
-        for r in 0..rows {
-            let row = &w[r * rb..(r + 1) * rb];
-            for t in 0..n {
-                let a = &xk[t * nb..(t + 1) * nb];
-                let want = Q4K::dot_scalar(row, a);
-                let at = format!("{rows}x{n}x{nb} row {r} token {t}");
-                assert!(want.is_finite() && want != 0.0, "{at}: {want}");
-                assert_eq!(
-                    Q4K::dot(as_blocks(row), a).to_bits(),
-                    want.to_bits(),
-                    "{at}"
+                    &mut Out::RowMajor {
+                        out: &mut by_row,
+                        n,
+                    },
                 );
-                assert_eq!(by_row[r * n + t].to_bits(), want.to_bits(), "{at}");
-                assert_eq!(by_token[t * ld + r].to_bits(), want.to_bits(), "{at}");
+                k_quant_lanes(
+                    format,
+                    &w,
+                    nb,
+                    &lanes,
+                    n,
+                    &mut Out::TokenMajor {
+                        out: &mut by_token,
+                        ld,
+                    },
+                );
             }
-        }
-        for t in 0..n {
-            assert!(by_token[t * ld + rows..(t + 1) * ld]
-                .iter()
-                .all(|v| v.is_nan()));
+            let rb = nb * ty.block_bytes();
+            for r in 0..rows {
+                let row = &w[r * rb..(r + 1) * rb];
+                for t in 0..n {
+                    let a = &xk[t * nb..(t + 1) * nb];
+                    let (want, dot) = if ty == GgmlType::Q4_K {
+                        (Q4K::dot_scalar(row, a), Q4K::dot(as_blocks(row), a))
+                    } else {
+                        (Q6K::dot_scalar(row, a), Q6K::dot(as_blocks(row), a))
+                    };
+                    let at = format!("{ty:?} {rows}x{n}x{nb} row {r} token {t}");
+                    assert!(want.is_finite() && want != 0.0, "{at}: {want}");
+                    assert_eq!(dot.to_bits(), want.to_bits(), "{at}");
+                    assert_eq!(by_row[r * n + t].to_bits(), want.to_bits(), "{at}");
+                    assert_eq!(by_token[t * ld + r].to_bits(), want.to_bits(), "{at}");
+                }
+            }
+            for t in 0..n {
+                assert!(by_token[t * ld + rows..(t + 1) * ld]
+                    .iter()
+                    .all(|v| v.is_nan()));
+            }
         }
     }
 }
@@ -716,9 +654,9 @@ fn wide_k_quant_token_major_matches_row_major_bit_for_bit() {
             let ld = rows + 3;
             let mut by_token = vec![f32::NAN; n * ld];
             let wrote = m.rows_token_major(0, rows, &acts, n, &mut by_token[2..], ld);
-            // Q4_K writes token-major with its lanes kernel (any count from 8), the others
-            // whole tiles only.
-            let expected = if ty == GgmlType::Q4_K {
+            // Q4_K and Q6_K write token-major with their lanes kernel (any count from 8), the
+            // others whole tiles only.
+            let expected = if matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
                 n >= 8
             } else {
                 n % TILE == 0
