@@ -6,16 +6,21 @@
 # built from the same sdist as the references (bench/build-llama-server.sh llama-bench,
 # cached in .peer/), flash attention on as in the references, its other settings its
 # defaults (so its weight repacking and tiled matmul on). Run on an otherwise idle machine;
-# timings are never pass/fail tests. QUANTS="Q4_K_M Q6_K" and THREADS override the defaults.
+# timings are never pass/fail tests. QUANTS="Q4_K_M Q6_K" and THREADS override the defaults;
+# FILES="a.gguf b.gguf" (names under models/) takes other files instead (bench/model-size.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 threads=${THREADS:-$(nproc)}
 np=${BENCH_PP:-512}
 ng=${BENCH_TG:-128}
-./scripts/fetch-quant-models.sh
+if [ -z "${FILES:-}" ]; then
+  ./scripts/fetch-quant-models.sh
+  FILES=""
+  for q in ${QUANTS:-Q4_K_M Q6_K}; do FILES="$FILES SmolLM2-135M-Instruct.$q.gguf"; done
+fi
 llama_bench=$(./bench/build-llama-server.sh llama-bench)
-for q in ${QUANTS:-Q4_K_M Q6_K}; do
-  file=SmolLM2-135M-Instruct.$q.gguf
+for file in $FILES; do
+  q=${file%.gguf}
   ours=$(BENCH_MODEL=$file BENCH_PP=$np BENCH_TG=$ng RAYON_NUM_THREADS=$threads \
     cargo bench -q -p model --bench throughput 2>/dev/null | tail -1)
   theirs=$("$llama_bench" -m "models/$file" -p "$np" -n "$ng" -t "$threads" -fa 1 -o json 2>/dev/null)

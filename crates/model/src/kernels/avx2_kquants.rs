@@ -28,22 +28,38 @@ pub fn q4_k_dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
     for (wb, ab) in w.chunks_exact(144).zip(a) {
         let d = ab.d * f16_at(wb, 0);
         let dmin = -ab.d * f16_at(wb, 2);
-        let mut sc = [0u8; 8];
-        let mut m = [0u8; 8];
-        for j in 0..8 {
-            (sc[j], m[j]) = gguf::k4_scale_min(j, &wb[4..16]);
-        }
-        let min_sum: i32 = (0..8)
-            .map(|j| {
-                i32::from(m[j]) * (i32::from(ab.bsums[2 * j]) + i32::from(ab.bsums[2 * j + 1]))
-            })
-            .sum();
+        let (sc, m) = k4_scales_mins(&wb[4..16]);
+        // SAFETY: `bsums` is 16 readable i16 (32 bytes), `m` 8 bytes; unaligned loads.
+        let min_sum = unsafe {
+            let b = _mm256_loadu_si256(ab.bsums.as_ptr().cast());
+            // Each sub-block's 32 activations: pairs of `bsums`, within ±4,064.
+            let pairs = _mm_hadd_epi16(_mm256_castsi256_si128(b), _mm256_extracti128_si256::<1>(b));
+            let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(m.as_ptr().cast()));
+            let v = _mm_madd_epi16(pairs, mins);
+            let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
+            let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v));
+            _mm_cvtsi128_si32(v)
+        };
         let [lanes] = q4_k_lanes_n(&wb[16..144], [&ab.qs], &sc);
         let sum: i32 = lanes.iter().sum();
         acc = d.mul_add(sum as f32, acc);
         acc = dmin.mul_add(min_sum as f32, acc);
     }
     acc
+}
+
+/// The eight 6-bit scales and mins of a Q4_K super-block (`gguf::k4_scale_min`'s) from its
+/// 12 packed bytes, four at a time: bytes 0..4 hold scales 0..4 in their low six bits and
+/// the top two bits of scales 4..8, bytes 4..8 the same for the mins, bytes 8..12 the low
+/// four bits of scales 4..8 (low nibbles) and mins 4..8 (high nibbles).
+#[inline]
+fn k4_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let word = |at: usize| u32::from_le_bytes([s[at], s[at + 1], s[at + 2], s[at + 3]]);
+    let (a, b, c) = (word(0), word(4), word(8));
+    let sc_hi = (c & 0x0f0f_0f0f) | (((a >> 6) & 0x0303_0303) << 4);
+    let m_hi = ((c >> 4) & 0x0f0f_0f0f) | (((b >> 6) & 0x0303_0303) << 4);
+    let join = |lo: u32, hi: u32| (u64::from(lo) | (u64::from(hi) << 32)).to_le_bytes();
+    (join(a & 0x3f3f_3f3f, sc_hi), join(b & 0x3f3f_3f3f, m_hi))
 }
 
 /// The lanes of `Σ_j sc[j] · Σ_l q[32j + l] · a[32j + l]` (see `Q4K::dot_scalar`) for one
@@ -320,4 +336,24 @@ fn five_bit_madd<const N: usize>(
         _mm256_madd_epi16(p, ones)
     };
     a.map(|x| sum(load(&x[..], 0)))
+}
+
+#[cfg(test)]
+mod tests {
+    /// The word-wise unpacking gives `gguf::k4_scale_min`'s scales and mins for every byte
+    /// value in every position.
+    #[test]
+    fn k4_scales_mins_equal_the_definition() {
+        let mut s = [0u8; 12];
+        for pos in 0..12 {
+            for v in 0..=255u8 {
+                s[pos] = v;
+                s[(pos + 5) % 12] = v.wrapping_mul(37);
+                let (sc, m) = super::k4_scales_mins(&s);
+                for j in 0..8 {
+                    assert_eq!((sc[j], m[j]), gguf::k4_scale_min(j, &s), "{s:?} {j}");
+                }
+            }
+        }
+    }
 }
