@@ -2,7 +2,7 @@
 # kvwarden against llama.cpp's own llama-bench on the K-quant files (Q4_K_M and Q6_K, made by
 # scripts/fetch-quant-models.sh), same files, same run, same thread count: pp512 and tg128
 # in tokens per second, and their ratios; also against llama.cpp with its plain kernels only
-# (`--repack 0`, `GGML_CPU_TILED_MM=0`), whose arithmetic kvwarden reproduces. llama-bench is
+# (`--repack 0`, `GGML_CPU_TILED_MM=0`), its reference arithmetic. llama-bench is
 # built from the same sdist as the references (bench/build-llama-server.sh llama-bench,
 # cached in .peer/), flash attention on as in the references, its other settings its
 # defaults (so its weight repacking and tiled matmul on). Run on an otherwise idle machine;
@@ -25,7 +25,7 @@ for file in $FILES; do
     cargo bench -q -p model --bench throughput 2>/dev/null | tail -1)
   theirs=$("$llama_bench" -m "models/$file" -p "$np" -n "$ng" -t "$threads" -fa 1 -o json 2>/dev/null)
   # llama.cpp again with its plain kernels only (no weight repacking, no tiled K-quant
-  # matmul): the arithmetic kvwarden reproduces bit for bit (scripts/record-llama-references.py).
+  # matmul): the reference arithmetic (scripts/record-llama-references.py).
   plain=$(GGML_CPU_TILED_MM=0 "$llama_bench" -m "models/$file" -p "$np" -n "$ng" -t "$threads" \
     -fa 1 --repack 0 -o json 2>/dev/null)
   python3 - "$q" "$ours" "$theirs" "$plain" <<'PY'

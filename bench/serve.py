@@ -32,7 +32,8 @@ the two servers alternates between rounds. It prints each metric for both, media
 rounds and the ratio kvwarden / llama.cpp, and writes all of it, with every round's raw
 reports, to bench/results/serve-<time>.json (git-ignored).
 
-Environment: THREADS, MODEL, ROUNDS, QUICK=1, TOKEN_ID_RANGE (ids the prompts are drawn
+Environment: THREADS, MODEL, ROUNDS, QUICK=1, ONLY (workload names, space-separated: only
+those), TOKEN_ID_RANGE (ids the prompts are drawn
 from, default 1000..10000, clear of special tokens), KVWARDEN_ARGS and LLAMA_ARGS (extra
 flags for each server, split on spaces). Where llama.cpp's default (repacked) path crashes,
 as on some AMX Xeons, it runs with --no-repack / --repack 0 and the results say so.
@@ -86,6 +87,13 @@ if QUICK:
         "f_8_clients_tool": (2, 4, 16, 8),
     }
     KERNEL = (32, 8)
+# ONLY="a_one_stream b_8_clients": those workloads alone (a synthetic file has no chat
+# template for (e) and (f), and a large model makes the whole set long).
+if os.environ.get("ONLY"):
+    unknown = set(os.environ["ONLY"].split()) - set(WORKLOADS)
+    if unknown:
+        sys.exit(f"bench/serve: ONLY names unknown workloads {sorted(unknown)}: {sorted(WORKLOADS)}")
+    WORKLOADS = {k: v for k, v in WORKLOADS.items() if k in os.environ["ONLY"].split()}
 
 PP, TG = f"pp{KERNEL[0]}", f"tg{KERNEL[1]}"
 # (label, how to read it from one round's results, True when higher is better)

@@ -25,7 +25,13 @@ fn main() {
     let name =
         std::env::var("BENCH_MODEL").unwrap_or_else(|_| "SmolLM2-135M-Instruct.Q4_1.gguf".into());
     let path = root.join("models").join(name);
-    let file = gguf::GgufFile::open(&path).unwrap_or_else(|e| {
+    // BENCH_NO_MMAP: the file read into the process's memory, as `serve --no-mmap`.
+    let load = if std::env::var_os("BENCH_NO_MMAP").is_some() {
+        gguf::Load::Read
+    } else {
+        gguf::Load::Map
+    };
+    let file = gguf::GgufFile::open_with(&path, load).unwrap_or_else(|e| {
         panic!(
             "{}: {e} (run scripts/fetch-model.sh or scripts/fetch-quant-models.sh)",
             path.display()
