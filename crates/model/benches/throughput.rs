@@ -15,10 +15,11 @@ fn main() {
             .and_then(|v| v.parse().ok())
             .unwrap_or(default)
     };
-    let (np, ng, depth) = (
+    let (np, ng, depth, batch) = (
         arg("BENCH_PP", 512),
         arg("BENCH_TG", 128),
         arg("BENCH_DEPTH", 0),
+        arg("BENCH_BATCH", 1),
     );
     let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     // BENCH_MODEL: another file under models/ (bench/quants.sh measures the K-quant ones).
@@ -40,10 +41,10 @@ fn main() {
     let model = Model::load(&file).expect("model");
     let pool = KvPool::new(PoolConfig {
         layout: model.kv_layout(16, KvDtype::F16),
-        pages: (np.max(depth + ng)) / 16 + 2,
+        pages: (np.max(depth + ng)).max(batch * (ng + 16)) / 16 + 2 * batch + 2,
         scrub: ScrubPolicy::Zero,
     });
-    let mut best = (0f64, 0f64);
+    let mut best = (0f64, 0f64, 0f64);
     for rep in 0..3 {
         let owner = |id: u64| Owner {
             request: RequestId(id),
@@ -95,12 +96,50 @@ fn main() {
             logits = model.forward(&mut items).pop().unwrap().unwrap();
         }
         let tg = ng as f64 / t1.elapsed().as_secs_f64();
-        best = (best.0.max(pp), best.1.max(tg));
+        drop(seq);
+        // BENCH_BATCH > 1: that many sequences decoding together, one token each a step
+        // (a server's batched decode), in tokens per second over all of them.
+        let mut batched = 0f64;
+        if batch > 1 {
+            let mut seqs: Vec<SequenceKv> = (0..batch)
+                .map(|b| {
+                    let mut s = SequenceKv::new(&pool, owner(1000 * (rep + 1) + b as u64));
+                    s.reserve(ng + 1).unwrap();
+                    s
+                })
+                .collect();
+            let t2 = Instant::now();
+            for step in 0..ng {
+                let input: Vec<[u32; 1]> =
+                    (0..batch).map(|b| [(100 + 7 * b + step) as u32]).collect();
+                let mut items: Vec<BatchItem> = seqs
+                    .iter_mut()
+                    .zip(&input)
+                    .map(|(kv, t)| BatchItem {
+                        kv,
+                        tokens: t,
+                        logits: LogitsWanted::Last,
+                        adapter: None,
+                    })
+                    .collect();
+                model.forward(&mut items);
+            }
+            batched = (batch * ng) as f64 / t2.elapsed().as_secs_f64();
+        }
+        best = (best.0.max(pp), best.1.max(tg), best.2.max(batched));
     }
     let at = if depth > 0 {
         format!("@d{depth}")
     } else {
         String::new()
     };
-    println!("kvwarden pp{np}={:.1} tg{ng}{at}={:.1}", best.0, best.1);
+    let batched = if batch > 1 {
+        format!(" batch{batch}_tg{ng}={:.1}", best.2)
+    } else {
+        String::new()
+    };
+    println!(
+        "kvwarden pp{np}={:.1} tg{ng}{at}={:.1}{batched}",
+        best.0, best.1
+    );
 }

@@ -53,7 +53,7 @@ pub fn q4_k_dot(w: &[u8], a: &[BlockQ8K]) -> f32 {
 /// the top two bits of scales 4..8, bytes 4..8 the same for the mins, bytes 8..12 the low
 /// four bits of scales 4..8 (low nibbles) and mins 4..8 (high nibbles).
 #[inline]
-fn k4_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+pub(crate) fn k4_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
     let word = |at: usize| u32::from_le_bytes([s[at], s[at + 1], s[at + 2], s[at + 3]]);
     let (a, b, c) = (word(0), word(4), word(8));
     let sc_hi = (c & 0x0f0f_0f0f) | (((a >> 6) & 0x0303_0303) << 4);

@@ -17,7 +17,9 @@
 
 use std::arch::x86_64::*;
 
+use super::avx2_kquants::k4_scales_mins;
 use super::tile_out::Out;
+use super::x86::prefetch_ahead;
 use crate::blocks::{f16_at, LanesQ8K, LANE_TOKENS};
 
 /// The super-block formats this kernel takes.
@@ -220,6 +222,9 @@ impl Pass<'_> {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn q4_k_block(wb: &[u8], b: &mut RowBlock) {
+    // A decode step's weights come from memory: the next blocks are on their way while this
+    // one is unpacked.
+    prefetch_ahead(&wb[0]);
     let mask = _mm256_set1_epi8(0x0f);
     let qs = &wb[16..144];
     for c in 0..4 {
@@ -233,14 +238,15 @@ fn q4_k_block(wb: &[u8], b: &mut RowBlock) {
             _mm256_storeu_si256(hi.as_mut_ptr().cast(), high);
         }
     }
-    let mut sc = [0u8; 8];
-    let mut m = [0u8; 8];
-    for j in 0..8 {
-        (sc[j], m[j]) = gguf::k4_scale_min(j, &wb[4..16]);
-        b.sc[j] = i32::from(sc[j]);
-    }
-    for k in 0..4 {
-        b.m_pairs[k] = i32::from(m[2 * k]) | (i32::from(m[2 * k + 1]) << 16);
+    let (sc, m) = k4_scales_mins(&wb[4..16]);
+    // SAFETY: `sc` and `m` are 8 readable bytes, `b.sc` 8 writable i32 (of 16) and
+    // `b.m_pairs` 4 writable i32; the accesses are unaligned.
+    unsafe {
+        let sc8 = _mm_loadl_epi64(sc.as_ptr().cast());
+        _mm256_storeu_si256(b.sc.as_mut_ptr().cast(), _mm256_cvtepu8_epi32(sc8));
+        // Widened to 16 bits, the mins are already `m_2k | m_2k+1 << 16` as `i32`s.
+        let m8 = _mm_loadl_epi64(m.as_ptr().cast());
+        _mm_storeu_si128(b.m_pairs.as_mut_ptr().cast(), _mm_cvtepu8_epi16(m8));
     }
     b.d = f16_at(wb, 0);
     b.neg_dmin = -f16_at(wb, 2);
@@ -267,6 +273,7 @@ fn q4_k_block(wb: &[u8], b: &mut RowBlock) {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn q6_k_block(wb: &[u8], b: &mut RowBlock) {
+    prefetch_ahead(&wb[0]);
     let m4 = _mm256_set1_epi8(0x0f);
     let m2 = _mm256_set1_epi8(0x03);
     let load = |at: usize| {
