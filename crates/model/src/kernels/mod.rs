@@ -31,8 +31,9 @@
 //!   broadcast, so one `vpdpbusd` does 64 multiply-adds, and four rows × two token groups
 //!   share each load; these formats' float part is one chain per output
 //!   (`quant::kquants::Q4K::dot_scalar`), so lanes need no reordering. On a 2-core Zen 4 a
-//!   Llama-3.2-1B-shaped Q4_K prefill (pp512) went from 127 to 234 tokens/s. The lanes from
-//!   8 tokens: decode steps of fewer go one row at a time (`avx2_kquants`).
+//!   Llama-3.2-1B-shaped Q4_K prefill (pp512) went from 127 to 234 tokens/s. A group of at
+//!   most eight tokens (a small decode batch) runs in 256-bit registers; one token goes one
+//!   row at a time (`avx2_kquants`).
 //! - `x86_512_low_kquants.rs` (Q2_K, Q3_K): llama.cpp's eight lanes per token, two tokens
 //!   per register; each weight first replaced by its group-scaled value through a
 //!   per-group byte table (`sc·q`, or `sc·(q − 4) + 127` with the offset taken back once per

@@ -108,6 +108,18 @@ pub(crate) unsafe fn k_quant_lanes(
                 g0: g,
                 n,
             };
+            // A last group of at most eight tokens (a small decode batch) fills half the
+            // lanes: 256-bit registers then do the same work in half the instructions.
+            if t == 1 && n - g * LANE_TOKENS <= LANE_TOKENS / 2 {
+                match (format, rr) {
+                    (Format::Q4K, 4) => pass.run_narrow::<4, 8, true>(&prep, out),
+                    (Format::Q4K, _) => pass.run_narrow::<1, 8, true>(&prep, out),
+                    (Format::Q6K, 4) => pass.run_narrow::<4, 16, false>(&prep, out),
+                    (Format::Q6K, _) => pass.run_narrow::<1, 16, false>(&prep, out),
+                }
+                g += t;
+                continue;
+            }
             match (format, rr, t) {
                 (Format::Q4K, 4, 2) => pass.run::<4, 2, 8, true>(&prep, out),
                 (Format::Q4K, 4, _) => pass.run::<4, 1, 8, true>(&prep, out),
@@ -214,6 +226,73 @@ impl Pass<'_> {
                 let k = LANE_TOKENS.min(self.n - t0);
                 out.put_slice(self.r0 + r, t0, &vals[..k]);
             }
+        }
+    }
+
+    /// [`Self::run`] for one group of at most eight tokens, in 256-bit registers: the low
+    /// half of each lane block, the same integers and float chain lane for lane.
+    #[allow(clippy::needless_range_loop)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn run_narrow<const R: usize, const G: usize, const MINS: bool>(
+        &self,
+        prep: &[RowBlock],
+        out: &mut Out<'_>,
+    ) {
+        let quads = 64 / G;
+        let nb = self.nb;
+        let zero = _mm256_setzero_si256();
+        let mut acc = [_mm256_setzero_ps(); R];
+        for i in 0..nb {
+            let rb: [&RowBlock; R] = std::array::from_fn(|r| &prep[r * nb + i]);
+            let la = &self.lanes[self.g0 * nb + i];
+            let mut isum = [zero; R];
+            for j in 0..G {
+                let mut s = [zero; R];
+                for g in quads * j..quads * (j + 1) {
+                    // SAFETY: `q[g]` is 64 readable bytes, 64-byte aligned; this reads its
+                    // first 32 (tokens 0..8).
+                    let a = unsafe { _mm256_load_si256(la.q[g].as_ptr().cast()) };
+                    for r in 0..R {
+                        let quad = &rb[r].q[4 * g..4 * g + 4];
+                        let wq = _mm256_set1_epi32(i32::from_le_bytes([
+                            quad[0], quad[1], quad[2], quad[3],
+                        ]));
+                        s[r] = _mm256_dpbusd_epi32(s[r], a, wq);
+                    }
+                }
+                for r in 0..R {
+                    let sc = _mm256_set1_epi32(rb[r].sc[j]);
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(s[r], sc));
+                }
+            }
+            // SAFETY: `d` and `sum_pairs[k]` are 16 readable values, 64-byte aligned within
+            // the aligned block; these read their first eight.
+            let d_a = unsafe { _mm256_load_ps(la.d.as_ptr()) };
+            let pairs: [__m256i; 4] = std::array::from_fn(|k| unsafe {
+                _mm256_load_si256(la.sum_pairs[k].as_ptr().cast())
+            });
+            for r in 0..R {
+                let b = rb[r];
+                let sum = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(b.offset));
+                let d = _mm256_mul_ps(d_a, _mm256_set1_ps(b.d));
+                acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sum), acc[r]);
+                if MINS {
+                    let mut mins = zero;
+                    for (k, &p) in pairs.iter().enumerate() {
+                        mins = _mm256_dpwssd_epi32(mins, p, _mm256_set1_epi32(b.m_pairs[k]));
+                    }
+                    let dmin = _mm256_mul_ps(d_a, _mm256_set1_ps(b.neg_dmin));
+                    acc[r] = _mm256_fmadd_ps(dmin, _mm256_cvtepi32_ps(mins), acc[r]);
+                }
+            }
+        }
+        let t0 = self.g0 * LANE_TOKENS;
+        for r in 0..R {
+            let mut vals = [0f32; LANE_TOKENS / 2];
+            // SAFETY: `vals` is 8 writable f32; the store is unaligned.
+            unsafe { _mm256_storeu_ps(vals.as_mut_ptr(), acc[r]) };
+            out.put_slice(self.r0 + r, t0, &vals[..self.n - t0]);
         }
     }
 }
