@@ -52,6 +52,31 @@ pub(crate) fn wide_tiles(n: usize) -> bool {
     n >= TILE && cpu::wide_available() && cpu::avx2_fma_f16c_detected()
 }
 
+/// The tokens-in-lanes kernel for `format`'s rows `w` where a product of `n` tokens takes
+/// it ([`Q4K::wants_lanes`]), into `out` row-major, or token-major given `ld`.
+#[cfg(target_arch = "x86_64")]
+fn lanes_rows(
+    format: Format,
+    w: &[u8],
+    nb: usize,
+    lanes: &[LanesQ8K],
+    n: usize,
+    out: &mut [f32],
+    ld: Option<usize>,
+) -> bool {
+    if !Q4K::wants_lanes(n) {
+        return false;
+    }
+    let mut out = match ld {
+        Some(ld) => Out::TokenMajor { out, ld },
+        None => Out::RowMajor { out, n },
+    };
+    // SAFETY: the CPU has the features `wide_available` checks and F16C, the function's
+    // only requirement; it bounds-checks its slices.
+    unsafe { x86_512_lanes::k_quant_lanes(format, w, nb, lanes, n, &mut out) };
+    true
+}
+
 pub struct Q4K;
 
 impl Q4K {
@@ -189,20 +214,12 @@ impl QuantFormat for Q4K {
         ld: Option<usize>,
     ) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if Self::wants_lanes(n) {
-            let mut out = match ld {
-                Some(ld) => Out::TokenMajor { out, ld },
-                None => Out::RowMajor { out, n },
-            };
-            // SAFETY: the CPU has the features `wide_available` checks and F16C, the
-            // function's only requirement; it bounds-checks its slices.
-            unsafe {
-                x86_512_lanes::k_quant_lanes(Format::Q4K, w.as_flattened(), nb, lanes, n, &mut out)
-            };
-            return true;
+        return lanes_rows(Format::Q4K, w.as_flattened(), nb, lanes, n, out, ld);
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (w, nb, lanes, n, out, ld);
+            false
         }
-        let _ = (w, nb, lanes, n, out, ld);
-        false
     }
 
     #[inline(always)]
@@ -372,20 +389,12 @@ impl QuantFormat for Q6K {
         ld: Option<usize>,
     ) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if Self::wants_lanes(n) {
-            let mut out = match ld {
-                Some(ld) => Out::TokenMajor { out, ld },
-                None => Out::RowMajor { out, n },
-            };
-            // SAFETY: the CPU has the features `wide_available` checks and F16C, the
-            // function's only requirement; it bounds-checks its slices.
-            unsafe {
-                x86_512_lanes::k_quant_lanes(Format::Q6K, w.as_flattened(), nb, lanes, n, &mut out)
-            };
-            return true;
+        return lanes_rows(Format::Q6K, w.as_flattened(), nb, lanes, n, out, ld);
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (w, nb, lanes, n, out, ld);
+            false
         }
-        let _ = (w, nb, lanes, n, out, ld);
-        false
     }
 
     #[inline(always)]
