@@ -98,6 +98,8 @@ pub(crate) mod x86_512;
 pub(crate) mod x86_512_lanes;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_512_low_kquants;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_512_rows_lanes;
 
 pub use activation::{ggml_expf, silu, swiglu, table_glu};
 pub use attention::{attend_rows, attend_rows_portable, KvElem, RowsShape, KEY_BLOCK};

@@ -33,6 +33,21 @@ impl Out<'_> {
         }
     }
 
+    /// Token `t`'s results for rows `r0..r0 + vals.len()`.
+    #[inline]
+    pub(crate) fn put_rows_of_token(&mut self, r0: usize, t: usize, vals: &[f32]) {
+        match self {
+            Out::RowMajor { out, n } => {
+                for (r, &x) in vals.iter().enumerate() {
+                    out[(r0 + r) * *n + t] = x;
+                }
+            }
+            Out::TokenMajor { out, ld } => {
+                out[t * *ld + r0..t * *ld + r0 + vals.len()].copy_from_slice(vals);
+            }
+        }
+    }
+
     /// Row `r`'s results for tokens `t0..t0 + tokens` (`tokens` ≤ 8), lanes in token order.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]

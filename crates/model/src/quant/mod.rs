@@ -15,6 +15,8 @@
 //! integer lanes do not depend on how they are summed, so both paths give the same bits.
 
 pub mod float;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod interleaved;
 pub mod iq4_nl;
 pub mod kquants;
 pub mod low_kquants;

@@ -814,3 +814,98 @@ fn iq4_nl_products_match_the_definition_and_the_reference() {
         assert_eq!(row, deq[2 * cols..3 * cols]);
     }
 }
+
+/// Q4_K and Q6_K repacked into tiles of sixteen rows give their definitions' bits on
+/// every path: the rows-in-lanes kernel (whole tiles, up to `ROWS_LANES_MAX` tokens,
+/// row-major and token-major), ggml's blocks rebuilt for rows that do not start a tile and
+/// for larger products (the tokens-in-lanes kernel), and the dequantized rows; random
+/// blocks of very different magnitudes and the integer sums' bounds.
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
+fn interleaved_k_quants_give_the_definitions_bits() {
+    use super::interleaved::{applies, Interleave, InterleavedMatrix, ROWS_LANES_MAX};
+    assert!(
+        crate::kernels::wide_available(),
+        "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
+    );
+    fn check<F: Interleave>(ty: GgmlType, dot: fn(&[u8], &[BlockQ8K]) -> f32, s: &mut u64) {
+        assert!(applies::<F>(32) && !applies::<F>(40 + 1));
+        for (nb, extreme) in [(1, false), (3, false), (8, false), (2, true)] {
+            let rows = 48;
+            let cols = nb * QK_K;
+            let vals: Vec<f32> = (0..rows * cols)
+                .map(|i| lcg(s) * (0.5 + 9.0 * (i / cols % 3) as f32))
+                .collect();
+            let mut w = ty.quantize(&vals);
+            if extreme {
+                for (i, b) in w.chunks_exact_mut(ty.block_bytes()).enumerate() {
+                    if ty == GgmlType::Q4_K {
+                        b[4..].fill(0xff);
+                    } else {
+                        b[..192].fill(if i % 2 == 0 { 0xff } else { 0 });
+                        b[192..208].fill(0x80);
+                    }
+                }
+            }
+            let m = InterleavedMatrix::<F>::new(ty, rows, cols, &TensorData::from_vec(w.clone()));
+            let rb = nb * ty.block_bytes();
+            for r in [0, 17, 47] {
+                let (mut got, mut want) = (vec![0f32; cols], vec![0f32; cols]);
+                m.row_f32(r, &mut got);
+                ty.dequantize(&w[r * rb..(r + 1) * rb], &mut want);
+                assert_eq!(got, want, "{ty:?} row {r} dequantized");
+            }
+            for n in (1..=ROWS_LANES_MAX + 1).chain([17]) {
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| match (extreme, i % 7) {
+                        (true, 0) => -100.0,
+                        (true, _) => 100.0,
+                        _ => lcg(s) * (1.0 + 37.0 * (i / cols % 5) as f32),
+                    })
+                    .collect();
+                let mut xk = vec![BlockQ8K::default(); n * nb];
+                for (row, o) in x.chunks_exact(cols).zip(xk.chunks_exact_mut(nb)) {
+                    quantize_row_q8_k(row, o);
+                }
+                let lanes = if m.wants_q8_k_lanes(n) {
+                    crate::kernels::q8_k_lanes(&xk, n, nb)
+                } else {
+                    Vec::new()
+                };
+                let acts = Acts {
+                    f32: &[],
+                    q8_1: &[],
+                    q8_k: &xk,
+                    tile_scales: &[],
+                    q8_k_lanes: &lanes,
+                };
+                // Whole tiles, and a run of rows that starts and ends inside tiles.
+                for (r0, nr) in [(0, rows), (16, 16), (3, 30)] {
+                    let mut by_row = vec![f32::NAN; nr * n];
+                    m.rows_kernel(r0, nr, &acts, n, &mut by_row);
+                    let ld = nr + 1;
+                    let mut by_token = vec![f32::NAN; n * ld];
+                    let wrote = m.rows_token_major(r0, nr, &acts, n, &mut by_token, ld);
+                    for r in 0..nr {
+                        let row = &w[(r0 + r) * rb..(r0 + r + 1) * rb];
+                        for t in 0..n {
+                            let want = dot(row, &xk[t * nb..(t + 1) * nb]);
+                            let at = format!("{ty:?} nb {nb} n {n} rows {r0}+{nr}: {r}, {t}");
+                            assert!(want.is_finite() && want != 0.0, "{at}: {want}");
+                            assert_eq!(by_row[r * n + t].to_bits(), want.to_bits(), "{at}");
+                            if wrote {
+                                assert_eq!(by_token[t * ld + r].to_bits(), want.to_bits(), "{at}");
+                            }
+                        }
+                    }
+                    let on_tiles = r0 % 16 == 0 && nr % 16 == 0 && n <= ROWS_LANES_MAX;
+                    assert_eq!(wrote, on_tiles || n > ROWS_LANES_MAX, "{ty:?} n {n}");
+                }
+            }
+        }
+    }
+    let mut s = 71u64;
+    check::<Q4K>(GgmlType::Q4_K, Q4K::dot_scalar, &mut s);
+    check::<Q6K>(GgmlType::Q6_K, Q6K::dot_scalar, &mut s);
+}

@@ -1,0 +1,354 @@
+//! Q4_K and Q6_K products with the weight rows as lanes, for CPUs with AVX-512 VNNI: the
+//! decode-sized products (a few tokens) on the row-interleaved layout of
+//! `quant/interleaved.rs`, sixteen rows per tile. A tile's word `w` of sixteen rows is one
+//! 64-byte load, so one `vpdpbusd` against a broadcast activation quad does 64
+//! multiply-adds, and each super-block's scales, mins and float factors are unpacked once
+//! for sixteen rows in vector registers, where the one-row kernel (`avx2_kquants`) spent
+//! most of its time on them: on a 2-core Zen 4 that kernel streamed Q4_K weights at about
+//! 22 GB/s against about 40 for the same bytes of a plain copy.
+//!
+//! `vpdpbusd` multiplies unsigned by signed bytes: the weights enter as unsigned (Q4_K's
+//! 0..15, Q6_K's 0..63) and the activations as they are. Q6_K's `−32` is taken off each
+//! group's integer sum as `32·Σ a` (the activations' `bsums`). Every sum is an exact `i32`,
+//! and the float part is the format's chain (`Q4K::dot_with`, `Q6K::dot_with`) lane for
+//! lane, so the results are the definitions' bits (`quant/tests.rs`).
+
+use std::arch::x86_64::*;
+
+use super::tile_out::Out;
+use crate::blocks::BlockQ8K;
+
+/// Rows per tile: the `i32` lanes of a 512-bit register.
+pub(crate) const TILE_ROWS: usize = 16;
+/// Bytes of a Q4_K tile: `d`, `dmin` (16 f16 each), then the 35 words of 16 rows (the
+/// scale words 0..3, the quants 3..35).
+pub(crate) const Q4_K_TILE: usize = 16 * 144;
+/// Bytes of a Q6_K tile: `d` (16 f16), then the 52 words of 16 rows (`ql` 0..32, `qh`
+/// 32..48, the scales 48..52).
+pub(crate) const Q6_K_TILE: usize = 16 * 210;
+
+/// Tokens whose accumulators share one pass over a tile's weights.
+const PASS_TOKENS: usize = 4;
+
+/// Tiles ahead whose lines are requested while a tile is computed: a decode step streams
+/// every weight once, and the hardware prefetcher alone left the cores waiting.
+const PREFETCH_TILES: usize = 6;
+
+/// Word `w` of a tile's sixteen rows, `f16s` half-precision fields in front; the same line
+/// [`PREFETCH_TILES`] tiles on is requested.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn word(tile: &[u8], f16s: usize, w: usize) -> __m512i {
+    let at = 32 * f16s + 64 * w;
+    let src = &tile[at..at + 64];
+    let ahead = src
+        .as_ptr()
+        .cast::<i8>()
+        .wrapping_add(PREFETCH_TILES * tile.len());
+    // A hint: it never faults, whatever the address (`wrapping_add` forms it without
+    // claiming it is in bounds).
+    _mm_prefetch::<_MM_HINT_T0>(ahead);
+    // SAFETY: `src` is 64 readable bytes (sliced above); the load is unaligned.
+    unsafe { _mm512_loadu_si512(src.as_ptr().cast()) }
+}
+
+/// Half-precision field `k` of a tile's sixteen rows, widened.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn halves(tile: &[u8], k: usize) -> __m512 {
+    let src = &tile[32 * k..32 * k + 32];
+    // SAFETY: `src` is 32 readable bytes (sliced above); the load is unaligned.
+    _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(src.as_ptr().cast()) })
+}
+
+/// Activation quad `at..at + 4` of a super-block, in every lane.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn quad(a: &BlockQ8K, at: usize) -> __m512i {
+    let q = &a.qs[at..at + 4];
+    _mm512_set1_epi32(i32::from_le_bytes([
+        q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8,
+    ]))
+}
+
+/// In every `i32` lane, byte `b` of the lane alone (`b < 4`), or bytes `b` and `b + 1` as
+/// the low bytes of its two 16-bit halves (`pair`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn bytes_of_lanes(v: __m512i, b: usize, pair: bool) -> __m512i {
+    let z = -128i8 as u8;
+    let lane = if pair {
+        [b as u8, z, b as u8 + 1, z]
+    } else {
+        [b as u8, z, z, z]
+    };
+    let pick: [u8; 16] = std::array::from_fn(|i| {
+        let v = lane[i % 4];
+        if v == z {
+            z
+        } else {
+            v + 4 * (i / 4) as u8
+        }
+    });
+    // SAFETY: `pick` is 16 readable bytes; the load is unaligned.
+    let pick = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(pick.as_ptr().cast()) });
+    _mm512_shuffle_epi8(v, pick)
+}
+
+/// The tiles of `groups` groups of sixteen rows (`[group * nb + i]`, `nb` super-blocks a
+/// row) of Q4_K against the `n` tokens of `x` (`nb` blocks each), into `out` (rows
+/// numbered from the first group's first).
+///
+/// # Safety
+/// The CPU must support the features `super::cpu::wide_available` checks, and F16C.
+/// Slices are bounds-checked.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn q4_k_rows(
+    tiles: &[u8],
+    nb: usize,
+    x: &[BlockQ8K],
+    n: usize,
+    out: &mut Out<'_>,
+) {
+    let groups = tiles.len() / (nb * Q4_K_TILE);
+    assert!(x.len() >= n * nb, "q4_k_rows: activations too short");
+    // Each token's min pairs: sub-block sums `2p` and `2p + 1` as the halves of an `i32`.
+    let pairs: Vec<[i32; 4]> = x[..n * nb]
+        .iter()
+        .map(|a| {
+            std::array::from_fn(|p| {
+                let sum = |j: usize| a.bsums[2 * j] + a.bsums[2 * j + 1];
+                i32::from(sum(2 * p) as u16) | (i32::from(sum(2 * p + 1) as u16) << 16)
+            })
+        })
+        .collect();
+    for g in 0..groups {
+        let tiles = &tiles[g * nb * Q4_K_TILE..(g + 1) * nb * Q4_K_TILE];
+        let mut t0 = 0;
+        while t0 < n {
+            let pass = Rows {
+                tiles,
+                nb,
+                x,
+                pairs: &pairs,
+                t0,
+                r0: g * TILE_ROWS,
+            };
+            match n - t0 {
+                1 => pass.q4_k::<1>(out),
+                2 => pass.q4_k::<2>(out),
+                3 => pass.q4_k::<3>(out),
+                _ => pass.q4_k::<PASS_TOKENS>(out),
+            }
+            t0 += PASS_TOKENS;
+        }
+    }
+}
+
+/// As [`q4_k_rows`] for Q6_K tiles.
+///
+/// # Safety
+/// As [`q4_k_rows`].
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn q6_k_rows(
+    tiles: &[u8],
+    nb: usize,
+    x: &[BlockQ8K],
+    n: usize,
+    out: &mut Out<'_>,
+) {
+    let groups = tiles.len() / (nb * Q6_K_TILE);
+    assert!(x.len() >= n * nb, "q6_k_rows: activations too short");
+    for g in 0..groups {
+        let tiles = &tiles[g * nb * Q6_K_TILE..(g + 1) * nb * Q6_K_TILE];
+        let mut t0 = 0;
+        while t0 < n {
+            let pass = Rows {
+                tiles,
+                nb,
+                x,
+                pairs: &[],
+                t0,
+                r0: g * TILE_ROWS,
+            };
+            match n - t0 {
+                1 => pass.q6_k::<1>(out),
+                2 => pass.q6_k::<2>(out),
+                3 => pass.q6_k::<3>(out),
+                _ => pass.q6_k::<PASS_TOKENS>(out),
+            }
+            t0 += PASS_TOKENS;
+        }
+    }
+}
+
+/// One group's tiles against tokens `t0..t0 + T`.
+struct Rows<'a> {
+    tiles: &'a [u8],
+    nb: usize,
+    x: &'a [BlockQ8K],
+    /// Q4_K: each token's min pairs, `[t * nb + i]`.
+    pairs: &'a [[i32; 4]],
+    t0: usize,
+    r0: usize,
+}
+
+impl Rows<'_> {
+    /// Token `t`'s super-block `i`.
+    #[inline(always)]
+    fn act(&self, t: usize, i: usize) -> &BlockQ8K {
+        &self.x[(self.t0 + t) * self.nb + i]
+    }
+
+    // The register arrays are indexed by token.
+    #[allow(clippy::needless_range_loop)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn q4_k<const T: usize>(&self, out: &mut Out<'_>) {
+        let zero = _mm512_setzero_si512();
+        let nibble = _mm512_set1_epi8(0x0f);
+        let six = _mm512_set1_epi8(0x3f);
+        let top = _mm512_set1_epi8(0x30);
+        let mut acc = [_mm512_setzero_ps(); T];
+        for i in 0..self.nb {
+            let tile = &self.tiles[i * Q4_K_TILE..(i + 1) * Q4_K_TILE];
+            // `k4_scales_mins` lane by lane: words a, b, c of each row's 12 scale bytes.
+            let (a, b, c) = (word(tile, 2, 0), word(tile, 2, 1), word(tile, 2, 2));
+            let sc_lo = _mm512_and_si512(a, six);
+            let m_lo = _mm512_and_si512(b, six);
+            let sc_hi = _mm512_or_si512(
+                _mm512_and_si512(c, nibble),
+                _mm512_and_si512(_mm512_srli_epi32::<2>(a), top),
+            );
+            let m_hi = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi32::<4>(c), nibble),
+                _mm512_and_si512(_mm512_srli_epi32::<2>(b), top),
+            );
+            let sc: [__m512i; 8] = std::array::from_fn(|j| {
+                bytes_of_lanes(if j < 4 { sc_lo } else { sc_hi }, j % 4, false)
+            });
+            let m_pairs: [__m512i; 4] = std::array::from_fn(|p| {
+                bytes_of_lanes(if p < 2 { m_lo } else { m_hi }, 2 * (p % 2), true)
+            });
+            let mut s = [zero; T];
+            for c in 0..4 {
+                let tile = std::hint::black_box(tile);
+                let mut lo = [zero; T];
+                let mut hi = [zero; T];
+                for q in 0..8 {
+                    let w = word(tile, 2, 3 + 8 * c + q);
+                    let wl = _mm512_and_si512(w, nibble);
+                    let wh = _mm512_and_si512(_mm512_srli_epi16::<4>(w), nibble);
+                    for t in 0..T {
+                        let a = self.act(t, i);
+                        lo[t] = _mm512_dpbusd_epi32(lo[t], wl, quad(a, 64 * c + 4 * q));
+                        hi[t] = _mm512_dpbusd_epi32(hi[t], wh, quad(a, 64 * c + 32 + 4 * q));
+                    }
+                }
+                for t in 0..T {
+                    let scaled = _mm512_add_epi32(
+                        _mm512_mullo_epi32(lo[t], sc[2 * c]),
+                        _mm512_mullo_epi32(hi[t], sc[2 * c + 1]),
+                    );
+                    s[t] = _mm512_add_epi32(s[t], scaled);
+                }
+            }
+            let (d_w, dmin_w) = (halves(tile, 0), halves(tile, 1));
+            for t in 0..T {
+                let a = self.act(t, i);
+                let pairs = &self.pairs[(self.t0 + t) * self.nb + i];
+                let mut mins = zero;
+                for p in 0..4 {
+                    mins = _mm512_dpwssd_epi32(mins, m_pairs[p], _mm512_set1_epi32(pairs[p]));
+                }
+                let d = _mm512_mul_ps(_mm512_set1_ps(a.d), d_w);
+                acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s[t]), acc[t]);
+                let dmin = _mm512_mul_ps(_mm512_set1_ps(-a.d), dmin_w);
+                acc[t] = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(mins), acc[t]);
+            }
+        }
+        self.put(acc, out);
+    }
+
+    #[allow(clippy::needless_range_loop)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn q6_k<const T: usize>(&self, out: &mut Out<'_>) {
+        let zero = _mm512_setzero_si512();
+        let nibble = _mm512_set1_epi8(0x0f);
+        let top = _mm512_set1_epi8(0x30);
+        let mut acc = [_mm512_setzero_ps(); T];
+        for i in 0..self.nb {
+            let tile = &self.tiles[i * Q6_K_TILE..(i + 1) * Q6_K_TILE];
+            let mut s = [zero; T];
+            for half in 0..2 {
+                // Groups 8·half + 2k (quads 0..4 of each 32) and 8·half + 2k + 1 (4..8).
+                for upper in 0..2 {
+                    let tile = std::hint::black_box(tile);
+                    let mut g = [[zero; T]; 4];
+                    for q in 4 * upper..4 * upper + 4 {
+                        let ql0 = word(tile, 1, 16 * half + q);
+                        let ql1 = word(tile, 1, 16 * half + 8 + q);
+                        let h = word(tile, 1, 32 + 8 * half + q);
+                        // ggml's element 128·half + 32k + l: a nibble of `ql`, two bits of `qh`.
+                        let v = [
+                            _mm512_or_si512(
+                                _mm512_and_si512(ql0, nibble),
+                                _mm512_and_si512(_mm512_slli_epi16::<4>(h), top),
+                            ),
+                            _mm512_or_si512(
+                                _mm512_and_si512(ql1, nibble),
+                                _mm512_and_si512(_mm512_slli_epi16::<2>(h), top),
+                            ),
+                            _mm512_or_si512(
+                                _mm512_and_si512(_mm512_srli_epi16::<4>(ql0), nibble),
+                                _mm512_and_si512(h, top),
+                            ),
+                            _mm512_or_si512(
+                                _mm512_and_si512(_mm512_srli_epi16::<4>(ql1), nibble),
+                                _mm512_and_si512(_mm512_srli_epi16::<2>(h), top),
+                            ),
+                        ];
+                        for t in 0..T {
+                            let a = self.act(t, i);
+                            for k in 0..4 {
+                                let at = 128 * half + 32 * k + 4 * q;
+                                g[k][t] = _mm512_dpbusd_epi32(g[k][t], v[k], quad(a, at));
+                            }
+                        }
+                    }
+                    for k in 0..4 {
+                        let group = 8 * half + 2 * k + upper;
+                        let scales = word(tile, 1, 48 + group / 4);
+                        // Each lane's signed scale byte moved to the top, shifted down.
+                        let up = _mm512_set1_epi32(24 - 8 * (group % 4) as i32);
+                        let sc = _mm512_srai_epi32::<24>(_mm512_sllv_epi32(scales, up));
+                        for t in 0..T {
+                            // Σ (q − 32)·a = Σ q·a − 32·Σ a.
+                            let offset = 32 * i32::from(self.act(t, i).bsums[group]);
+                            let sum = _mm512_sub_epi32(g[k][t], _mm512_set1_epi32(offset));
+                            s[t] = _mm512_add_epi32(s[t], _mm512_mullo_epi32(sum, sc));
+                        }
+                    }
+                }
+            }
+            let d_w = halves(tile, 0);
+            for t in 0..T {
+                let d = _mm512_mul_ps(_mm512_set1_ps(self.act(t, i).d), d_w);
+                acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s[t]), acc[t]);
+            }
+        }
+        self.put(acc, out);
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn put<const T: usize>(&self, acc: [__m512; T], out: &mut Out<'_>) {
+        for (t, v) in acc.into_iter().enumerate() {
+            let mut vals = [0f32; TILE_ROWS];
+            // SAFETY: `vals` is 16 writable f32; the store is unaligned.
+            unsafe { _mm512_storeu_ps(vals.as_mut_ptr(), v) };
+            out.put_rows_of_token(self.r0, self.t0 + t, &vals);
+        }
+    }
+}

@@ -1,0 +1,274 @@
+//! Q4_K and Q6_K matrices repacked at load, on CPUs with AVX-512 VNNI, into tiles of
+//! sixteen rows: per super-block, each half-precision field of the sixteen rows side by
+//! side, then each 4-byte word of the block as sixteen rows' words (one 64-byte line).
+//! The tile is a permutation of the rows' bytes, as many as they were, so a matrix is held
+//! once (the file's pages released as it is repacked, as widened formats do).
+//!
+//! Decode-sized products (at most [`ROWS_LANES_MAX`] tokens) run the rows-in-lanes kernel
+//! on the tiles (`kernels/x86_512_rows_lanes.rs`); larger ones, and rows that do not start
+//! a tile, rebuild ggml's blocks for the rows they need and run the format's own kernels
+//! (the tokens-in-lanes prefill kernel unpacks every row per call anyway). Every path
+//! computes the format's definition (`Q4K::dot_scalar`, `Q6K::dot_scalar`), so the layout
+//! changes no bit (`quant/tests.rs`).
+
+use std::marker::PhantomData;
+
+use gguf::{GgmlType, TensorData};
+use rayon::prelude::*;
+
+use super::kquants::{Q4K, Q6K};
+use super::{QuantFormat, WeightMatrix};
+use crate::blocks::{Acts, BlockQ8K};
+use crate::kernels::tile_out::Out;
+use crate::kernels::x86_512_rows_lanes::{self as kernel, TILE_ROWS};
+use crate::kernels::{cpu, ActKind, WeightRows};
+
+/// Products of at most this many tokens run on the tiles. On a 2-core Zen 4 with the
+/// Llama-3.2-1B shape, the tokens-in-lanes kernel took over from here.
+pub(crate) const ROWS_LANES_MAX: usize = 8;
+
+/// Bytes of a tensor repacked between releases of its file pages.
+const REPACK_SLICE: usize = 8 << 20;
+
+/// A format whose super-blocks the tiles hold.
+pub(crate) trait Interleave: QuantFormat<Act = BlockQ8K> {
+    /// Bytes of one super-block.
+    const BLOCK: usize;
+    /// Byte offsets of its half-precision fields.
+    const HALVES: &'static [usize];
+    /// Where its 4-byte words start; they run to the block's end or to the first half.
+    const WORDS_AT: usize;
+    /// How many words it has.
+    const WORDS: usize;
+
+    /// The rows-in-lanes kernel on whole groups of tiles (see `x86_512_rows_lanes`).
+    ///
+    /// # Safety
+    /// The CPU must support the features `cpu::wide_available` checks, and F16C.
+    unsafe fn tiles_rows(tiles: &[u8], nb: usize, x: &[BlockQ8K], n: usize, out: &mut Out<'_>);
+}
+
+impl Interleave for Q4K {
+    const BLOCK: usize = 144;
+    const HALVES: &'static [usize] = &[0, 2];
+    const WORDS_AT: usize = 4;
+    const WORDS: usize = 35;
+
+    unsafe fn tiles_rows(tiles: &[u8], nb: usize, x: &[BlockQ8K], n: usize, out: &mut Out<'_>) {
+        // SAFETY: the caller's requirement is the kernel's.
+        unsafe { kernel::q4_k_rows(tiles, nb, x, n, out) }
+    }
+}
+
+impl Interleave for Q6K {
+    const BLOCK: usize = 210;
+    const HALVES: &'static [usize] = &[208];
+    const WORDS_AT: usize = 0;
+    const WORDS: usize = 52;
+
+    unsafe fn tiles_rows(tiles: &[u8], nb: usize, x: &[BlockQ8K], n: usize, out: &mut Out<'_>) {
+        // SAFETY: the caller's requirement is the kernel's.
+        unsafe { kernel::q6_k_rows(tiles, nb, x, n, out) }
+    }
+}
+
+/// Bytes of one tile of format `F`.
+const fn tile_bytes<F: Interleave>() -> usize {
+    TILE_ROWS * F::BLOCK
+}
+
+/// Whether a matrix of `rows` rows of `F` is repacked here: the CPU runs the kernel and
+/// the rows are whole tiles.
+pub(crate) fn applies<F: Interleave>(rows: usize) -> bool {
+    const { assert!(2 * F::HALVES.len() + 4 * F::WORDS == F::BLOCK) };
+    rows.is_multiple_of(TILE_ROWS) && cpu::wide_available() && cpu::has_f16c()
+}
+
+/// Sixteen rows' super-block `i` (`rows`: their blocks, `nb` a row) as a tile.
+fn pack<F: Interleave>(rows: &[u8], nb: usize, i: usize, tile: &mut [u8]) {
+    let words_at = 32 * F::HALVES.len();
+    for r in 0..TILE_ROWS {
+        let block = &rows[(r * nb + i) * F::BLOCK..(r * nb + i + 1) * F::BLOCK];
+        for (k, &at) in F::HALVES.iter().enumerate() {
+            tile[32 * k + 2 * r..32 * k + 2 * r + 2].copy_from_slice(&block[at..at + 2]);
+        }
+        for w in 0..F::WORDS {
+            let to = words_at + 64 * w + 4 * r;
+            let from = F::WORDS_AT + 4 * w;
+            tile[to..to + 4].copy_from_slice(&block[from..from + 4]);
+        }
+    }
+}
+
+/// A matrix of format `F` as tiles, `[group * nb + i]` for groups of sixteen rows.
+pub(crate) struct InterleavedMatrix<F: Interleave> {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    tiles: Vec<u8>,
+    format: PhantomData<F>,
+}
+
+impl<F: Interleave> InterleavedMatrix<F> {
+    /// `data` must hold `rows` rows of `cols` elements of `F` (the GGUF reader checked the
+    /// size), `rows` a multiple of sixteen ([`applies`]). A mapped tensor's pages are
+    /// released slice by slice as they are repacked.
+    pub(crate) fn new(ty: GgmlType, rows: usize, cols: usize, data: &TensorData) -> Self {
+        assert!(
+            rows.is_multiple_of(TILE_ROWS),
+            "interleaved: rows not whole tiles"
+        );
+        let nb = cols / gguf::QK_K;
+        let group = nb * tile_bytes::<F>();
+        let mut tiles = vec![0u8; rows / TILE_ROWS * group];
+        let groups_per_slice = (REPACK_SLICE / group.max(1)).max(1);
+        let src = data.bytes();
+        for (s, dst) in tiles.chunks_mut(groups_per_slice * group).enumerate() {
+            let at = s * groups_per_slice * group;
+            let from = &src[at..at + dst.len()];
+            dst.par_chunks_mut(group)
+                .zip(from.par_chunks(group))
+                .for_each(|(dst, rows)| {
+                    for (i, tile) in dst.chunks_exact_mut(tile_bytes::<F>()).enumerate() {
+                        pack::<F>(rows, nb, i, tile);
+                    }
+                });
+            data.release_part(at, dst.len());
+        }
+        InterleavedMatrix {
+            ty,
+            rows,
+            cols,
+            tiles,
+            format: PhantomData,
+        }
+    }
+
+    fn nb(&self) -> usize {
+        self.cols / gguf::QK_K
+    }
+
+    /// Rows `r0..r0 + nr` (at least one) as ggml's blocks, given to `use_blocks`: rebuilt
+    /// row by row into this thread's buffer
+    /// (a prefill rebuilds every 64-row block once per 128 tokens).
+    fn with_blocks<R>(&self, r0: usize, nr: usize, use_blocks: impl FnOnce(&[F::Block]) -> R) -> R {
+        thread_local! {
+            static BLOCKS: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        let nb = self.nb();
+        let row_bytes = nb * F::BLOCK;
+        let words_at = 32 * F::HALVES.len();
+        BLOCKS.with_borrow_mut(|buf| {
+            if buf.len() < nr * row_bytes {
+                buf.resize(nr * row_bytes, 0);
+            }
+            let out = &mut buf[..nr * row_bytes];
+            for (k, row) in out.chunks_exact_mut(row_bytes).enumerate() {
+                let (g, lane) = ((r0 + k) / TILE_ROWS, (r0 + k) % TILE_ROWS);
+                for (i, block) in row.chunks_exact_mut(F::BLOCK).enumerate() {
+                    let at = (g * nb + i) * tile_bytes::<F>();
+                    let tile = &self.tiles[at..at + tile_bytes::<F>()];
+                    for (k, &h) in F::HALVES.iter().enumerate() {
+                        block[h..h + 2]
+                            .copy_from_slice(&tile[32 * k + 2 * lane..32 * k + 2 * lane + 2]);
+                    }
+                    for w in 0..F::WORDS {
+                        let from = words_at + 64 * w + 4 * lane;
+                        let to = F::WORDS_AT + 4 * w;
+                        block[to..to + 4].copy_from_slice(&tile[from..from + 4]);
+                    }
+                }
+            }
+            use_blocks(F::view(out).expect("k-quant blocks are viewed in place"))
+        })
+    }
+
+    /// The tiles of rows `r0..r0 + nr` where a product of `n` tokens runs on them.
+    fn tiles_for(&self, r0: usize, nr: usize, n: usize) -> Option<&[u8]> {
+        let whole = r0.is_multiple_of(TILE_ROWS) && nr.is_multiple_of(TILE_ROWS);
+        if n > ROWS_LANES_MAX || !whole {
+            return None;
+        }
+        let group = self.nb() * tile_bytes::<F>();
+        Some(&self.tiles[r0 / TILE_ROWS * group..(r0 + nr) / TILE_ROWS * group])
+    }
+
+    /// The rows on the tiles, into `out`; false where [`Self::tiles_for`] has none.
+    fn on_tiles(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut Out<'_>) -> bool {
+        let Some(tiles) = self.tiles_for(r0, nr, n) else {
+            return false;
+        };
+        // SAFETY: the matrix exists only where `applies` found the CPU's features.
+        unsafe { F::tiles_rows(tiles, self.nb(), acts.q8_k, n, out) };
+        true
+    }
+}
+
+impl<F: Interleave> WeightRows for InterleavedMatrix<F> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn act_kind(&self) -> ActKind {
+        ActKind::Q8K
+    }
+
+    fn wants_tile_scales(&self) -> bool {
+        false
+    }
+
+    fn wants_q8_k_lanes(&self, n: usize) -> bool {
+        n > ROWS_LANES_MAX && F::wants_lanes(n)
+    }
+
+    fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
+        if self.on_tiles(r0, nr, acts, n, &mut Out::RowMajor { out: &mut *out, n }) {
+            return;
+        }
+        let nb = self.nb();
+        self.with_blocks(r0, nr, |w| {
+            if !acts.q8_k_lanes.is_empty() && F::lanes_rows(w, nb, acts.q8_k_lanes, n, out, None) {
+                return;
+            }
+            F::product(w, nb, acts, n, out);
+        });
+    }
+
+    fn rows_token_major(
+        &self,
+        r0: usize,
+        nr: usize,
+        acts: &Acts<'_>,
+        n: usize,
+        out: &mut [f32],
+        ld: usize,
+    ) -> bool {
+        if self.on_tiles(r0, nr, acts, n, &mut Out::TokenMajor { out: &mut *out, ld }) {
+            return true;
+        }
+        if acts.q8_k_lanes.is_empty() {
+            return false;
+        }
+        self.with_blocks(r0, nr, |w| {
+            F::lanes_rows(w, self.nb(), acts.q8_k_lanes, n, out, Some(ld))
+        })
+    }
+}
+
+impl<F: Interleave> WeightMatrix for InterleavedMatrix<F> {
+    fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    fn row_f32(&self, r: usize, out: &mut [f32]) {
+        self.with_blocks(r, 1, |w| F::dequantize(w, out));
+    }
+
+    fn is_mapped(&self) -> bool {
+        false
+    }
+}
