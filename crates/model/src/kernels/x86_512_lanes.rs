@@ -20,6 +20,7 @@ use std::arch::x86_64::*;
 use super::avx2_kquants::k4_scales_mins;
 use super::tile_out::Out;
 use super::x86::prefetch_ahead;
+use super::x86_512_rows_lanes::{transpose_words, Q4_K_TILE, TILE_ROWS};
 use crate::blocks::{f16_at, LanesQ8K, LANE_TOKENS};
 
 /// The super-block formats this kernel takes.
@@ -64,8 +65,16 @@ const EMPTY: RowBlock = RowBlock {
     offset: 0,
 };
 
-/// Every row of `w` (ggml's super-blocks of `format`, `nb` a row) against the `n` tokens of
-/// `lanes` (`[group * nb + i]`), into `out`.
+/// Where the weight rows are: ggml's super-blocks, `nb` a row, or (Q4_K) the tiles of
+/// sixteen rows of `quant/interleaved.rs`, `[group * nb + i]`.
+#[derive(Clone, Copy)]
+pub(crate) enum Weights<'a> {
+    Blocks(&'a [u8]),
+    Q4KTiles(&'a [u8]),
+}
+
+/// Every row of `w` (`format`'s super-blocks, `nb` a row) against the `n` tokens of `lanes`
+/// (`[group * nb + i]`), into `out`.
 ///
 /// # Safety
 /// The CPU must support the features `super::cpu::wide_available` checks, and F16C.
@@ -73,31 +82,58 @@ const EMPTY: RowBlock = RowBlock {
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn k_quant_lanes(
     format: Format,
-    w: &[u8],
+    w: Weights<'_>,
     nb: usize,
     lanes: &[LanesQ8K],
     n: usize,
     out: &mut Out<'_>,
 ) {
     let block = format.block_bytes();
-    let rows = w.len() / (nb * block);
+    let rows = match w {
+        Weights::Blocks(w) => w.len() / (nb * block),
+        Weights::Q4KTiles(t) => {
+            assert!(format == Format::Q4K, "k_quant_lanes: tiles are Q4_K's");
+            t.len() / (nb * Q4_K_TILE) * TILE_ROWS
+        }
+    };
     let groups = n.div_ceil(LANE_TOKENS);
     assert!(lanes.len() >= groups * nb, "k_quant_lanes: lanes too short");
-    // Each row's super-blocks are prepared once for every group: `prep[r * nb + i]`.
-    let mut prep = vec![EMPTY; 4 * nb];
+    // Each row's super-blocks are prepared once for every group: `prep[r * nb + i]`, four
+    // rows at a time from blocks, a tile's sixteen from tiles.
+    let per_prep = match w {
+        Weights::Blocks(_) => 4,
+        Weights::Q4KTiles(_) => TILE_ROWS,
+    };
+    let mut prep = vec![EMPTY; per_prep * nb];
     let mut r = 0;
     while r < rows {
         let rr = if r + 4 <= rows { 4 } else { 1 };
-        for k in 0..rr {
-            for i in 0..nb {
-                let at = ((r + k) * nb + i) * block;
-                let (wb, rb) = (&w[at..at + block], &mut prep[k * nb + i]);
-                match format {
-                    Format::Q4K => q4_k_block(wb, rb),
-                    Format::Q6K => q6_k_block(wb, rb),
+        let base = match w {
+            Weights::Blocks(w) => {
+                for k in 0..rr {
+                    for i in 0..nb {
+                        let at = ((r + k) * nb + i) * block;
+                        let (wb, rb) = (&w[at..at + block], &mut prep[k * nb + i]);
+                        match format {
+                            Format::Q4K => q4_k_block(wb, rb),
+                            Format::Q6K => q6_k_block(wb, rb),
+                        }
+                    }
                 }
+                0
             }
-        }
+            Weights::Q4KTiles(t) => {
+                if r % TILE_ROWS == 0 {
+                    let g = r / TILE_ROWS;
+                    for i in 0..nb {
+                        let at = (g * nb + i) * Q4_K_TILE;
+                        q4_k_tile_blocks(&t[at..at + Q4_K_TILE], &mut prep, nb, i);
+                    }
+                }
+                r % TILE_ROWS * nb
+            }
+        };
+        let prep = &prep[base..];
         let mut g = 0;
         while g < groups {
             let t = if g + 2 <= groups { 2 } else { 1 };
@@ -112,23 +148,23 @@ pub(crate) unsafe fn k_quant_lanes(
             // lanes: 256-bit registers then do the same work in half the instructions.
             if t == 1 && n - g * LANE_TOKENS <= LANE_TOKENS / 2 {
                 match (format, rr) {
-                    (Format::Q4K, 4) => pass.run_narrow::<4, 8, true>(&prep, out),
-                    (Format::Q4K, _) => pass.run_narrow::<1, 8, true>(&prep, out),
-                    (Format::Q6K, 4) => pass.run_narrow::<4, 16, false>(&prep, out),
-                    (Format::Q6K, _) => pass.run_narrow::<1, 16, false>(&prep, out),
+                    (Format::Q4K, 4) => pass.run_narrow::<4, 8, true>(prep, out),
+                    (Format::Q4K, _) => pass.run_narrow::<1, 8, true>(prep, out),
+                    (Format::Q6K, 4) => pass.run_narrow::<4, 16, false>(prep, out),
+                    (Format::Q6K, _) => pass.run_narrow::<1, 16, false>(prep, out),
                 }
                 g += t;
                 continue;
             }
             match (format, rr, t) {
-                (Format::Q4K, 4, 2) => pass.run::<4, 2, 8, true>(&prep, out),
-                (Format::Q4K, 4, _) => pass.run::<4, 1, 8, true>(&prep, out),
-                (Format::Q4K, _, 2) => pass.run::<1, 2, 8, true>(&prep, out),
-                (Format::Q4K, _, _) => pass.run::<1, 1, 8, true>(&prep, out),
-                (Format::Q6K, 4, 2) => pass.run::<4, 2, 16, false>(&prep, out),
-                (Format::Q6K, 4, _) => pass.run::<4, 1, 16, false>(&prep, out),
-                (Format::Q6K, _, 2) => pass.run::<1, 2, 16, false>(&prep, out),
-                (Format::Q6K, _, _) => pass.run::<1, 1, 16, false>(&prep, out),
+                (Format::Q4K, 4, 2) => pass.run::<4, 2, 8, true>(prep, out),
+                (Format::Q4K, 4, _) => pass.run::<4, 1, 8, true>(prep, out),
+                (Format::Q4K, _, 2) => pass.run::<1, 2, 8, true>(prep, out),
+                (Format::Q4K, _, _) => pass.run::<1, 1, 8, true>(prep, out),
+                (Format::Q6K, 4, 2) => pass.run::<4, 2, 16, false>(prep, out),
+                (Format::Q6K, 4, _) => pass.run::<4, 1, 16, false>(prep, out),
+                (Format::Q6K, _, 2) => pass.run::<1, 2, 16, false>(prep, out),
+                (Format::Q6K, _, _) => pass.run::<1, 1, 16, false>(prep, out),
             }
             g += t;
         }
@@ -317,7 +353,52 @@ fn q4_k_block(wb: &[u8], b: &mut RowBlock) {
             _mm256_storeu_si256(hi.as_mut_ptr().cast(), high);
         }
     }
-    let (sc, m) = k4_scales_mins(&wb[4..16]);
+    q4_k_scales(&wb[4..16], f16_at(wb, 0), f16_at(wb, 2), b);
+}
+
+/// The sixteen rows' super-blocks of a Q4_K tile into `prep[lane * nb + i]`: the quants
+/// transposed back into rows in registers, then unpacked as [`q4_k_block`] does.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn q4_k_tile_blocks(tile: &[u8], prep: &mut [RowBlock], nb: usize, i: usize) {
+    let mask = _mm256_set1_epi8(0x0f);
+    // The quants are words 3..35 after the two fields of halves.
+    let quants: [[__m512i; 16]; 2] = std::array::from_fn(|h| transpose_words(tile, 2, 3 + 16 * h));
+    for lane in 0..TILE_ROWS {
+        let b = &mut prep[lane * nb + i];
+        for (h, words) in quants.iter().enumerate() {
+            for part in 0..2 {
+                let q = if part == 0 {
+                    _mm512_castsi512_si256(words[lane])
+                } else {
+                    _mm512_extracti64x4_epi64::<1>(words[lane])
+                };
+                let c = 2 * h + part;
+                let (lo, hi) = b.q[64 * c..64 * c + 64].split_at_mut(32);
+                // SAFETY: `lo` and `hi` are 32 writable bytes each (sliced above); unaligned.
+                unsafe {
+                    _mm256_storeu_si256(lo.as_mut_ptr().cast(), _mm256_and_si256(q, mask));
+                    let high = _mm256_and_si256(_mm256_srli_epi16::<4>(q), mask);
+                    _mm256_storeu_si256(hi.as_mut_ptr().cast(), high);
+                }
+            }
+        }
+        let word = |w: usize| &tile[64 + 64 * w + 4 * lane..64 + 64 * w + 4 * lane + 4];
+        let mut scales = [0u8; 12];
+        for w in 0..3 {
+            scales[4 * w..4 * w + 4].copy_from_slice(word(w));
+        }
+        let (d, dmin) = (f16_at(tile, 2 * lane), f16_at(tile, 32 + 2 * lane));
+        q4_k_scales(&scales, d, dmin, b);
+    }
+}
+
+/// The rest of a Q4_K row block once its quants are in `b.q`: from the 12 scale bytes and
+/// the two factors.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn q4_k_scales(packed: &[u8], d: f32, dmin: f32, b: &mut RowBlock) {
+    let (sc, m) = k4_scales_mins(packed);
     // SAFETY: `sc` and `m` are 8 readable bytes, `b.sc` 8 writable i32 (of 16) and
     // `b.m_pairs` 4 writable i32; the accesses are unaligned.
     unsafe {
@@ -327,8 +408,8 @@ fn q4_k_block(wb: &[u8], b: &mut RowBlock) {
         let m8 = _mm_loadl_epi64(m.as_ptr().cast());
         _mm_storeu_si128(b.m_pairs.as_mut_ptr().cast(), _mm_cvtepu8_epi16(m8));
     }
-    b.d = f16_at(wb, 0);
-    b.neg_dmin = -f16_at(wb, 2);
+    b.d = d;
+    b.neg_dmin = -dmin;
     // `Σ_j sc_j Σ q` with each register's two sub-blocks against their scales as bytes.
     let scales = _mm512_set1_epi64(i64::from_le_bytes(sc));
     let mut sum = _mm512_setzero_si512();

@@ -352,3 +352,69 @@ impl Rows<'_> {
         }
     }
 }
+
+/// Sixteen rows' words `w0..w0 + 16` of a tile (`f16s` half-precision fields in front)
+/// as rows: lane `k` of result `r` is row `r`'s word `w0 + k`. A 16 × 16 transposition of
+/// `u32` in registers.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) fn transpose_words(tile: &[u8], f16s: usize, w0: usize) -> [__m512i; 16] {
+    // v[k]: word w0 + k of the sixteen rows (lane r: row r).
+    let v: [__m512i; 16] = std::array::from_fn(|k| word(tile, f16s, w0 + k));
+    // Within each 128-bit quarter q: a[2i] = [v2i[4q], v2i+1[4q], v2i[4q+1], v2i+1[4q+1]],
+    // a[2i + 1] the same for rows 4q + 2 and 4q + 3.
+    let a: [__m512i; 16] = std::array::from_fn(|k| {
+        let (x, y) = (v[k & !1], v[k | 1]);
+        if k % 2 == 0 {
+            _mm512_unpacklo_epi32(x, y)
+        } else {
+            _mm512_unpackhi_epi32(x, y)
+        }
+    });
+    // b[4i + j], quarter q: row 4q + j's words 4i..4i + 4.
+    let b: [__m512i; 16] = std::array::from_fn(|k| {
+        let (i, j) = (k / 4, k % 4);
+        let (x, y) = (a[4 * i + j / 2], a[4 * i + 2 + j / 2]);
+        if j % 2 == 0 {
+            _mm512_unpacklo_epi64(x, y)
+        } else {
+            _mm512_unpackhi_epi64(x, y)
+        }
+    });
+    let mut rows = [_mm512_setzero_si512(); 16];
+    for j in 0..4 {
+        let c0 = _mm512_shuffle_i32x4::<0b01_00_01_00>(b[j], b[4 + j]);
+        let c1 = _mm512_shuffle_i32x4::<0b11_10_11_10>(b[j], b[4 + j]);
+        let c2 = _mm512_shuffle_i32x4::<0b01_00_01_00>(b[8 + j], b[12 + j]);
+        let c3 = _mm512_shuffle_i32x4::<0b11_10_11_10>(b[8 + j], b[12 + j]);
+        rows[j] = _mm512_shuffle_i32x4::<0b10_00_10_00>(c0, c2);
+        rows[4 + j] = _mm512_shuffle_i32x4::<0b11_01_11_01>(c0, c2);
+        rows[8 + j] = _mm512_shuffle_i32x4::<0b10_00_10_00>(c1, c3);
+        rows[12 + j] = _mm512_shuffle_i32x4::<0b11_01_11_01>(c1, c3);
+    }
+    rows
+}
+
+/// Sixteen rows' words `w0..w0 + 16` of a tile put back in the rows ([`transpose_words`]):
+/// row `r`'s sixteen words, 64 bytes, go to `out[r * stride + at..]`. (Products the
+/// kernels here do not take rebuild ggml's blocks from the tiles; one copy per word and
+/// row was a tenth of a Llama-3.2-1B-shaped prefill.)
+///
+/// # Safety
+/// The CPU must support the features `super::cpu::wide_available` checks. Slices are
+/// bounds-checked.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn untile_words(
+    tile: &[u8],
+    f16s: usize,
+    w0: usize,
+    out: &mut [u8],
+    stride: usize,
+    at: usize,
+) {
+    for (r, t) in transpose_words(tile, f16s, w0).into_iter().enumerate() {
+        let dst = &mut out[r * stride + at..r * stride + at + 64];
+        // SAFETY: `dst` is 64 writable bytes (sliced above); the store is unaligned.
+        unsafe { _mm512_storeu_si512(dst.as_mut_ptr().cast(), t) };
+    }
+}

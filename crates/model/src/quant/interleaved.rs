@@ -5,11 +5,12 @@
 //! once (the file's pages released as it is repacked, as widened formats do).
 //!
 //! Decode-sized products (at most [`ROWS_LANES_MAX`] tokens) run the rows-in-lanes kernel
-//! on the tiles (`kernels/x86_512_rows_lanes.rs`); larger ones, and rows that do not start
-//! a tile, rebuild ggml's blocks for the rows they need and run the format's own kernels
-//! (the tokens-in-lanes prefill kernel unpacks every row per call anyway). Every path
-//! computes the format's definition (`Q4K::dot_scalar`, `Q6K::dot_scalar`), so the layout
-//! changes no bit (`quant/tests.rs`).
+//! on the tiles (`kernels/x86_512_rows_lanes.rs`); larger Q4_K ones the tokens-in-lanes
+//! kernel, which prepares each tile's sixteen rows with one transposition in registers
+//! (`x86_512_lanes.rs`). Rows that do not start a tile, and the formats without that
+//! preparation, rebuild ggml's blocks for the rows they need and run the format's own
+//! kernels. Every path computes the format's definition (`Q4K::dot_scalar`,
+//! `Q6K::dot_scalar`), so the layout changes no bit (`quant/tests.rs`).
 
 use std::marker::PhantomData;
 
@@ -18,8 +19,9 @@ use rayon::prelude::*;
 
 use super::kquants::{Q4K, Q6K};
 use super::{QuantFormat, WeightMatrix};
-use crate::blocks::{Acts, BlockQ8K};
+use crate::blocks::{Acts, BlockQ8K, LanesQ8K};
 use crate::kernels::tile_out::Out;
+use crate::kernels::x86_512_lanes::{k_quant_lanes, Format, Weights};
 use crate::kernels::x86_512_rows_lanes::{self as kernel, TILE_ROWS};
 use crate::kernels::{cpu, ActKind, WeightRows};
 
@@ -46,6 +48,19 @@ pub(crate) trait Interleave: QuantFormat<Act = BlockQ8K> {
     /// # Safety
     /// The CPU must support the features `cpu::wide_available` checks, and F16C.
     unsafe fn tiles_rows(tiles: &[u8], nb: usize, x: &[BlockQ8K], n: usize, out: &mut Out<'_>);
+
+    /// The tokens-in-lanes kernel (`x86_512_lanes.rs`) on whole groups of tiles where the
+    /// format has it there (true), else nothing done (false).
+    ///
+    /// # Safety
+    /// As [`Self::tiles_rows`].
+    unsafe fn tiles_lanes(
+        tiles: &[u8],
+        nb: usize,
+        lanes: &[LanesQ8K],
+        n: usize,
+        out: &mut Out<'_>,
+    ) -> bool;
 }
 
 impl Interleave for Q4K {
@@ -58,6 +73,21 @@ impl Interleave for Q4K {
         // SAFETY: the caller's requirement is the kernel's.
         unsafe { kernel::q4_k_rows(tiles, nb, x, n, out) }
     }
+
+    unsafe fn tiles_lanes(
+        tiles: &[u8],
+        nb: usize,
+        lanes: &[LanesQ8K],
+        n: usize,
+        out: &mut Out<'_>,
+    ) -> bool {
+        if !Q4K::wants_lanes(n) {
+            return false;
+        }
+        // SAFETY: the caller's requirement is the kernel's.
+        unsafe { k_quant_lanes(Format::Q4K, Weights::Q4KTiles(tiles), nb, lanes, n, out) };
+        true
+    }
 }
 
 impl Interleave for Q6K {
@@ -69,6 +99,10 @@ impl Interleave for Q6K {
     unsafe fn tiles_rows(tiles: &[u8], nb: usize, x: &[BlockQ8K], n: usize, out: &mut Out<'_>) {
         // SAFETY: the caller's requirement is the kernel's.
         unsafe { kernel::q6_k_rows(tiles, nb, x, n, out) }
+    }
+
+    unsafe fn tiles_lanes(_: &[u8], _: usize, _: &[LanesQ8K], _: usize, _: &mut Out<'_>) -> bool {
+        false
     }
 }
 
@@ -149,7 +183,7 @@ impl<F: Interleave> InterleavedMatrix<F> {
     }
 
     /// Rows `r0..r0 + nr` (at least one) as ggml's blocks, given to `use_blocks`: rebuilt
-    /// row by row into this thread's buffer
+    /// into this thread's buffer, whole tiles' words sixteen by sixteen in registers
     /// (a prefill rebuilds every 64-row block once per 128 tokens).
     fn with_blocks<R>(&self, r0: usize, nr: usize, use_blocks: impl FnOnce(&[F::Block]) -> R) -> R {
         thread_local! {
@@ -163,19 +197,37 @@ impl<F: Interleave> InterleavedMatrix<F> {
                 buf.resize(nr * row_bytes, 0);
             }
             let out = &mut buf[..nr * row_bytes];
-            for (k, row) in out.chunks_exact_mut(row_bytes).enumerate() {
-                let (g, lane) = ((r0 + k) / TILE_ROWS, (r0 + k) % TILE_ROWS);
-                for (i, block) in row.chunks_exact_mut(F::BLOCK).enumerate() {
+            for g in r0 / TILE_ROWS..(r0 + nr).div_ceil(TILE_ROWS) {
+                let first = (g * TILE_ROWS).max(r0);
+                let last = (g * TILE_ROWS + TILE_ROWS).min(r0 + nr);
+                let rows = &mut out[(first - r0) * row_bytes..(last - r0) * row_bytes];
+                for i in 0..nb {
                     let at = (g * nb + i) * tile_bytes::<F>();
                     let tile = &self.tiles[at..at + tile_bytes::<F>()];
-                    for (k, &h) in F::HALVES.iter().enumerate() {
-                        block[h..h + 2]
-                            .copy_from_slice(&tile[32 * k + 2 * lane..32 * k + 2 * lane + 2]);
+                    let mut w0 = 0;
+                    if last - first == TILE_ROWS {
+                        while w0 + TILE_ROWS <= F::WORDS {
+                            let to = i * F::BLOCK + F::WORDS_AT + 4 * w0;
+                            // SAFETY: the matrix exists only where `applies` found the CPU's
+                            // features.
+                            unsafe {
+                                kernel::untile_words(tile, F::HALVES.len(), w0, rows, row_bytes, to)
+                            };
+                            w0 += TILE_ROWS;
+                        }
                     }
-                    for w in 0..F::WORDS {
-                        let from = words_at + 64 * w + 4 * lane;
-                        let to = F::WORDS_AT + 4 * w;
-                        block[to..to + 4].copy_from_slice(&tile[from..from + 4]);
+                    for (k, row) in rows.chunks_exact_mut(row_bytes).enumerate() {
+                        let lane = (first + k) % TILE_ROWS;
+                        let block = &mut row[i * F::BLOCK..(i + 1) * F::BLOCK];
+                        for (h, &field) in F::HALVES.iter().enumerate() {
+                            let from = 32 * h + 2 * lane;
+                            block[field..field + 2].copy_from_slice(&tile[from..from + 2]);
+                        }
+                        for w in w0..F::WORDS {
+                            let from = words_at + 64 * w + 4 * lane;
+                            let to = F::WORDS_AT + 4 * w;
+                            block[to..to + 4].copy_from_slice(&tile[from..from + 4]);
+                        }
                     }
                 }
             }
@@ -183,24 +235,30 @@ impl<F: Interleave> InterleavedMatrix<F> {
         })
     }
 
-    /// The tiles of rows `r0..r0 + nr` where a product of `n` tokens runs on them.
-    fn tiles_for(&self, r0: usize, nr: usize, n: usize) -> Option<&[u8]> {
-        let whole = r0.is_multiple_of(TILE_ROWS) && nr.is_multiple_of(TILE_ROWS);
-        if n > ROWS_LANES_MAX || !whole {
+    /// The tiles of rows `r0..r0 + nr` where they are whole tiles.
+    fn tiles_of(&self, r0: usize, nr: usize) -> Option<&[u8]> {
+        if !r0.is_multiple_of(TILE_ROWS) || !nr.is_multiple_of(TILE_ROWS) {
             return None;
         }
         let group = self.nb() * tile_bytes::<F>();
         Some(&self.tiles[r0 / TILE_ROWS * group..(r0 + nr) / TILE_ROWS * group])
     }
 
-    /// The rows on the tiles, into `out`; false where [`Self::tiles_for`] has none.
+    /// The rows computed on their tiles, into `out`: at most [`ROWS_LANES_MAX`] tokens by
+    /// the rows-in-lanes kernel, more by the tokens-in-lanes one where the format has it
+    /// there; false (nothing done) where neither runs.
     fn on_tiles(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut Out<'_>) -> bool {
-        let Some(tiles) = self.tiles_for(r0, nr, n) else {
+        let Some(tiles) = self.tiles_of(r0, nr) else {
             return false;
         };
-        // SAFETY: the matrix exists only where `applies` found the CPU's features.
-        unsafe { F::tiles_rows(tiles, self.nb(), acts.q8_k, n, out) };
-        true
+        if n <= ROWS_LANES_MAX {
+            // SAFETY: the matrix exists only where `applies` found the CPU's features.
+            unsafe { F::tiles_rows(tiles, self.nb(), acts.q8_k, n, out) };
+            return true;
+        }
+        // SAFETY: as above.
+        !acts.q8_k_lanes.is_empty()
+            && unsafe { F::tiles_lanes(tiles, self.nb(), acts.q8_k_lanes, n, out) }
     }
 }
 

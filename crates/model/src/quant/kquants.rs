@@ -11,7 +11,7 @@ use super::{byte_blocks, byte_view, QuantFormat};
 use crate::blocks::TILE;
 use crate::blocks::{f16_at, hsum8, BlockQ8K, LanesQ8K};
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::x86_512_lanes::{self, Format};
+use crate::kernels::x86_512_lanes::{self, Format, Weights};
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::{avx2_kquants as simd, cpu, tile_out::Out};
 
@@ -73,7 +73,7 @@ fn lanes_rows(
     };
     // SAFETY: the CPU has the features `wide_available` checks and F16C, the function's
     // only requirement; it bounds-checks its slices.
-    unsafe { x86_512_lanes::k_quant_lanes(format, w, nb, lanes, n, &mut out) };
+    unsafe { x86_512_lanes::k_quant_lanes(format, Weights::Blocks(w), nb, lanes, n, &mut out) };
     true
 }
 

@@ -503,7 +503,7 @@ fn k_quant_lanes_give_the_definitions_bits() {
         "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
     );
     use crate::kernels::tile_out::Out;
-    use crate::kernels::x86_512_lanes::{k_quant_lanes, Format};
+    use crate::kernels::x86_512_lanes::{k_quant_lanes, Format, Weights};
     let mut s = 47u64;
     for (ty, format) in [(GgmlType::Q4_K, Format::Q4K), (GgmlType::Q6_K, Format::Q6K)] {
         for (rows, n, nb, extreme) in [
@@ -563,7 +563,7 @@ fn k_quant_lanes_give_the_definitions_bits() {
                 assert!(is_x86_feature_detected!("f16c"));
                 k_quant_lanes(
                     format,
-                    &w,
+                    Weights::Blocks(&w),
                     nb,
                     &lanes,
                     n,
@@ -574,7 +574,7 @@ fn k_quant_lanes_give_the_definitions_bits() {
                 );
                 k_quant_lanes(
                     format,
-                    &w,
+                    Weights::Blocks(&w),
                     nb,
                     &lanes,
                     n,
