@@ -594,14 +594,15 @@ fn linear_rope_scaling_divides_the_angles() {
 }
 
 /// A mapped file's matrices are used where they lie, for the formats stored as in the file
-/// (Q4_K only where the CPU lacks the rows-in-lanes kernel: elsewhere it is repacked into
-/// tiles of sixteen rows), and give the bits of the same file read into memory. (A tensor widened in several slices,
-/// the default model's 30 MB Q8_0 embedding, is checked bit for bit by golden_completions,
-/// which maps its file.)
+/// (Q4_K and Q6_K only where the CPU lacks the rows-in-lanes kernel: elsewhere they are
+/// repacked into tiles of sixteen rows), and give the bits of the same file read into
+/// memory. (A tensor widened in several slices, the default model's 30 MB Q8_0 embedding,
+/// is checked bit for bit by golden_completions, which maps its file.)
 #[test]
 fn a_mapped_model_computes_what_the_read_one_does() {
     for (ty, layers_mapped) in [
-        (GgmlType::Q6_K, true),
+        (GgmlType::Q5_K, true),
+        (GgmlType::Q6_K, !model::kernels::wide_available()),
         (GgmlType::Q4_K, !model::kernels::wide_available()),
         (GgmlType::Q4_1, false),
     ] {

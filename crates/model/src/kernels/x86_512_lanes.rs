@@ -20,7 +20,7 @@ use std::arch::x86_64::*;
 use super::avx2_kquants::k4_scales_mins;
 use super::tile_out::Out;
 use super::x86::prefetch_ahead;
-use super::x86_512_rows_lanes::{transpose_words, Q4_K_TILE, TILE_ROWS};
+use super::x86_512_rows_lanes::{transpose_words, Q4_K_TILE, Q6_K_TILE, TILE_ROWS};
 use crate::blocks::{f16_at, LanesQ8K, LANE_TOKENS};
 
 /// The super-block formats this kernel takes.
@@ -35,6 +35,13 @@ impl Format {
         match self {
             Format::Q4K => 144,
             Format::Q6K => 210,
+        }
+    }
+
+    const fn tile_bytes(self) -> usize {
+        match self {
+            Format::Q4K => Q4_K_TILE,
+            Format::Q6K => Q6_K_TILE,
         }
     }
 }
@@ -65,12 +72,12 @@ const EMPTY: RowBlock = RowBlock {
     offset: 0,
 };
 
-/// Where the weight rows are: ggml's super-blocks, `nb` a row, or (Q4_K) the tiles of
-/// sixteen rows of `quant/interleaved.rs`, `[group * nb + i]`.
+/// Where the weight rows are: ggml's super-blocks, `nb` a row, or the tiles of sixteen
+/// rows of `quant/interleaved.rs`, `[group * nb + i]`.
 #[derive(Clone, Copy)]
 pub(crate) enum Weights<'a> {
     Blocks(&'a [u8]),
-    Q4KTiles(&'a [u8]),
+    Tiles(&'a [u8]),
 }
 
 /// Every row of `w` (`format`'s super-blocks, `nb` a row) against the `n` tokens of `lanes`
@@ -91,10 +98,7 @@ pub(crate) unsafe fn k_quant_lanes(
     let block = format.block_bytes();
     let rows = match w {
         Weights::Blocks(w) => w.len() / (nb * block),
-        Weights::Q4KTiles(t) => {
-            assert!(format == Format::Q4K, "k_quant_lanes: tiles are Q4_K's");
-            t.len() / (nb * Q4_K_TILE) * TILE_ROWS
-        }
+        Weights::Tiles(t) => t.len() / (nb * format.tile_bytes()) * TILE_ROWS,
     };
     let groups = n.div_ceil(LANE_TOKENS);
     assert!(lanes.len() >= groups * nb, "k_quant_lanes: lanes too short");
@@ -102,7 +106,7 @@ pub(crate) unsafe fn k_quant_lanes(
     // rows at a time from blocks, a tile's sixteen from tiles.
     let per_prep = match w {
         Weights::Blocks(_) => 4,
-        Weights::Q4KTiles(_) => TILE_ROWS,
+        Weights::Tiles(_) => TILE_ROWS,
     };
     let mut prep = vec![EMPTY; per_prep * nb];
     let mut r = 0;
@@ -122,12 +126,16 @@ pub(crate) unsafe fn k_quant_lanes(
                 }
                 0
             }
-            Weights::Q4KTiles(t) => {
+            Weights::Tiles(t) => {
                 if r % TILE_ROWS == 0 {
                     let g = r / TILE_ROWS;
+                    let tile = format.tile_bytes();
                     for i in 0..nb {
-                        let at = (g * nb + i) * Q4_K_TILE;
-                        q4_k_tile_blocks(&t[at..at + Q4_K_TILE], &mut prep, nb, i);
+                        let at = (g * nb + i) * tile;
+                        match format {
+                            Format::Q4K => q4_k_tile_blocks(&t[at..at + tile], &mut prep, nb, i),
+                            Format::Q6K => q6_k_tile_blocks(&t[at..at + tile], &mut prep, nb, i),
+                        }
                     }
                 }
                 r % TILE_ROWS * nb
@@ -434,17 +442,79 @@ fn q4_k_scales(packed: &[u8], d: f32, dmin: f32, b: &mut RowBlock) {
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn q6_k_block(wb: &[u8], b: &mut RowBlock) {
     prefetch_ahead(&wb[0]);
-    let m4 = _mm256_set1_epi8(0x0f);
-    let m2 = _mm256_set1_epi8(0x03);
     let load = |at: usize| {
         let src = &wb[at..at + 32];
         // SAFETY: `src` is 32 readable bytes (sliced above); the load is unaligned.
         unsafe { _mm256_loadu_si256(src.as_ptr().cast()) }
     };
+    let halves =
+        std::array::from_fn(|half| [load(64 * half), load(64 * half + 32), load(128 + 32 * half)]);
+    let mut sc = [0u8; 16];
+    sc.copy_from_slice(&wb[192..208]);
+    q6_k_unpack(halves, sc, f16_at(wb, 208), b);
+}
+
+/// The sixteen rows' super-blocks of a Q6_K tile into `prep[lane * nb + i]`: the tile's
+/// slots transposed back into rows in registers, each row's words put back in ggml's order
+/// by two permutations per half (`quant/interleaved.rs` says the slots' order), then
+/// unpacked as [`q6_k_block`] does.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn q6_k_tile_blocks(tile: &[u8], prep: &mut [RowBlock], nb: usize, i: usize) {
+    let slots: [[__m512i; 16]; 3] = std::array::from_fn(|k| transpose_words(tile, 1, 16 * k));
+    // Half h's quad q is in slots 24h + 3q (`ql`'s first word), + 1 (its second), + 2
+    // (`qh`'s): indices into the two slot registers that hold the half.
+    let index = |first: i32| {
+        let ql: [i32; 16] = std::array::from_fn(|k| first + 3 * (k as i32 % 8) + k as i32 / 8);
+        let qh: [i32; 16] = std::array::from_fn(|k| first + 3 * (k as i32 % 8) + 2);
+        // SAFETY: each array is 64 readable bytes; the loads are unaligned.
+        unsafe {
+            (
+                _mm512_loadu_si512(ql.as_ptr().cast()),
+                _mm512_loadu_si512(qh.as_ptr().cast()),
+            )
+        }
+    };
+    let (ql0, qh0) = index(0);
+    let (ql1, qh1) = index(8);
+    for lane in 0..TILE_ROWS {
+        let (a, b, c) = (slots[0][lane], slots[1][lane], slots[2][lane]);
+        let parts = |ql: __m512i, qh: __m512i| {
+            [
+                _mm512_castsi512_si256(ql),
+                _mm512_extracti64x4_epi64::<1>(ql),
+                _mm512_castsi512_si256(qh),
+            ]
+        };
+        let halves = [
+            parts(
+                _mm512_permutex2var_epi32(a, ql0, b),
+                _mm512_permutex2var_epi32(a, qh0, b),
+            ),
+            parts(
+                _mm512_permutex2var_epi32(b, ql1, c),
+                _mm512_permutex2var_epi32(b, qh1, c),
+            ),
+        ];
+        let mut sc = [0u8; 16];
+        for w in 0..4 {
+            let at = 32 + 64 * (48 + w) + 4 * lane;
+            sc[4 * w..4 * w + 4].copy_from_slice(&tile[at..at + 4]);
+        }
+        q6_k_unpack(halves, sc, f16_at(tile, 2 * lane), &mut prep[lane * nb + i]);
+    }
+}
+
+/// A Q6_K row block from its halves' `ql` and `qh` registers (`[ql 0..32, ql 32..64, qh]`
+/// of each half of 128 elements), its scale bytes and `d`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn q6_k_unpack(halves: [[__m256i; 3]; 2], sc: [u8; 16], d: f32, b: &mut RowBlock) {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let m2 = _mm256_set1_epi8(0x03);
     // The unsigned values 0..63 first: the offset sum takes them unsigned.
     let mut unsigned = [_mm256_setzero_si256(); 8];
-    for half in 0..2 {
-        let (l0, l1, h) = (load(64 * half), load(64 * half + 32), load(128 + 32 * half));
+    for (half, &[l0, l1, h]) in halves.iter().enumerate() {
         let high = |shift: i32| {
             let bits = match shift {
                 0 => h,
@@ -461,12 +531,10 @@ fn q6_k_block(wb: &[u8], b: &mut RowBlock) {
         unsigned[4 * half + 2] = _mm256_or_si256(l0h, high(4));
         unsigned[4 * half + 3] = _mm256_or_si256(l1h, high(6));
     }
-    let mut sc = [0u8; 16];
-    sc.copy_from_slice(&wb[192..208]);
     for (s, &v) in b.sc.iter_mut().zip(&sc) {
         *s = i32::from(v as i8);
     }
-    b.d = f16_at(wb, 208);
+    b.d = d;
     b.neg_dmin = 0.0;
     b.m_pairs = [0; 4];
     // `Σ_g sc_g Σ q` over the unsigned values, each 128-bit quarter of a register one group

@@ -23,8 +23,9 @@ pub(crate) const TILE_ROWS: usize = 16;
 /// Bytes of a Q4_K tile: `d`, `dmin` (16 f16 each), then the 35 words of 16 rows (the
 /// scale words 0..3, the quants 3..35).
 pub(crate) const Q4_K_TILE: usize = 16 * 144;
-/// Bytes of a Q6_K tile: `d` (16 f16), then the 52 words of 16 rows (`ql` 0..32, `qh`
-/// 32..48, the scales 48..52).
+/// Bytes of a Q6_K tile: `d` (16 f16), then the 52 words of 16 rows: for each half of the
+/// block and half of each 32 elements, each quad's two `ql` words and its `qh` word (the
+/// order of reading), then the four scale words.
 pub(crate) const Q6_K_TILE: usize = 16 * 210;
 
 /// Tokens whose accumulators share one pass over a tile's weights.
@@ -32,7 +33,7 @@ const PASS_TOKENS: usize = 4;
 
 /// Tiles ahead whose lines are requested while a tile is computed: a decode step streams
 /// every weight once, and the hardware prefetcher alone left the cores waiting.
-const PREFETCH_TILES: usize = 6;
+const PREFETCH_TILES: usize = 2;
 
 /// Word `w` of a tile's sixteen rows, `f16s` half-precision fields in front; the same line
 /// [`PREFETCH_TILES`] tiles on is requested.
@@ -287,9 +288,11 @@ impl Rows<'_> {
                     let tile = std::hint::black_box(tile);
                     let mut g = [[zero; T]; 4];
                     for q in 4 * upper..4 * upper + 4 {
-                        let ql0 = word(tile, 1, 16 * half + q);
-                        let ql1 = word(tile, 1, 16 * half + 8 + q);
-                        let h = word(tile, 1, 32 + 8 * half + q);
+                        // The tile holds these three words in the order they are read.
+                        let slot = 12 * (2 * half + upper) + 3 * (q - 4 * upper);
+                        let ql0 = word(tile, 1, slot);
+                        let ql1 = word(tile, 1, slot + 1);
+                        let h = word(tile, 1, slot + 2);
                         // ggml's element 128·half + 32k + l: a nibble of `ql`, two bits of `qh`.
                         let v = [
                             _mm512_or_si512(

@@ -5,11 +5,10 @@
 //! once (the file's pages released as it is repacked, as widened formats do).
 //!
 //! Decode-sized products (at most [`ROWS_LANES_MAX`] tokens) run the rows-in-lanes kernel
-//! on the tiles (`kernels/x86_512_rows_lanes.rs`); larger Q4_K ones the tokens-in-lanes
-//! kernel, which prepares each tile's sixteen rows with one transposition in registers
-//! (`x86_512_lanes.rs`). Rows that do not start a tile, and the formats without that
-//! preparation, rebuild ggml's blocks for the rows they need and run the format's own
-//! kernels. Every path computes the format's definition (`Q4K::dot_scalar`,
+//! on the tiles (`kernels/x86_512_rows_lanes.rs`); larger ones the tokens-in-lanes kernel,
+//! which prepares each tile's sixteen rows with transpositions in registers
+//! (`x86_512_lanes.rs`). Rows that do not start a tile rebuild ggml's blocks for the rows
+//! they need and run the format's own kernels. Every path computes the format's definition (`Q4K::dot_scalar`,
 //! `Q6K::dot_scalar`), so the layout changes no bit (`quant/tests.rs`).
 
 use std::marker::PhantomData;
@@ -42,6 +41,14 @@ pub(crate) trait Interleave: QuantFormat<Act = BlockQ8K> {
     const WORDS_AT: usize;
     /// How many words it has.
     const WORDS: usize;
+    /// The block's word in a tile's slot `s`: slots run in the order the kernel reads
+    /// them, so each tile is one forward stream.
+    fn word_in_slot(s: usize) -> usize {
+        s
+    }
+    /// Whether [`Self::word_in_slot`] is the identity (then sixteen slots go back to a
+    /// row in one transposition).
+    const SLOTS_IN_ORDER: bool = true;
 
     /// The rows-in-lanes kernel on whole groups of tiles (see `x86_512_rows_lanes`).
     ///
@@ -85,7 +92,7 @@ impl Interleave for Q4K {
             return false;
         }
         // SAFETY: the caller's requirement is the kernel's.
-        unsafe { k_quant_lanes(Format::Q4K, Weights::Q4KTiles(tiles), nb, lanes, n, out) };
+        unsafe { k_quant_lanes(Format::Q4K, Weights::Tiles(tiles), nb, lanes, n, out) };
         true
     }
 }
@@ -95,14 +102,38 @@ impl Interleave for Q6K {
     const HALVES: &'static [usize] = &[208];
     const WORDS_AT: usize = 0;
     const WORDS: usize = 52;
+    const SLOTS_IN_ORDER: bool = false;
+
+    /// `q6_k_rows` reads, per half of the block and half of each 32, for each quad of
+    /// four elements: `ql`'s two words and `qh`'s; then the four scale words.
+    fn word_in_slot(s: usize) -> usize {
+        if s >= 48 {
+            return s;
+        }
+        let (pass, q, part) = (s / 12, s % 12 / 3, s % 3);
+        let (half, upper) = (pass / 2, pass % 2);
+        let q = 4 * upper + q;
+        [16 * half + q, 16 * half + 8 + q, 32 + 8 * half + q][part]
+    }
 
     unsafe fn tiles_rows(tiles: &[u8], nb: usize, x: &[BlockQ8K], n: usize, out: &mut Out<'_>) {
         // SAFETY: the caller's requirement is the kernel's.
         unsafe { kernel::q6_k_rows(tiles, nb, x, n, out) }
     }
 
-    unsafe fn tiles_lanes(_: &[u8], _: usize, _: &[LanesQ8K], _: usize, _: &mut Out<'_>) -> bool {
-        false
+    unsafe fn tiles_lanes(
+        tiles: &[u8],
+        nb: usize,
+        lanes: &[LanesQ8K],
+        n: usize,
+        out: &mut Out<'_>,
+    ) -> bool {
+        if !Q6K::wants_lanes(n) {
+            return false;
+        }
+        // SAFETY: the caller's requirement is the kernel's.
+        unsafe { k_quant_lanes(Format::Q6K, Weights::Tiles(tiles), nb, lanes, n, out) };
+        true
     }
 }
 
@@ -126,9 +157,9 @@ fn pack<F: Interleave>(rows: &[u8], nb: usize, i: usize, tile: &mut [u8]) {
         for (k, &at) in F::HALVES.iter().enumerate() {
             tile[32 * k + 2 * r..32 * k + 2 * r + 2].copy_from_slice(&block[at..at + 2]);
         }
-        for w in 0..F::WORDS {
-            let to = words_at + 64 * w + 4 * r;
-            let from = F::WORDS_AT + 4 * w;
+        for slot in 0..F::WORDS {
+            let to = words_at + 64 * slot + 4 * r;
+            let from = F::WORDS_AT + 4 * F::word_in_slot(slot);
             tile[to..to + 4].copy_from_slice(&block[from..from + 4]);
         }
     }
@@ -205,7 +236,7 @@ impl<F: Interleave> InterleavedMatrix<F> {
                     let at = (g * nb + i) * tile_bytes::<F>();
                     let tile = &self.tiles[at..at + tile_bytes::<F>()];
                     let mut w0 = 0;
-                    if last - first == TILE_ROWS {
+                    if last - first == TILE_ROWS && F::SLOTS_IN_ORDER {
                         while w0 + TILE_ROWS <= F::WORDS {
                             let to = i * F::BLOCK + F::WORDS_AT + 4 * w0;
                             // SAFETY: the matrix exists only where `applies` found the CPU's
@@ -223,9 +254,9 @@ impl<F: Interleave> InterleavedMatrix<F> {
                             let from = 32 * h + 2 * lane;
                             block[field..field + 2].copy_from_slice(&tile[from..from + 2]);
                         }
-                        for w in w0..F::WORDS {
-                            let from = words_at + 64 * w + 4 * lane;
-                            let to = F::WORDS_AT + 4 * w;
+                        for slot in w0..F::WORDS {
+                            let from = words_at + 64 * slot + 4 * lane;
+                            let to = F::WORDS_AT + 4 * F::word_in_slot(slot);
                             block[to..to + 4].copy_from_slice(&tile[from..from + 4]);
                         }
                     }

@@ -19,10 +19,7 @@ fn boxed<F: QuantFormat>(
 }
 
 /// A format repacked into tiles of sixteen rows where the CPU runs its rows-in-lanes
-/// kernel (`interleaved.rs`), else kept as in the file. Q4_K only: Q6_K's tile kernel
-/// streamed a one-token product at 19.7 GB/s against 31 for its one-row kernel on a 2-core
-/// Zen 4 (its six-bit unpacking is compute-bound), though it raised a decode batch of two
-/// on the Llama-3.2-1B shape from 42.5 to 51.6 tokens/s.
+/// kernel (`interleaved.rs`), else kept as in the file.
 fn k_quant<F: RepackedWhere>(
     ty: GgmlType,
     rows: usize,
@@ -70,7 +67,7 @@ const FORMATS: &[(GgmlType, Constructor)] = &[
     (GgmlType::Q3_K, boxed::<low_kquants::Q3K>),
     (GgmlType::Q4_K, k_quant::<kquants::Q4K>),
     (GgmlType::Q5_K, boxed::<kquants::Q5K>),
-    (GgmlType::Q6_K, boxed::<kquants::Q6K>),
+    (GgmlType::Q6_K, k_quant::<kquants::Q6K>),
     (GgmlType::IQ4_NL, boxed::<iq4_nl::IQ4NL>),
 ];
 
