@@ -18,7 +18,7 @@ use rayon::prelude::*;
 
 use super::kquants::{Q4K, Q6K};
 use super::{QuantFormat, WeightMatrix};
-use crate::blocks::{Acts, BlockQ8K, LanesQ8K};
+use crate::blocks::{Acts, BlockQ8K};
 use crate::kernels::tile_out::Out;
 use crate::kernels::x86_512_lanes::{k_quant_lanes, Format, Weights};
 use crate::kernels::x86_512_rows_lanes::{self as kernel, TILE_ROWS};
@@ -33,6 +33,8 @@ const REPACK_SLICE: usize = 8 << 20;
 
 /// A format whose super-blocks the tiles hold.
 pub(crate) trait Interleave: QuantFormat<Act = BlockQ8K> {
+    /// The kernels' name for it.
+    const FORMAT: Format;
     /// Bytes of one super-block.
     const BLOCK: usize;
     /// Byte offsets of its half-precision fields.
@@ -49,55 +51,18 @@ pub(crate) trait Interleave: QuantFormat<Act = BlockQ8K> {
     /// Whether [`Self::word_in_slot`] is the identity (then sixteen slots go back to a
     /// row in one transposition).
     const SLOTS_IN_ORDER: bool = true;
-
-    /// The rows-in-lanes kernel on whole groups of tiles (see `x86_512_rows_lanes`).
-    ///
-    /// # Safety
-    /// The CPU must support the features `cpu::wide_available` checks, and F16C.
-    unsafe fn tiles_rows(tiles: &[u8], nb: usize, x: &[BlockQ8K], n: usize, out: &mut Out<'_>);
-
-    /// The tokens-in-lanes kernel (`x86_512_lanes.rs`) on whole groups of tiles where the
-    /// format has it there (true), else nothing done (false).
-    ///
-    /// # Safety
-    /// As [`Self::tiles_rows`].
-    unsafe fn tiles_lanes(
-        tiles: &[u8],
-        nb: usize,
-        lanes: &[LanesQ8K],
-        n: usize,
-        out: &mut Out<'_>,
-    ) -> bool;
 }
 
 impl Interleave for Q4K {
+    const FORMAT: Format = Format::Q4K;
     const BLOCK: usize = 144;
     const HALVES: &'static [usize] = &[0, 2];
     const WORDS_AT: usize = 4;
     const WORDS: usize = 35;
-
-    unsafe fn tiles_rows(tiles: &[u8], nb: usize, x: &[BlockQ8K], n: usize, out: &mut Out<'_>) {
-        // SAFETY: the caller's requirement is the kernel's.
-        unsafe { kernel::q4_k_rows(tiles, nb, x, n, out) }
-    }
-
-    unsafe fn tiles_lanes(
-        tiles: &[u8],
-        nb: usize,
-        lanes: &[LanesQ8K],
-        n: usize,
-        out: &mut Out<'_>,
-    ) -> bool {
-        if !Q4K::wants_lanes(n) {
-            return false;
-        }
-        // SAFETY: the caller's requirement is the kernel's.
-        unsafe { k_quant_lanes(Format::Q4K, Weights::Tiles(tiles), nb, lanes, n, out) };
-        true
-    }
 }
 
 impl Interleave for Q6K {
+    const FORMAT: Format = Format::Q6K;
     const BLOCK: usize = 210;
     const HALVES: &'static [usize] = &[208];
     const WORDS_AT: usize = 0;
@@ -114,26 +79,6 @@ impl Interleave for Q6K {
         let (half, upper) = (pass / 2, pass % 2);
         let q = 4 * upper + q;
         [16 * half + q, 16 * half + 8 + q, 32 + 8 * half + q][part]
-    }
-
-    unsafe fn tiles_rows(tiles: &[u8], nb: usize, x: &[BlockQ8K], n: usize, out: &mut Out<'_>) {
-        // SAFETY: the caller's requirement is the kernel's.
-        unsafe { kernel::q6_k_rows(tiles, nb, x, n, out) }
-    }
-
-    unsafe fn tiles_lanes(
-        tiles: &[u8],
-        nb: usize,
-        lanes: &[LanesQ8K],
-        n: usize,
-        out: &mut Out<'_>,
-    ) -> bool {
-        if !Q6K::wants_lanes(n) {
-            return false;
-        }
-        // SAFETY: the caller's requirement is the kernel's.
-        unsafe { k_quant_lanes(Format::Q6K, Weights::Tiles(tiles), nb, lanes, n, out) };
-        true
     }
 }
 
@@ -282,14 +227,32 @@ impl<F: Interleave> InterleavedMatrix<F> {
         let Some(tiles) = self.tiles_of(r0, nr) else {
             return false;
         };
+        let nb = self.nb();
         if n <= ROWS_LANES_MAX {
             // SAFETY: the matrix exists only where `applies` found the CPU's features.
-            unsafe { F::tiles_rows(tiles, self.nb(), acts.q8_k, n, out) };
+            unsafe {
+                match F::FORMAT {
+                    Format::Q4K => kernel::q4_k_rows(tiles, nb, acts.q8_k, n, out),
+                    Format::Q6K => kernel::q6_k_rows(tiles, nb, acts.q8_k, n, out),
+                }
+            }
             return true;
         }
+        if acts.q8_k_lanes.is_empty() || !F::wants_lanes(n) {
+            return false;
+        }
         // SAFETY: as above.
-        !acts.q8_k_lanes.is_empty()
-            && unsafe { F::tiles_lanes(tiles, self.nb(), acts.q8_k_lanes, n, out) }
+        unsafe {
+            k_quant_lanes(
+                F::FORMAT,
+                Weights::Tiles(tiles),
+                nb,
+                acts.q8_k_lanes,
+                n,
+                out,
+            )
+        };
+        true
     }
 }
 

@@ -18,6 +18,37 @@ fn as_blocks<const N: usize>(bytes: &[u8]) -> &[[u8; N]] {
     blocks
 }
 
+/// `n` rows of `x` (`nb` super-blocks each) quantized to Q8_K, and laid out as lanes where
+/// a product of `m` takes them.
+fn q8_k_inputs(
+    m: &dyn WeightRows,
+    x: &[f32],
+    n: usize,
+    nb: usize,
+) -> (Vec<BlockQ8K>, Vec<crate::blocks::LanesQ8K>) {
+    let mut xk = vec![BlockQ8K::default(); n * nb];
+    for (row, o) in x.chunks_exact(nb * QK_K).zip(xk.chunks_exact_mut(nb)) {
+        quantize_row_q8_k(row, o);
+    }
+    let lanes = if m.wants_q8_k_lanes(n) {
+        crate::kernels::q8_k_lanes(&xk, n, nb)
+    } else {
+        Vec::new()
+    };
+    (xk, lanes)
+}
+
+/// The Q8_K forms as a product's inputs.
+fn q8_k_acts<'a>(xk: &'a [BlockQ8K], lanes: &'a [crate::blocks::LanesQ8K]) -> Acts<'a> {
+    Acts {
+        f32: &[],
+        q8_1: &[],
+        q8_k: xk,
+        tile_scales: &[],
+        q8_k_lanes: lanes,
+    }
+}
+
 fn lcg(seed: &mut u64) -> f32 {
     *seed = seed
         .wrapping_mul(6364136223846793005)
@@ -636,22 +667,8 @@ fn wide_k_quant_token_major_matches_row_major_bit_for_bit() {
             .expect("a supported type");
         for n in [12, 4, 6, 37] {
             let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 5.0).collect();
-            let mut xk = vec![BlockQ8K::default(); n * nb];
-            for (row, o) in x.chunks_exact(cols).zip(xk.chunks_exact_mut(nb)) {
-                quantize_row_q8_k(row, o);
-            }
-            let lanes = if m.wants_q8_k_lanes(n) {
-                crate::kernels::q8_k_lanes(&xk, n, nb)
-            } else {
-                Vec::new()
-            };
-            let acts = Acts {
-                f32: &[],
-                q8_1: &[],
-                q8_k: &xk,
-                tile_scales: &[],
-                q8_k_lanes: &lanes,
-            };
+            let (xk, lanes) = q8_k_inputs(&*m, &x, n, nb);
+            let acts = q8_k_acts(&xk, &lanes);
             let mut by_row = vec![0f32; rows * n];
             m.rows_kernel(0, rows, &acts, n, &mut by_row);
             let ld = rows + 3;
@@ -864,22 +881,8 @@ fn interleaved_k_quants_give_the_definitions_bits() {
                         _ => lcg(s) * (1.0 + 37.0 * (i / cols % 5) as f32),
                     })
                     .collect();
-                let mut xk = vec![BlockQ8K::default(); n * nb];
-                for (row, o) in x.chunks_exact(cols).zip(xk.chunks_exact_mut(nb)) {
-                    quantize_row_q8_k(row, o);
-                }
-                let lanes = if m.wants_q8_k_lanes(n) {
-                    crate::kernels::q8_k_lanes(&xk, n, nb)
-                } else {
-                    Vec::new()
-                };
-                let acts = Acts {
-                    f32: &[],
-                    q8_1: &[],
-                    q8_k: &xk,
-                    tile_scales: &[],
-                    q8_k_lanes: &lanes,
-                };
+                let (xk, lanes) = q8_k_inputs(&m, &x, n, nb);
+                let acts = q8_k_acts(&xk, &lanes);
                 // Whole tiles, and a run of rows that starts and ends inside tiles.
                 for (r0, nr) in [(0, rows), (16, 16), (3, 30)] {
                     let mut by_row = vec![f32::NAN; nr * n];
