@@ -31,14 +31,14 @@ pub(crate) enum Format {
 }
 
 impl Format {
-    const fn block_bytes(self) -> usize {
+    pub(crate) const fn block_bytes(self) -> usize {
         match self {
             Format::Q4K => 144,
             Format::Q6K => 210,
         }
     }
 
-    const fn tile_bytes(self) -> usize {
+    pub(crate) const fn tile_bytes(self) -> usize {
         match self {
             Format::Q4K => Q4_K_TILE,
             Format::Q6K => Q6_K_TILE,

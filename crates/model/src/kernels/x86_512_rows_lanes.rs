@@ -16,6 +16,7 @@
 use std::arch::x86_64::*;
 
 use super::tile_out::Out;
+use super::x86_512_lanes::Format;
 use crate::blocks::BlockQ8K;
 
 /// Rows per tile: the `i32` lanes of a 512-bit register.
@@ -96,89 +97,43 @@ fn bytes_of_lanes(v: __m512i, b: usize, pair: bool) -> __m512i {
     _mm512_shuffle_epi8(v, pick)
 }
 
-/// The tiles of `groups` groups of sixteen rows (`[group * nb + i]`, `nb` super-blocks a
-/// row) of Q4_K against the `n` tokens of `x` (`nb` blocks each), into `out` (rows
-/// numbered from the first group's first).
+/// The tiles of `format` (groups of sixteen rows, `[group * nb + i]`, `nb` super-blocks a
+/// row) against the `n` tokens of `x` (`nb` blocks each), into `out` (rows numbered from the
+/// first group's first).
 ///
 /// # Safety
 /// The CPU must support the features `super::cpu::wide_available` checks, and F16C.
 /// Slices are bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn q4_k_rows(
+pub(crate) unsafe fn tile_rows(
+    format: Format,
     tiles: &[u8],
     nb: usize,
     x: &[BlockQ8K],
     n: usize,
     out: &mut Out<'_>,
 ) {
-    let groups = tiles.len() / (nb * Q4_K_TILE);
-    assert!(x.len() >= n * nb, "q4_k_rows: activations too short");
-    // Each token's min pairs: sub-block sums `2p` and `2p + 1` as the halves of an `i32`.
-    let pairs: Vec<[i32; 4]> = x[..n * nb]
-        .iter()
-        .map(|a| {
-            std::array::from_fn(|p| {
-                let sum = |j: usize| a.bsums[2 * j] + a.bsums[2 * j + 1];
-                i32::from(sum(2 * p) as u16) | (i32::from(sum(2 * p + 1) as u16) << 16)
-            })
-        })
-        .collect();
-    for g in 0..groups {
-        let tiles = &tiles[g * nb * Q4_K_TILE..(g + 1) * nb * Q4_K_TILE];
-        let mut t0 = 0;
-        while t0 < n {
+    let group = nb * format.tile_bytes();
+    assert!(x.len() >= n * nb, "tile_rows: activations too short");
+    for (g, tiles) in tiles.chunks_exact(group).enumerate() {
+        for t0 in (0..n).step_by(PASS_TOKENS) {
             let pass = Rows {
                 tiles,
                 nb,
                 x,
-                pairs: &pairs,
                 t0,
                 r0: g * TILE_ROWS,
             };
-            match n - t0 {
-                1 => pass.q4_k::<1>(out),
-                2 => pass.q4_k::<2>(out),
-                3 => pass.q4_k::<3>(out),
-                _ => pass.q4_k::<PASS_TOKENS>(out),
+            match (format, n - t0) {
+                (Format::Q4K, 1) => pass.q4_k::<1>(out),
+                (Format::Q4K, 2) => pass.q4_k::<2>(out),
+                (Format::Q4K, 3) => pass.q4_k::<3>(out),
+                (Format::Q4K, _) => pass.q4_k::<PASS_TOKENS>(out),
+                (Format::Q6K, 1) => pass.q6_k::<1>(out),
+                (Format::Q6K, 2) => pass.q6_k::<2>(out),
+                (Format::Q6K, 3) => pass.q6_k::<3>(out),
+                (Format::Q6K, _) => pass.q6_k::<PASS_TOKENS>(out),
             }
-            t0 += PASS_TOKENS;
-        }
-    }
-}
-
-/// As [`q4_k_rows`] for Q6_K tiles.
-///
-/// # Safety
-/// As [`q4_k_rows`].
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub(crate) unsafe fn q6_k_rows(
-    tiles: &[u8],
-    nb: usize,
-    x: &[BlockQ8K],
-    n: usize,
-    out: &mut Out<'_>,
-) {
-    let groups = tiles.len() / (nb * Q6_K_TILE);
-    assert!(x.len() >= n * nb, "q6_k_rows: activations too short");
-    for g in 0..groups {
-        let tiles = &tiles[g * nb * Q6_K_TILE..(g + 1) * nb * Q6_K_TILE];
-        let mut t0 = 0;
-        while t0 < n {
-            let pass = Rows {
-                tiles,
-                nb,
-                x,
-                pairs: &[],
-                t0,
-                r0: g * TILE_ROWS,
-            };
-            match n - t0 {
-                1 => pass.q6_k::<1>(out),
-                2 => pass.q6_k::<2>(out),
-                3 => pass.q6_k::<3>(out),
-                _ => pass.q6_k::<PASS_TOKENS>(out),
-            }
-            t0 += PASS_TOKENS;
         }
     }
 }
@@ -188,8 +143,6 @@ struct Rows<'a> {
     tiles: &'a [u8],
     nb: usize,
     x: &'a [BlockQ8K],
-    /// Q4_K: each token's min pairs, `[t * nb + i]`.
-    pairs: &'a [[i32; 4]],
     t0: usize,
     r0: usize,
 }
@@ -257,10 +210,13 @@ impl Rows<'_> {
             let (d_w, dmin_w) = (halves(tile, 0), halves(tile, 1));
             for t in 0..T {
                 let a = self.act(t, i);
-                let pairs = &self.pairs[(self.t0 + t) * self.nb + i];
+                // Sub-block sums `2p` and `2p + 1` as the halves of an `i32`.
+                let sum = |j: usize| a.bsums[2 * j] + a.bsums[2 * j + 1];
                 let mut mins = zero;
                 for p in 0..4 {
-                    mins = _mm512_dpwssd_epi32(mins, m_pairs[p], _mm512_set1_epi32(pairs[p]));
+                    let pair =
+                        i32::from(sum(2 * p) as u16) | (i32::from(sum(2 * p + 1) as u16) << 16);
+                    mins = _mm512_dpwssd_epi32(mins, m_pairs[p], _mm512_set1_epi32(pair));
                 }
                 let d = _mm512_mul_ps(_mm512_set1_ps(a.d), d_w);
                 acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s[t]), acc[t]);

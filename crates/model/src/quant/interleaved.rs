@@ -69,7 +69,7 @@ impl Interleave for Q6K {
     const WORDS: usize = 52;
     const SLOTS_IN_ORDER: bool = false;
 
-    /// `q6_k_rows` reads, per half of the block and half of each 32, for each quad of
+    /// The Q6_K pass of `tile_rows` reads, per half of the block and half of each 32, for each quad of
     /// four elements: `ql`'s two words and `qh`'s; then the four scale words.
     fn word_in_slot(s: usize) -> usize {
         if s >= 48 {
@@ -231,12 +231,7 @@ impl<F: Interleave> InterleavedMatrix<F> {
         let nb = self.nb();
         if n <= ROWS_LANES_MAX {
             // SAFETY: the matrix exists only where `applies` found the CPU's features.
-            unsafe {
-                match F::FORMAT {
-                    Format::Q4K => kernel::q4_k_rows(tiles, nb, acts.q8_k, n, out),
-                    Format::Q6K => kernel::q6_k_rows(tiles, nb, acts.q8_k, n, out),
-                }
-            }
+            unsafe { kernel::tile_rows(F::FORMAT, tiles, nb, acts.q8_k, n, out) };
             return true;
         }
         if acts.q8_k_lanes.is_empty() || !F::wants_lanes(n) {

@@ -20,38 +20,24 @@ fn boxed<F: QuantFormat>(
 
 /// A format repacked into tiles of sixteen rows where the CPU runs its rows-in-lanes
 /// kernel (`interleaved.rs`), else kept as in the file.
-fn k_quant<F: RepackedWhere>(
+#[cfg(target_arch = "x86_64")]
+fn tiled<F: interleaved::Interleave>(
     ty: GgmlType,
     rows: usize,
     cols: usize,
     data: &TensorData,
 ) -> Box<dyn WeightMatrix> {
-    F::make(ty, rows, cols, data)
-}
-
-/// How [`k_quant`] builds a format's matrix.
-trait RepackedWhere: QuantFormat {
-    fn make(ty: GgmlType, rows: usize, cols: usize, data: &TensorData) -> Box<dyn WeightMatrix>;
-}
-
-#[cfg(target_arch = "x86_64")]
-impl<F: interleaved::Interleave> RepackedWhere for F {
-    fn make(ty: GgmlType, rows: usize, cols: usize, data: &TensorData) -> Box<dyn WeightMatrix> {
-        if interleaved::applies::<F>(rows) {
-            return Box::new(interleaved::InterleavedMatrix::<F>::new(
-                ty, rows, cols, data,
-            ));
-        }
-        boxed::<F>(ty, rows, cols, data)
+    if interleaved::applies::<F>(rows) {
+        return Box::new(interleaved::InterleavedMatrix::<F>::new(
+            ty, rows, cols, data,
+        ));
     }
+    boxed::<F>(ty, rows, cols, data)
 }
 
+/// Off x86-64 there are no tiles.
 #[cfg(not(target_arch = "x86_64"))]
-impl<F: QuantFormat> RepackedWhere for F {
-    fn make(ty: GgmlType, rows: usize, cols: usize, data: &TensorData) -> Box<dyn WeightMatrix> {
-        boxed::<F>(ty, rows, cols, data)
-    }
-}
+use boxed as tiled;
 
 /// Every GGUF type a matrix can be loaded from, and the format that multiplies it.
 const FORMATS: &[(GgmlType, Constructor)] = &[
@@ -65,9 +51,9 @@ const FORMATS: &[(GgmlType, Constructor)] = &[
     (GgmlType::Q5_1, boxed::<q5::Q5_1>),
     (GgmlType::Q2_K, boxed::<low_kquants::Q2K>),
     (GgmlType::Q3_K, boxed::<low_kquants::Q3K>),
-    (GgmlType::Q4_K, k_quant::<kquants::Q4K>),
+    (GgmlType::Q4_K, tiled::<kquants::Q4K>),
     (GgmlType::Q5_K, boxed::<kquants::Q5K>),
-    (GgmlType::Q6_K, k_quant::<kquants::Q6K>),
+    (GgmlType::Q6_K, tiled::<kquants::Q6K>),
     (GgmlType::IQ4_NL, boxed::<iq4_nl::IQ4NL>),
 ];
 
