@@ -102,4 +102,51 @@ impl Out<'_> {
             unsafe { _mm_storeu_ps(dst.as_mut_ptr(), four) };
         }
     }
+
+    /// Rows `r..r + ROWS` for tokens `t0..t0 + tokens` (`tokens` ≤ 16), one register of
+    /// sixteen tokens a row; token-major, transposed in registers into one 4-value store per
+    /// token, where sixteen scalar stores a row to as many lines were a tenth of a prefill's
+    /// tokens-in-lanes kernel.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) fn put_rows_of_16(&mut self, r: usize, t0: usize, tokens: usize, v: [__m512; ROWS]) {
+        let Out::TokenMajor { out, ld } = self else {
+            for (i, v) in v.into_iter().enumerate() {
+                let mut vals = [0f32; 4 * TILE];
+                // SAFETY: `vals` is 16 writable f32; the store is unaligned.
+                unsafe { _mm512_storeu_ps(vals.as_mut_ptr(), v) };
+                self.put_slice(r + i, t0, &vals[..tokens]);
+            }
+            return;
+        };
+        // Within each 128-bit quarter k: [a b c d] of tokens 4k + j, j by register.
+        let ab_lo = _mm512_unpacklo_ps(v[0], v[1]);
+        let ab_hi = _mm512_unpackhi_ps(v[0], v[1]);
+        let cd_lo = _mm512_unpacklo_ps(v[2], v[3]);
+        let cd_hi = _mm512_unpackhi_ps(v[2], v[3]);
+        let by_token = [
+            _mm512_shuffle_ps::<0x44>(ab_lo, cd_lo),
+            _mm512_shuffle_ps::<0xEE>(ab_lo, cd_lo),
+            _mm512_shuffle_ps::<0x44>(ab_hi, cd_hi),
+            _mm512_shuffle_ps::<0xEE>(ab_hi, cd_hi),
+        ];
+        for (j, &q) in by_token.iter().enumerate() {
+            for k in 0..4 {
+                let t = 4 * k + j;
+                if t >= tokens {
+                    break;
+                }
+                let four = match k {
+                    0 => _mm512_extractf32x4_ps::<0>(q),
+                    1 => _mm512_extractf32x4_ps::<1>(q),
+                    2 => _mm512_extractf32x4_ps::<2>(q),
+                    _ => _mm512_extractf32x4_ps::<3>(q),
+                };
+                let at = (t0 + t) * *ld + r;
+                let dst = &mut out[at..at + ROWS];
+                // SAFETY: `dst` is 4 writable f32 (sliced just above); unaligned is allowed.
+                unsafe { _mm_storeu_ps(dst.as_mut_ptr(), four) };
+            }
+        }
+    }
 }

@@ -18,7 +18,7 @@
 use std::arch::x86_64::*;
 
 use super::avx2_kquants::k4_scales_mins;
-use super::tile_out::Out;
+use super::tile_out::{Out, ROWS};
 use super::x86::prefetch_ahead;
 use super::x86_512_rows_lanes::{transpose_words, Q4_K_TILE, Q6_K_TILE, TILE_ROWS};
 use crate::blocks::{f16_at, LanesQ8K, LANE_TOKENS};
@@ -258,10 +258,17 @@ impl Pass<'_> {
                 }
             }
         }
+        for t in 0..T {
+            let t0 = (self.g0 + t) * LANE_TOKENS;
+            if R == ROWS && t0 < self.n {
+                let v = std::array::from_fn(|r| acc[r][t]);
+                out.put_rows_of_16(self.r0, t0, LANE_TOKENS.min(self.n - t0), v);
+            }
+        }
         for r in 0..R {
             for t in 0..T {
                 let t0 = (self.g0 + t) * LANE_TOKENS;
-                if t0 >= self.n {
+                if R == ROWS || t0 >= self.n {
                     continue;
                 }
                 let mut vals = [0f32; LANE_TOKENS];
@@ -332,6 +339,10 @@ impl Pass<'_> {
             }
         }
         let t0 = self.g0 * LANE_TOKENS;
+        if R == ROWS {
+            out.put_rows(self.r0, t0, self.n - t0, std::array::from_fn(|r| acc[r]));
+            return;
+        }
         for r in 0..R {
             let mut vals = [0f32; LANE_TOKENS / 2];
             // SAFETY: `vals` is 8 writable f32; the store is unaligned.
