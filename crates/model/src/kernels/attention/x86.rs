@@ -109,7 +109,7 @@ fn wide_row_block<const C: usize>(
     let (g_lo, g_hi) = (lo / 16, hi.div_ceil(16));
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
     let scale_v = _mm512_set1_ps(scale);
-    let per_v_pass = (16 / C).clamp(1, 4);
+    let per_v_pass = 4;
     for h0 in (0..heads).step_by(4) {
         let n = (heads - h0).min(4);
         let qs = &q[h0 * hd..(h0 + n) * hd];
@@ -403,8 +403,12 @@ fn butterfly<const BIT: usize>(mut x: [__m512; 16]) -> [__m512; 16] {
     x
 }
 
-/// `acc_i = fma(w_i[j], v_j, acc_i)` for keys `lo..hi` in order, for `H` heads whose
-/// accumulators (`16 * C` each, consecutive in `acc`) stay in registers for the block.
+/// `acc_i = fma(w_i[j], v_j, acc_i)` for keys `lo..hi` in order, for `H` heads (`16 * C`
+/// elements each, consecutive in `acc`), [`V_CHUNK`] registers of each head's accumulator
+/// at a time kept in registers over the block's keys: every element's chain still takes the
+/// keys in order, and each V load feeds all `H` heads. With a 256-wide head, one head's
+/// whole accumulator in registers left one load per multiply-add, from L2 (a block's K and V
+/// are 64 KiB): Gemma 3 at 16,384 tokens spent 30% of its prefill here.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
 fn wide_v_updates<const C: usize, const H: usize>(
@@ -414,30 +418,38 @@ fn wide_v_updates<const C: usize, const H: usize>(
     hi: usize,
     acc: &mut [f32],
 ) {
+    const { assert!(C.is_multiple_of(V_CHUNK)) };
     let hd = 16 * C;
     assert!(weights.len() >= H && acc.len() >= H * hd && vf.len() >= hi * hd);
-    // SAFETY: 16 f32 at (h * hd + 16 * c) lie within `acc` (asserted length).
-    let mut a: [[__m512; C]; H] = std::array::from_fn(|h| {
-        std::array::from_fn(|c| unsafe { _mm512_loadu_ps(acc.as_ptr().add(h * hd + 16 * c)) })
-    });
-    for j in lo..hi {
-        let vr = &vf[j * hd..(j + 1) * hd];
-        let w: [__m512; H] = std::array::from_fn(|h| _mm512_set1_ps(weights[h][j]));
-        for c in 0..C {
-            // SAFETY: 16 f32 at 16*c lie within the key's `hd` elements.
-            let x = unsafe { _mm512_loadu_ps(vr.as_ptr().add(16 * c)) };
-            for (ah, wh) in a.iter_mut().zip(&w) {
-                ah[c] = _mm512_fmadd_ps(*wh, x, ah[c]);
+    for c0 in (0..C).step_by(V_CHUNK) {
+        let at = |h: usize, c: usize| h * hd + 16 * (c0 + c);
+        // SAFETY: 16 f32 at `at(h, c)` lie within `acc` (asserted length, `c0 + c < C`).
+        let mut a: [[__m512; V_CHUNK]; H] = std::array::from_fn(|h| {
+            std::array::from_fn(|c| unsafe { _mm512_loadu_ps(acc.as_ptr().add(at(h, c))) })
+        });
+        for j in lo..hi {
+            let vr = &vf[j * hd + 16 * c0..j * hd + 16 * (c0 + V_CHUNK)];
+            let w: [__m512; H] = std::array::from_fn(|h| _mm512_set1_ps(weights[h][j]));
+            for c in 0..V_CHUNK {
+                // SAFETY: 16 f32 at 16*c lie within `vr` (sliced to `16 * V_CHUNK`).
+                let x = unsafe { _mm512_loadu_ps(vr.as_ptr().add(16 * c)) };
+                for (ah, wh) in a.iter_mut().zip(&w) {
+                    ah[c] = _mm512_fmadd_ps(*wh, x, ah[c]);
+                }
+            }
+        }
+        for (h, ah) in a.iter().enumerate() {
+            for (c, x) in ah.iter().enumerate() {
+                // SAFETY: as for the loads.
+                unsafe { _mm512_storeu_ps(acc.as_mut_ptr().add(at(h, c)), *x) };
             }
         }
     }
-    for (h, ah) in a.iter().enumerate() {
-        for (c, x) in ah.iter().enumerate() {
-            // SAFETY: as for the loads.
-            unsafe { _mm512_storeu_ps(acc.as_mut_ptr().add(h * hd + 16 * c), *x) };
-        }
-    }
 }
+
+/// Registers of a head's accumulator that [`wide_v_updates`] keeps over a block: four
+/// heads × four, sixteen accumulators beside the V loads and the weights.
+const V_CHUNK: usize = 4;
 
 /// [`super::attend_rows`] compiled for AVX2, FMA and F16C (`HD`: the head size, or 0 for
 /// `shape.hd`).
