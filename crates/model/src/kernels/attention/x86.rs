@@ -231,15 +231,24 @@ fn wide_scores<const H: usize>(q: &[f32], kt: &[f32], hd: usize) -> [[__m512; 2]
     const _: () = assert!(B == 32);
     assert!(q.len() >= H * hd && kt.len() >= B * hd && hd.is_multiple_of(4));
     let mut out = [[_mm512_setzero_ps(); 2]; H];
+    let heads: [&[f32]; H] = std::array::from_fn(|h| &q[h * hd..(h + 1) * hd]);
     for g in 0..2 {
         let mut p = [[_mm512_setzero_ps(); 4]; H];
-        for d0 in (0..hd).step_by(4) {
+        // Each step's four elements of every head and four K rows sliced once: indexing
+        // `q` element by element left a bounds check beside every multiply-add and one
+        // accumulator spilled to the stack.
+        for (d4, k4) in kt[..hd * B].chunks_exact(4 * B).enumerate() {
+            let qd: [&[f32; 4]; H] = std::array::from_fn(|h| {
+                heads[h][4 * d4..4 * d4 + 4]
+                    .try_into()
+                    .expect("four elements")
+            });
             for c in 0..4 {
-                // SAFETY: 16 f32 at (d0 + c) * B + 16 * g lie within `kt` (asserted length).
-                let k = unsafe { _mm512_loadu_ps(kt.as_ptr().add((d0 + c) * B + 16 * g)) };
-                for (h, p) in p.iter_mut().enumerate() {
-                    let qd = _mm512_set1_ps(q[h * hd + d0 + c]);
-                    p[c] = _mm512_fmadd_ps(qd, k, p[c]);
+                let row = &k4[c * B + 16 * g..c * B + 16 * g + 16];
+                // SAFETY: `row` is 16 f32 (sliced above); the load is unaligned.
+                let k = unsafe { _mm512_loadu_ps(row.as_ptr()) };
+                for (p, qd) in p.iter_mut().zip(&qd) {
+                    p[c] = _mm512_fmadd_ps(_mm512_set1_ps(qd[c]), k, p[c]);
                 }
             }
         }
