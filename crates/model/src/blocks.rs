@@ -123,6 +123,40 @@ impl LanesQ8K {
     }
 }
 
+/// One Q8_1 block of [`LANE_TOKENS`] tokens with the tokens as lanes, as [`LanesQ8K`] lays
+/// out a super-block: `q[g]` holds quants `4g..4g + 4` of every token, offset by 128 into
+/// unsigned bytes; `d` each token's scale. Lanes past the product's last token hold zero
+/// activations and a zero scale, and are never stored.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub struct LanesQ8_1 {
+    pub q: [[u8; 64]; QK / 4],
+    pub d: [f32; LANE_TOKENS],
+}
+
+impl LanesQ8_1 {
+    /// Tokens `x[0..]` (at most [`LANE_TOKENS`], each `nb` blocks) as `nb` lane blocks,
+    /// block `i` at `out[i]`.
+    pub fn fill(x: &[&[BlockQ8_1]], out: &mut [LanesQ8_1]) {
+        assert!(x.len() <= LANE_TOKENS, "lanes: too many tokens");
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = LanesQ8_1 {
+                q: [[128; 64]; QK / 4],
+                d: [0.0; LANE_TOKENS],
+            };
+            for (t, row) in x.iter().enumerate() {
+                let b = &row[i];
+                for (g, lane) in o.q.iter_mut().enumerate() {
+                    for k in 0..4 {
+                        lane[4 * t + k] = (b.qs[4 * g + k] as u8) ^ 0x80;
+                    }
+                }
+                o.d[t] = b.d;
+            }
+        }
+    }
+}
+
 /// The activation scales of a whole tile of Q8_1 rows, per block: `[d of its 4 tokens, s
 /// of its 4 tokens]` (what the 256-bit Q4_1 kernel reads).
 pub type TileScales = [f32; 2 * TILE];
@@ -140,6 +174,8 @@ pub struct Acts<'a> {
     /// The Q8_K rows as lanes (`[group * nb + super-block]`, groups of [`LANE_TOKENS`]
     /// tokens), where a matrix of the product asks for them (else empty).
     pub q8_k_lanes: &'a [LanesQ8K],
+    /// The Q8_1 rows as lanes (`[group * nb + block]`), likewise.
+    pub q8_1_lanes: &'a [LanesQ8_1],
 }
 
 /// llama.cpp's `hsum_float_8`: the order in which its AVX2 kernels add their eight lanes.

@@ -7,7 +7,9 @@
 use rayon::prelude::*;
 
 use super::quantize::quantize_row_q8_k;
-use crate::blocks::{Acts, BlockQ8K, BlockQ8_1, LanesQ8K, TileScales, LANE_TOKENS, QK, TILE};
+use crate::blocks::{
+    Acts, BlockQ8K, BlockQ8_1, LanesQ8K, LanesQ8_1, TileScales, LANE_TOKENS, QK, TILE,
+};
 
 /// The activation quantization a format's dot product is defined on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,6 +30,11 @@ pub trait WeightRows: Send + Sync {
     fn wants_tile_scales(&self) -> bool;
     /// Whether a product of `n` tokens reads [`Acts::q8_k_lanes`].
     fn wants_q8_k_lanes(&self, n: usize) -> bool {
+        let _ = n;
+        false
+    }
+    /// Whether a product of `n` tokens reads [`Acts::q8_1_lanes`].
+    fn wants_q8_1_lanes(&self, n: usize) -> bool {
         let _ = n;
         false
     }
@@ -75,6 +82,10 @@ impl<W: WeightRows + ?Sized> WeightRows for RowSlice<'_, W> {
 
     fn wants_q8_k_lanes(&self, n: usize) -> bool {
         self.w.wants_q8_k_lanes(n)
+    }
+
+    fn wants_q8_1_lanes(&self, n: usize) -> bool {
+        self.w.wants_q8_1_lanes(n)
     }
 
     fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
@@ -165,6 +176,11 @@ pub fn matmul_group<W: WeightRows + ?Sized>(
     } else {
         Vec::new()
     };
+    let block_lanes = if ws.iter().any(|w| w.wants_q8_1_lanes(n)) {
+        q8_1_lanes(x_q8, n, cols / QK)
+    } else {
+        Vec::new()
+    };
     let input = Input {
         acts: Acts {
             f32: x_f32,
@@ -172,6 +188,7 @@ pub fn matmul_group<W: WeightRows + ?Sized>(
             q8_k: &q8_k,
             tile_scales: &scales,
             q8_k_lanes: &lanes,
+            q8_1_lanes: &block_lanes,
         },
         cols,
     };
@@ -220,6 +237,11 @@ impl Input<'_> {
                 .q8_k_lanes
                 .get(t0 / LANE_TOKENS * nbk..(t0 + nt).div_ceil(LANE_TOKENS) * nbk)
                 .unwrap_or(&[]),
+            q8_1_lanes: self
+                .acts
+                .q8_1_lanes
+                .get(t0 / LANE_TOKENS * nb..(t0 + nt).div_ceil(LANE_TOKENS) * nb)
+                .unwrap_or(&[]),
         }
     }
 }
@@ -236,7 +258,8 @@ fn by_token_blocks<W: WeightRows + ?Sized>(ws: &[&W], input: &Input<'_>, outs: &
         // tokens-in-lanes kernel unpacks every row per block: from 512 tokens, blocks of
         // 128 took a Llama-3.2-1B-shaped Q4_K_M prefill from 232 to 242 tokens/s.
         let tokens = out.len() / rows;
-        let block = if tokens >= 512 && ws[m].wants_q8_k_lanes(tokens) {
+        let lanes = ws[m].wants_q8_k_lanes(tokens) || ws[m].wants_q8_1_lanes(tokens);
+        let block = if tokens >= 512 && lanes {
             4 * TOKEN_BLOCK
         } else if tokens >= 256 {
             2 * TOKEN_BLOCK
@@ -376,6 +399,24 @@ pub(crate) fn q8_k_lanes(x: &[BlockQ8K], n: usize, nb: usize) -> Vec<LanesQ8K> {
             .map(|t| &x[t * nb..(t + 1) * nb])
             .collect();
         LanesQ8K::fill(&rows, o);
+    });
+    out
+}
+
+/// [`q8_k_lanes`] for Q8_1 rows: `[group * nb + block]`.
+pub(crate) fn q8_1_lanes(x: &[BlockQ8_1], n: usize, nb: usize) -> Vec<LanesQ8_1> {
+    let groups = n.div_ceil(LANE_TOKENS);
+    let empty = LanesQ8_1 {
+        q: [[0; 64]; QK / 4],
+        d: [0.0; LANE_TOKENS],
+    };
+    let mut out = vec![empty; groups * nb];
+    out.par_chunks_mut(nb).enumerate().for_each(|(g, o)| {
+        let t0 = g * LANE_TOKENS;
+        let rows: Vec<&[BlockQ8_1]> = (t0..n.min(t0 + LANE_TOKENS))
+            .map(|t| &x[t * nb..(t + 1) * nb])
+            .collect();
+        LanesQ8_1::fill(&rows, o);
     });
     out
 }

@@ -1,4 +1,4 @@
-//! The products of Q4_0, Q4_1 and Q8_0 (the widened-scale blocks): the run-time choice of
+//! The products of Q4_0 and Q4_1 (the widened-scale blocks): the run-time choice of
 //! instruction set (512-bit tiles, VNNI, AVX2, portable) for a whole product, a row or a
 //! tile, and the portable reference every SIMD build is tested against.
 
@@ -6,7 +6,7 @@
 use super::cpu::{has_avx2, has_vnni, wide_available};
 #[cfg(target_arch = "x86_64")]
 use super::{x86, x86_512};
-use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, TileScales, TILE};
+use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_1, TileScales, TILE};
 
 macro_rules! product {
     ($name:ident, $token_major:ident, $wt:ty, $wide:ident, $wide_tm:ident, $rows:ident) => {
@@ -53,14 +53,6 @@ product!(
     q4_0_rows,
     q4_0_token_major,
     rows_q4_0
-);
-product!(
-    q8_0_product,
-    q8_0_token_major,
-    BlockQ8_0,
-    q8_0_rows,
-    token_major,
-    rows_q8_0
 );
 
 /// [`q4_0_product`] for Q4_1, whose 256-bit kernel takes the tiles' gathered scales.
@@ -156,7 +148,6 @@ pub fn dot_q4_1(
     }
 }
 dispatch!(dot_q4_0, BlockQ4_0, scalar::q4_0, q4_0);
-dispatch!(dot_q8_0, BlockQ8_0, scalar::q8_0, q8_0);
 
 macro_rules! rows_dispatch {
     ($name:ident, $wt:ty, $scalar:path, $simd:ident) => {
@@ -186,7 +177,6 @@ macro_rules! rows_dispatch {
     };
 }
 rows_dispatch!(rows_q4_0, BlockQ4_0, scalar::q4_0, q4_0_rows);
-rows_dispatch!(rows_q8_0, BlockQ8_0, scalar::q8_0, q8_0_rows);
 
 /// [`rows_q4_0`] for Q4_1, with the tiles' gathered scales (`Acts::tile_scales`, or
 /// empty).
@@ -245,20 +235,6 @@ pub mod scalar {
                 isum += ((wb.qs[j] & 15) as i32 - 8) * ab.qs[j] as i32;
                 isum += ((wb.qs[j] >> 4) as i32 - 8) * ab.qs[j + 16] as i32;
             }
-            acc += wb.d * ab.d * isum as f32;
-        }
-        acc
-    }
-
-    pub fn q8_0(w: &[BlockQ8_0], a: &[BlockQ8_1]) -> f32 {
-        let mut acc = 0f32;
-        for (wb, ab) in w.iter().zip(a) {
-            let isum: i32 = wb
-                .qs
-                .iter()
-                .zip(&ab.qs)
-                .map(|(&x, &y)| x as i32 * y as i32)
-                .sum();
             acc += wb.d * ab.d * isum as f32;
         }
         acc

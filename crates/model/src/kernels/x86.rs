@@ -68,7 +68,7 @@ macro_rules! quant_kernels {
             use std::arch::x86_64::*;
 
             use super::{hsum, load_act, prefetch_ahead, unpack_nibbles};
-            use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1};
+            use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_1};
 
             /// Sums of products of 32 unsigned bytes (0..=128) with 32 signed bytes, as
             /// 8 i32 lanes converted to f32. `maddubs` cannot saturate here:
@@ -108,27 +108,6 @@ macro_rules! quant_kernels {
                 for (i, wb) in w.iter().enumerate() {
                     prefetch_ahead(wb);
                     let wq = _mm256_sub_epi8(unpack_nibbles(&wb.qs), eight);
-                    let wabs = _mm256_sign_epi8(wq, wq);
-                    for t in 0..N {
-                        let ab = &acts[t][i];
-                        let xy = dot_u8_i8(wabs, _mm256_sign_epi8(load_act(ab), wq));
-                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), xy, acc[t]);
-                    }
-                }
-                for t in 0..N {
-                    out[t] = hsum(acc[t]);
-                }
-            }
-
-            #[inline]
-            #[target_feature(enable = $features)]
-            fn q8_0_n<const N: usize>(w: &[BlockQ8_0], acts: [&[BlockQ8_1]; N], out: &mut [f32]) {
-                let mut acc = [_mm256_setzero_ps(); N];
-                for (i, wb) in w.iter().enumerate() {
-                    prefetch_ahead(wb);
-                    // SAFETY: `qs` is 32 readable bytes; `loadu` has no alignment
-                    // requirement.
-                    let wq = unsafe { _mm256_loadu_si256(wb.qs.as_ptr() as *const __m256i) };
                     let wabs = _mm256_sign_epi8(wq, wq);
                     for t in 0..N {
                         let ab = &acts[t][i];
@@ -203,9 +182,7 @@ macro_rules! quant_kernels {
 
             quant_kernels!(@entry q4_1_tile, q4_1_n, BlockQ4_1, $features);
             quant_kernels!(@entry q4_0, q4_0_n, BlockQ4_0, $features);
-            quant_kernels!(@entry q8_0, q8_0_n, BlockQ8_0, $features);
             quant_kernels!(@rows q4_0_rows, q4_0, BlockQ4_0, $features);
-            quant_kernels!(@rows q8_0_rows, q8_0, BlockQ8_0, $features);
 
             /// Every row of `w` (`nb` blocks each) against every token of `x`, in tiles:
             /// `out[r * n + t]`. `scales` are the tiles' gathered scales (or empty). One call

@@ -1,4 +1,4 @@
-//! Register-tiled products of the 32-element block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+//! Register-tiled products of the 32-element block formats in llama.cpp's order (Q4_0, Q4_1, Q5_1)
 //! for CPUs with AVX-512 VNNI: a micro-tile of [`ROWS`] weight rows × a pass of two tiles of
 //! 4 tokens (one tile at the end when the count is odd), two tokens per 512-bit register
 //! (token `2k` in the low half, `2k + 1` in the high half). Each weight block is unpacked
@@ -17,10 +17,9 @@
 //! once (the activation scales laid out by [`PassScales`]), and an in-lane shuffle picks
 //! each pair's (1.05 cycles a pair against 1.5).
 //!
-//! Signed weights (Q8_0, Q4_0, Q5_0) cannot go into `dpbusd` (unsigned × signed bytes)
-//! directly. Instead of the 256-bit kernels' sign trick (one extra instruction per row and
-//! token pair), they go in unsigned with an offset (`w + 128`, or Q4_0's and Q5_0's raw `q`
-//! for `q - 8` and `q - 16`), and each lane starts from minus the offset times its four
+//! Signed weights (Q4_0) cannot go into `dpbusd` (unsigned × signed bytes) directly.
+//! Instead of the 256-bit kernels' sign trick (one extra instruction per row and token
+//! pair), they go in unsigned with an offset (Q4_0's raw `q` for `q - 8`), and each lane starts from minus the offset times its four
 //! activations' sum, computed once per token pair for all rows. Integer sums are exact, so
 //! each lane ends on exactly the 256-bit kernel's `i32` (for activations in -127..=127,
 //! which is what Q8_1 quantization gives and what the sign trick needs as well).
@@ -37,7 +36,7 @@
 use std::arch::x86_64::*;
 
 use super::tile_out::{Out, ROWS};
-use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, TILE};
+use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_1, TILE};
 
 /// Token pairs of a pass of two tiles.
 const PAIRS: usize = TILE;
@@ -149,26 +148,6 @@ impl PairBlock for UnpackedQ4_0 {
     }
 }
 
-impl PairBlock for BlockQ8_0 {
-    // -128 as a byte is 0x80: adding it is flipping each value's sign bit.
-    const OFFSET: i8 = -128;
-    const MIN: bool = false;
-    const ADDS_MIN_SUM: bool = false;
-    #[inline(always)]
-    unsafe fn scales(&self) -> (f32, f32) {
-        (self.d, 0.0)
-    }
-    #[inline(always)]
-    unsafe fn unsigned(&self) -> __m512i {
-        // SAFETY: `qs` is 32 readable bytes and `loadu` has no alignment requirement; the
-        // caller guarantees the CPU features.
-        unsafe {
-            let q = _mm256_loadu_si256(self.qs.as_ptr() as *const __m256i);
-            _mm512_xor_si512(_mm512_broadcast_i64x4(q), _mm512_set1_epi8(Self::OFFSET))
-        }
-    }
-}
-
 /// Two little-endian f16 values as f32, in one conversion.
 #[inline(always)]
 unsafe fn f16_pair(bytes: [u8; 4]) -> (f32, f32) {
@@ -256,18 +235,6 @@ pub unsafe fn q4_1_rows(w: &[BlockQ4_1], nb: usize, x: &[BlockQ8_1], n: usize, o
     // SAFETY (each kernel): AVX2, FMA, AVX-512 VNNI and VL are among this function's features.
     block_rows(w, w, nb, x, n, out, |row, acts, out| unsafe {
         super::x86::vnni::q4_1(row, acts, None, out)
-    });
-}
-
-/// Q8_0: as [`q4_1_rows`].
-///
-/// # Safety
-/// The CPU must support the features [`super::cpu::wide_available`] checks. Slices are bounds-checked.
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn q8_0_rows(w: &[BlockQ8_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
-    // SAFETY: as in `q4_1_rows`.
-    block_rows(w, w, nb, x, n, out, |row, acts, out| unsafe {
-        super::x86::vnni::q8_0(row, acts, out)
     });
 }
 

@@ -30,7 +30,7 @@ pub mod table;
 
 use gguf::{GgmlType, TensorData};
 
-use crate::blocks::{Acts, BlockQ8K, BlockQ8_1, LanesQ8K, TILE};
+use crate::blocks::{Acts, BlockQ8K, BlockQ8_1, LanesQ8K, LanesQ8_1, TILE};
 use crate::kernels::{ActKind, WeightRows};
 
 /// An activation block type: how many elements a block covers, and where to find it.
@@ -149,6 +149,28 @@ pub trait QuantFormat: Send + Sync + Sized + 'static {
         w: &[Self::Block],
         nb: usize,
         lanes: &[LanesQ8K],
+        n: usize,
+        out: &mut [f32],
+        ld: Option<usize>,
+    ) -> bool {
+        let _ = (w, nb, lanes, n, out, ld);
+        false
+    }
+
+    /// Whether a product of `n` tokens runs the format's 32-element-block tokens-in-lanes
+    /// kernel here (so the product builds [`Acts::q8_1_lanes`]).
+    #[inline(always)]
+    fn wants_block_lanes(n: usize) -> bool {
+        let _ = n;
+        false
+    }
+
+    /// [`Self::lanes_rows`] for that kernel.
+    #[inline(always)]
+    fn block_lanes_rows(
+        w: &[Self::Block],
+        nb: usize,
+        lanes: &[LanesQ8_1],
         n: usize,
         out: &mut [f32],
         ld: Option<usize>,
@@ -311,10 +333,18 @@ impl<F: QuantFormat> WeightRows for QuantMatrix<F> {
         F::wants_lanes(n)
     }
 
+    fn wants_q8_1_lanes(&self, n: usize) -> bool {
+        F::wants_block_lanes(n)
+    }
+
     fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
         let nb = self.nb();
         let w = &self.data()[r0 * nb..(r0 + nr) * nb];
         if !acts.q8_k_lanes.is_empty() && F::lanes_rows(w, nb, acts.q8_k_lanes, n, out, None) {
+            return;
+        }
+        if !acts.q8_1_lanes.is_empty() && F::block_lanes_rows(w, nb, acts.q8_1_lanes, n, out, None)
+        {
             return;
         }
         F::product(w, nb, acts, n, out);
@@ -332,6 +362,11 @@ impl<F: QuantFormat> WeightRows for QuantMatrix<F> {
         let nb = self.nb();
         let w = &self.data()[r0 * nb..(r0 + nr) * nb];
         if !acts.q8_k_lanes.is_empty() && F::lanes_rows(w, nb, acts.q8_k_lanes, n, out, Some(ld)) {
+            return true;
+        }
+        if !acts.q8_1_lanes.is_empty()
+            && F::block_lanes_rows(w, nb, acts.q8_1_lanes, n, out, Some(ld))
+        {
             return true;
         }
         F::rows_token_major(w, nb, F::Act::pick(acts), n, out, ld)

@@ -1,14 +1,16 @@
 //! Q5_0 and Q5_1 (32 five-bit values a block: an f16 scale, Q5_1 also an f16 minimum, 4
-//! bytes of fifth bits, 16 of nibbles) against Q8_1 activations, kept as ggml's bytes: the
-//! portable definitions in llama.cpp's AVX2 float order, the AVX2 tile
-//! (`kernels/avx2_kquants.rs`) and the 512-bit register tiles (`kernels/x86_512.rs`).
+//! bytes of fifth bits, 16 of nibbles) against Q8_1 activations, kept as ggml's bytes.
+//! Q5_0 has one float step per block (`kernels/block_chain.rs`); Q5_1 keeps llama.cpp's
+//! AVX2 float order, with the AVX2 tile (`kernels/avx2_kquants.rs`) and the 512-bit register
+//! tiles (`kernels/x86_512.rs`).
 
 use gguf::GgmlType;
 
 use super::{byte_blocks, byte_view, QuantFormat};
 #[cfg(target_arch = "x86_64")]
 use crate::blocks::TILE;
-use crate::blocks::{f16_at, hsum8, BlockQ8_1};
+use crate::blocks::{f16_at, hsum8, Acts, BlockQ8_1, LanesQ8_1};
+use crate::kernels::block_chain;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::{avx2_kquants as simd, cpu, x86_512};
 
@@ -73,25 +75,10 @@ fn isum(q: &[i32], a: &[i8]) -> i32 {
 pub struct Q5_0;
 
 impl Q5_0 {
-    /// In llama.cpp's AVX2 float order (`ggml_vec_dot_q5_0_q8_0`): per block, eight lanes of
-    /// four consecutive products, each added to its lane accumulator by a fused multiply-add
-    /// with the block's `d·da`, then its final lane sum; so the logits are llama.cpp's.
-    /// The portable definition (the SIMD path is tested against it).
+    /// One float step per block (`kernels/block_chain.rs`). The portable definition (the
+    /// SIMD paths are tested against it).
     pub fn dot_scalar(w: &[u8], a: &[BlockQ8_1]) -> f32 {
-        let mut acc = [0f32; 8];
-        for (wb, ab) in w.chunks_exact(22).zip(a) {
-            let q = five_bit(&wb[2..6], &wb[6..22]);
-            let d = f16_at(wb, 0) * ab.d;
-            for (i, acc) in acc.iter_mut().enumerate() {
-                let lane = isum(&q[4 * i..4 * i + 4], &ab.qs[4 * i..4 * i + 4])
-                    - 16 * ab.qs[4 * i..4 * i + 4]
-                        .iter()
-                        .map(|&v| i32::from(v))
-                        .sum::<i32>();
-                *acc = d.mul_add(lane as f32, *acc);
-            }
-        }
-        hsum8(acc)
+        block_chain::chain_dot_portable(byte_view::<22>(w), a)
     }
 }
 
@@ -112,35 +99,27 @@ impl QuantFormat for Q5_0 {
         Self::TYPE.dequantize(w.as_flattened(), out);
     }
 
-    #[inline(always)]
     fn dot(w: &[[u8; 22]], a: &[BlockQ8_1]) -> f32 {
-        let mut out = [0f32];
-        Self::dot_tile(w, &[a], &mut out);
-        out[0]
+        block_chain::chain_dot(w, a)
     }
 
-    /// Per block the five-bit values are unpacked once for the tile; each token's lanes
-    /// then follow [`Q5_0::dot_scalar`] exactly.
-    #[inline(always)]
-    fn dot_tile(w: &[[u8; 22]], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
-        five_bit_tile(w.as_flattened(), acts, out, false, Self::dot_scalar);
+    fn product(w: &[[u8; 22]], nb: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
+        block_chain::chain_rows(w, nb, acts.q8_1, n, out);
     }
 
-    #[inline(always)]
-    fn wide_rows(w: &[[u8; 22]], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) -> usize {
-        five_bit_wide_rows(w, nb, x, n, out)
+    fn wants_block_lanes(n: usize) -> bool {
+        block_chain::wants_lanes(n)
     }
 
-    #[inline(always)]
-    fn rows_token_major(
+    fn block_lanes_rows(
         w: &[[u8; 22]],
         nb: usize,
-        x: &[BlockQ8_1],
+        lanes: &[LanesQ8_1],
         n: usize,
         out: &mut [f32],
-        ld: usize,
+        ld: Option<usize>,
     ) -> bool {
-        five_bit_token_major(w, nb, x, n, out, ld)
+        block_chain::lanes_rows(w, nb, lanes, n, out, ld)
     }
 }
 

@@ -1,12 +1,12 @@
 //! Q8_0 (`x = q * d`, 32 signed bytes and an f16 scale a block) against Q8_1
-//! activations; the kernels are `kernels/quant_dot.rs`'s.
+//! activations: one float step per block (`kernels/block_chain.rs`).
 
 use gguf::GgmlType;
 use half::f16;
 
 use super::QuantFormat;
-use crate::blocks::{Acts, BlockQ8_0, BlockQ8_1, QK};
-use crate::kernels::{dot_q8_0, q8_0_product, q8_0_token_major};
+use crate::blocks::{Acts, BlockQ8_0, BlockQ8_1, LanesQ8_1, QK};
+use crate::kernels::block_chain;
 
 pub struct Q8_0;
 
@@ -41,27 +41,25 @@ impl QuantFormat for Q8_0 {
     }
 
     fn dot(w: &[BlockQ8_0], a: &[BlockQ8_1]) -> f32 {
-        let mut out = [0f32];
-        dot_q8_0(w, &[a], &mut out);
-        out[0]
-    }
-
-    fn dot_tile(w: &[BlockQ8_0], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
-        dot_q8_0(w, acts, out);
+        block_chain::chain_dot(w, a)
     }
 
     fn product(w: &[BlockQ8_0], nb: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
-        q8_0_product(w, nb, acts.q8_1, n, out);
+        block_chain::chain_rows(w, nb, acts.q8_1, n, out);
     }
 
-    fn rows_token_major(
+    fn wants_block_lanes(n: usize) -> bool {
+        block_chain::wants_lanes(n)
+    }
+
+    fn block_lanes_rows(
         w: &[BlockQ8_0],
         nb: usize,
-        x: &[BlockQ8_1],
+        lanes: &[LanesQ8_1],
         n: usize,
         out: &mut [f32],
-        ld: usize,
+        ld: Option<usize>,
     ) -> bool {
-        q8_0_token_major(w, nb, x, n, out, ld)
+        block_chain::lanes_rows(w, nb, lanes, n, out, ld)
     }
 }

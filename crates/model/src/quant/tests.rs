@@ -46,6 +46,7 @@ fn q8_k_acts<'a>(xk: &'a [BlockQ8K], lanes: &'a [crate::blocks::LanesQ8K]) -> Ac
         q8_k: xk,
         tile_scales: &[],
         q8_k_lanes: lanes,
+        q8_1_lanes: &[],
     }
 }
 
@@ -280,7 +281,7 @@ fn k_quant_tiles_equal_one_token_at_a_time() {
     }
 }
 
-/// The register-tiled 512-bit Q5_0 and Q5_1 products against the 256-bit tile kernel
+/// The register-tiled 512-bit Q5_1 product against the 256-bit tile kernel
 /// (`dot_tile`) one token at a time, bit for bit: row counts not a multiple of the
 /// micro-tile's rows, token counts not a multiple of the tile (the wide kernel does the
 /// whole tiles, `QuantFormat::rows` the rest), the whole five-bit range, tokens of very
@@ -295,7 +296,8 @@ fn wide_five_bit_tiles_match_the_256_bit_kernel_bit_for_bit() {
         "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
     );
     let mut s = 31u64;
-    for ty in [GgmlType::Q5_0, GgmlType::Q5_1] {
+    // (Q5_0: `block_chain_formats_give_the_definitions_bits`.)
+    for ty in [GgmlType::Q5_1] {
         // The micro-tile has 8 rows: two and some left over, fewer than one, one and one.
         for (rows, n) in [(19, 15), (4, 4), (9, 66), (11, 7)] {
             let cols = 8 * QK;
@@ -318,40 +320,22 @@ fn wide_five_bit_tiles_match_the_256_bit_kernel_bit_for_bit() {
             // AVX-512 CPU, and checked again here).
             let done = unsafe {
                 assert!(is_x86_feature_detected!("f16c"));
-                if ty == GgmlType::Q5_1 {
-                    crate::kernels::x86_512::row_major_tiles::<[u8; 24]>(
-                        as_blocks(&w),
-                        nb,
-                        &xq,
-                        n,
-                        &mut wide,
-                    )
-                } else {
-                    crate::kernels::x86_512::row_major_tiles::<[u8; 22]>(
-                        as_blocks(&w),
-                        nb,
-                        &xq,
-                        n,
-                        &mut wide,
-                    )
-                }
+                crate::kernels::x86_512::row_major_tiles::<[u8; 24]>(
+                    as_blocks(&w),
+                    nb,
+                    &xq,
+                    n,
+                    &mut wide,
+                )
             };
             assert_eq!(done, crate::kernels::x86_512::tiled_tokens(n));
             let mut all = vec![f32::NAN; rows * n];
-            if ty == GgmlType::Q5_0 {
-                Q5_0::rows(as_blocks(&w), &xq, nb, n, &mut all);
-            } else {
-                Q5_1::rows(as_blocks(&w), &xq, nb, n, &mut all);
-            }
+            Q5_1::rows(as_blocks(&w), &xq, nb, n, &mut all);
             for r in 0..rows {
                 for t in 0..n {
                     let mut one = [0f32; 1];
                     let a: &[&[BlockQ8_1]] = &[&xq[t * nb..(t + 1) * nb]];
-                    if ty == GgmlType::Q5_0 {
-                        Q5_0::dot_tile(as_blocks(&w[r * rb..(r + 1) * rb]), a, &mut one);
-                    } else {
-                        Q5_1::dot_tile(as_blocks(&w[r * rb..(r + 1) * rb]), a, &mut one);
-                    }
+                    Q5_1::dot_tile(as_blocks(&w[r * rb..(r + 1) * rb]), a, &mut one);
                     let at = format!("{ty:?} {rows}x{n} row {r} token {t}");
                     if t < done {
                         assert_eq!(wide[r * n + t].to_bits(), one[0].to_bits(), "{at}");
@@ -793,6 +777,7 @@ fn iq4_nl_products_match_the_definition_and_the_reference() {
             q8_k: &[],
             tile_scales: &[],
             q8_k_lanes: &[],
+            q8_1_lanes: &[],
         };
         let mut out = vec![0f32; rows * n];
         m.rows_kernel(0, rows, &acts, n, &mut out);
@@ -911,4 +896,96 @@ fn interleaved_k_quants_give_the_definitions_bits() {
     let mut s = 71u64;
     check::<Q4K>(GgmlType::Q4_K, Q4K::dot_scalar, &mut s);
     check::<Q6K>(GgmlType::Q6_K, Q6K::dot_scalar, &mut s);
+}
+
+/// Q8_0 and Q5_0 (one float step per block, `kernels/block_chain.rs`) on every path this CPU
+/// has: one value at a time, the rows, and where the CPU runs it the tokens-in-lanes kernel
+/// (partial groups, one and two groups a pass, leftover rows), row-major and token-major;
+/// each against the portable definition bit for bit, and the definition against the exact
+/// product of the dequantized values.
+#[test]
+fn block_chain_formats_give_the_definitions_bits() {
+    use crate::kernels::block_chain::chain_dot_portable;
+    let mut s = 71u64;
+    for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {
+        for nb in [1, 7, 8, 20] {
+            let (rows, cols) = (9, nb * QK);
+            let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s) * 2.0).collect();
+            let w = ty.quantize(&vals);
+            let mut deq = vec![0f32; rows * cols];
+            ty.dequantize(&w, &mut deq);
+            let m = table::matrix(ty, rows, cols, &TensorData::from_vec(w.clone()))
+                .expect("a supported type");
+            let rb = nb * ty.block_bytes();
+            let definition = |r: usize, a: &[BlockQ8_1]| {
+                let row = &w[r * rb..(r + 1) * rb];
+                if ty == GgmlType::Q8_0 {
+                    chain_dot_portable(&q8_0::Q8_0::load(ty, row), a)
+                } else {
+                    Q5_0::dot_scalar(row, a)
+                }
+            };
+            for n in [1, 2, 3, 5, 7, 8, 15, 16, 17, 33, 40] {
+                let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 4.0).collect();
+                let mut xq = vec![BlockQ8_1::default(); n * nb];
+                for (row, o) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(nb)) {
+                    quantize_row_q8_1(row, o);
+                }
+                let lanes = if m.wants_q8_1_lanes(n) {
+                    crate::kernels::q8_1_lanes(&xq, n, nb)
+                } else {
+                    Vec::new()
+                };
+                let acts = Acts {
+                    f32: &[],
+                    q8_1: &xq,
+                    q8_k: &[],
+                    tile_scales: &[],
+                    q8_k_lanes: &[],
+                    q8_1_lanes: &lanes,
+                };
+                let mut by_row = vec![0f32; rows * n];
+                m.rows_kernel(0, rows, &acts, n, &mut by_row);
+                let ld = rows + 3;
+                let mut by_token = vec![f32::NAN; n * ld];
+                let wrote = m.rows_token_major(0, rows, &acts, n, &mut by_token[2..], ld);
+                assert_eq!(wrote, !lanes.is_empty(), "{ty:?} n {n}");
+                for r in 0..rows {
+                    for t in 0..n {
+                        let a = &xq[t * nb..(t + 1) * nb];
+                        let want = definition(r, a);
+                        let at = format!("{ty:?} {nb} blocks, {n} tokens, row {r} token {t}");
+                        assert_eq!(by_row[r * n + t].to_bits(), want.to_bits(), "{at}");
+                        if wrote {
+                            let got = by_token[2 + t * ld + r];
+                            assert_eq!(got.to_bits(), want.to_bits(), "{at} token-major");
+                        }
+                        let exact: f64 = (0..cols)
+                            .map(|c| {
+                                let b = &a[c / QK];
+                                f64::from(deq[r * cols + c])
+                                    * f64::from(b.qs[c % QK])
+                                    * f64::from(b.d)
+                            })
+                            .sum();
+                        let scale: f64 = (0..cols)
+                            .map(|c| f64::from(deq[r * cols + c].abs()) * 4.0)
+                            .sum();
+                        assert!(
+                            (f64::from(want) - exact).abs() <= 1e-5 * (1.0 + scale),
+                            "{at}: {want} vs {exact}"
+                        );
+                    }
+                }
+                // The formats' one-value dot.
+                let (row, a) = (&w[..rb], &xq[..nb]);
+                let one = if ty == GgmlType::Q8_0 {
+                    q8_0::Q8_0::dot(&q8_0::Q8_0::load(ty, row), a)
+                } else {
+                    Q5_0::dot(as_blocks(row), a)
+                };
+                assert_eq!(one.to_bits(), definition(0, a).to_bits(), "{ty:?} dot");
+            }
+        }
+    }
 }
