@@ -1,5 +1,5 @@
 //! AVX2 integer lanes of Q4_K, Q5_K and Q6_K (`quant/kquants.rs`) and the AVX2 tile of
-//! Q5_0 and Q5_1 (`quant/q5.rs`), laid out as llama.cpp's kernels form them (see each
+//! Q5_1 (`quant/q5.rs`), laid out as llama.cpp's kernels form them (see each
 //! format's `dot_scalar`). Every lane is an exact `i32` (bounded far below overflow), so the
 //! result is the portable code's.
 
@@ -226,44 +226,37 @@ pub fn q6_k_lanes_n<const N: usize>(
     })
 }
 
-/// One Q5_0 or Q5_1 (`with_min`) weight row against up to [`TILE`] activation
-/// rows, `out[t]`: per block the values are unpacked once ([`five_bit_madd`]), then each
-/// token's eight exact lane sums go into its own eight f32 lanes as the portable
-/// definitions (`Q5_0::dot_scalar`, `Q5_1::dot_scalar`: llama.cpp's order) do, so their
-/// bits.
+/// One Q5_1 weight row against up to [`TILE`] activation rows, `out[t]`: per block the
+/// values are unpacked once ([`five_bit_madd`]), then each token's eight exact lane sums go
+/// into its own eight f32 lanes as the portable definition (`Q5_1::dot_scalar`: llama.cpp's
+/// order) does, so its bits.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub fn five_bit_rows(w: &[u8], acts: &[&[BlockQ8_1]], with_min: bool, out: &mut [f32]) {
+pub fn q5_1_rows(w: &[u8], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
     // One instance per token count: a decode step has one token, and computing a whole
     // tile's lane sums for it was three quarters wasted work.
     match acts.len() {
         0 => {}
-        1 => five_bit_rows_n::<1>(w, acts, with_min, out),
-        2 => five_bit_rows_n::<2>(w, acts, with_min, out),
-        3 => five_bit_rows_n::<3>(w, acts, with_min, out),
-        _ => five_bit_rows_n::<{ TILE }>(w, acts, with_min, out),
+        1 => q5_1_rows_n::<1>(w, acts, out),
+        2 => q5_1_rows_n::<2>(w, acts, out),
+        3 => q5_1_rows_n::<3>(w, acts, out),
+        _ => q5_1_rows_n::<{ TILE }>(w, acts, out),
     }
 }
 
-/// [`five_bit_rows`] for `N` tokens (`acts` holds at least `N`).
+/// [`q5_1_rows`] for `N` tokens (`acts` holds at least `N`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn five_bit_rows_n<const N: usize>(
-    w: &[u8],
-    acts: &[&[BlockQ8_1]],
-    with_min: bool,
-    out: &mut [f32],
-) {
-    let (bytes, qh_at) = if with_min { (24, 4) } else { (22, 2) };
+fn q5_1_rows_n<const N: usize>(w: &[u8], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
     let mut acc = [_mm256_setzero_ps(); N];
     let mut summs = [0f32; N];
-    for (i, wb) in w.chunks_exact(bytes).enumerate() {
+    for (i, wb) in w.chunks_exact(24).enumerate() {
         // A plain loop: `array::from_fn`'s closure stayed a call per block (closures do
         // not inherit this function's target features).
         let mut a: [&[i8; 32]; N] = [&acts[0][i].qs; N];
         for (t, a) in a.iter_mut().enumerate() {
             *a = &acts[t][i].qs;
         }
-        let lanes = five_bit_madd(&wb[qh_at..qh_at + 4], &wb[qh_at + 4..bytes], !with_min, a);
+        let lanes = five_bit_madd(&wb[4..8], &wb[8..24], a);
         let scales = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
             wb[0], wb[1], wb[2], wb[3],
         ])));
@@ -271,9 +264,7 @@ fn five_bit_rows_n<const N: usize>(
         let m = _mm_cvtss_f32(_mm_movehdup_ps(scales));
         for t in 0..N {
             let ab = &acts[t][i];
-            if with_min {
-                summs[t] += m * ab.s;
-            }
+            summs[t] += m * ab.s;
             let dd = _mm256_set1_ps(d * ab.d);
             acc[t] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(lanes[t]), acc[t]);
         }
@@ -293,18 +284,12 @@ fn hsum_f32(v: __m256) -> f32 {
 }
 
 /// `Σ q·a` over each run of four elements (eight exact `i32` lanes per token, lane `l`
-/// for elements `4l..4l + 4`, as ggml's `mul_sum_i8_pairs`) for one Q5_0 (`centered`:
-/// values `q − 16`) or Q5_1 (values `q`) block against `N` Q8 blocks: `qh` the 32 fifth
-/// bits, `qs` 16 bytes of nibbles (elements 0..16 low, 16..32 high). `|q − 16|` is at
-/// most 16 and `q` at most 31, so `maddubs` never saturates.
+/// for elements `4l..4l + 4`, as ggml's `mul_sum_i8_pairs`) for one Q5_1 block against `N`
+/// Q8 blocks: `qh` the 32 fifth bits, `qs` 16 bytes of nibbles (elements 0..16 low, 16..32
+/// high). `q` is at most 31, so `maddubs` never saturates.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn five_bit_madd<const N: usize>(
-    qh: &[u8],
-    qs: &[u8],
-    centered: bool,
-    a: [&[i8; 32]; N],
-) -> [__m256i; N] {
+fn five_bit_madd<const N: usize>(qh: &[u8], qs: &[u8], a: [&[i8; 32]; N]) -> [__m256i; N] {
     assert!(qh.len() >= 4 && qs.len() >= 16);
     let mask = _mm_set1_epi8(0x0f);
     // SAFETY: `qs` holds at least 16 bytes (asserted); the load is unaligned.
@@ -326,16 +311,7 @@ fn five_bit_madd<const N: usize>(
     let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
     let values = _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
     let ones = _mm256_set1_epi16(1);
-    let sum = |x: __m256i| {
-        let p = if centered {
-            let v = _mm256_sub_epi8(values, _mm256_set1_epi8(16));
-            _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v))
-        } else {
-            _mm256_maddubs_epi16(values, x)
-        };
-        _mm256_madd_epi16(p, ones)
-    };
-    a.map(|x| sum(load(&x[..], 0)))
+    a.map(|x| _mm256_madd_epi16(_mm256_maddubs_epi16(values, load(&x[..], 0)), ones))
 }
 
 #[cfg(test)]

@@ -47,8 +47,8 @@ pub(crate) trait PairBlock: Sync {
     const OFFSET: i8;
     /// Whether the format has a minimum (`m_w * s_a`, summed apart: ggml's `summs`).
     const MIN: bool;
-    /// Whether the 256-bit kernel adds a minimum sum to the result, even a zero one (Q5_0
-    /// does): adding `0.0` can turn `-0.0` into `0.0`, so it is done here too.
+    /// Whether the 256-bit kernel adds the minimum sum to the result: adding `0.0` can turn
+    /// `-0.0` into `0.0`, so it is done here too.
     const ADDS_MIN_SUM: bool;
     /// `(d_w, m_w)`; `m_w` unused without [`Self::MIN`].
     ///
@@ -181,35 +181,16 @@ unsafe fn five_bits(qh: [u8; 4], qs: &[u8; 16]) -> __m512i {
     }
 }
 
-/// The five-bit formats by their size in bytes: ggml's Q5_0 block (22: f16 `d`, 4 bytes of
-/// fifth bits, 16 of nibbles) and Q5_1 block (24: f16 `d` and `m`, then the same).
-struct FiveBit<const N: usize>;
-
-impl<const N: usize> FiveBit<N> {
-    /// Whether the block has `m`; fails to compile for any size but the two.
-    const MIN: bool = {
-        assert!(
-            N == 22 || N == 24,
-            "a five-bit block is 22 (Q5_0) or 24 (Q5_1) bytes"
-        );
-        N == 24
-    };
-}
-
-impl<const N: usize> PairBlock for [u8; N] {
-    // Q5_0's values are `q - 16`; Q5_1's are unsigned, with a minimum.
-    const OFFSET: i8 = if FiveBit::<N>::MIN { 0 } else { 16 };
-    const MIN: bool = FiveBit::<N>::MIN;
+/// ggml's Q5_1 block: f16 `d` and `m`, 4 bytes of fifth bits, 16 of nibbles; the values
+/// are unsigned, with a minimum.
+impl PairBlock for [u8; 24] {
+    const OFFSET: i8 = 0;
+    const MIN: bool = true;
     const ADDS_MIN_SUM: bool = true;
     #[inline(always)]
     unsafe fn scales(&self) -> (f32, f32) {
-        let m = if Self::MIN {
-            [self[2], self[3]]
-        } else {
-            [0, 0]
-        };
         // SAFETY: the caller guarantees F16C.
-        unsafe { f16_pair([self[0], self[1], m[0], m[1]]) }
+        unsafe { f16_pair([self[0], self[1], self[2], self[3]]) }
     }
     #[inline(always)]
     unsafe fn scale_lanes(&self) -> __m512 {
@@ -218,7 +199,7 @@ impl<const N: usize> PairBlock for [u8; N] {
     }
     #[inline(always)]
     unsafe fn unsigned(&self) -> __m512i {
-        let (qh, qs) = (self[N - 20..N - 16].try_into(), self[N - 16..].try_into());
+        let (qh, qs) = (self[4..8].try_into(), self[8..].try_into());
         // SAFETY: the caller guarantees the CPU features.
         unsafe { five_bits(qh.unwrap_or_default(), &qs.unwrap_or_default()) }
     }
@@ -331,8 +312,8 @@ pub(crate) fn tiled_tokens(n: usize) -> usize {
 
 /// The rows of `w` (`nb` blocks each) against the `n` tokens, `out[r * n + t]`; returns how
 /// many tokens it did ([`tiled_tokens`]: all of them past a tile, padded, else the whole
-/// tiles); the caller does the rest with the 256-bit kernel. (Q5_0 and Q5_1, whose blocks
-/// the tiles read as stored.)
+/// tiles); the caller does the rest with the 256-bit kernel. (Q5_1, whose blocks the tiles
+/// read as stored.)
 ///
 /// # Safety
 /// The CPU must support the features [`super::cpu::wide_available`] checks. Slices are

@@ -14,49 +14,7 @@ use crate::kernels::block_chain;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::{avx2_kquants as simd, cpu, x86_512};
 
-/// Q5_0's or Q5_1's rows (`N`: 22 or 24 bytes a block) through the 512-bit register tiles:
-/// the whole tiles of tokens where the CPU has them; returns the tokens done.
-#[inline(always)]
-fn five_bit_wide_rows<const N: usize>(
-    w: &[[u8; N]],
-    nb: usize,
-    x: &[BlockQ8_1],
-    n: usize,
-    out: &mut [f32],
-) -> usize {
-    #[cfg(target_arch = "x86_64")]
-    if n >= TILE && cpu::wide_available() && cpu::avx2_fma_f16c_detected() {
-        // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ, VL,
-        // VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
-        // bounds-checks its slices.
-        return unsafe { x86_512::row_major_tiles(w, nb, x, n, out) };
-    }
-    let _ = (w, nb, x, n, out);
-    0
-}
-
-/// Q5_0's or Q5_1's rows straight into token-major `out` (`out[t * ld + r]`), where the CPU
-/// has the 512-bit tiles and `n` is whole tiles; false (nothing done) where not.
-#[inline(always)]
-fn five_bit_token_major<const N: usize>(
-    w: &[[u8; N]],
-    nb: usize,
-    x: &[BlockQ8_1],
-    n: usize,
-    out: &mut [f32],
-    ld: usize,
-) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if cpu::wide_available() {
-        // SAFETY: the CPU has the features `wide_available` checks, the function's only
-        // requirement; it bounds-checks its slices.
-        return unsafe { x86_512::token_major(w, nb, x, n, out, ld) };
-    }
-    let _ = (w, nb, x, n, out, ld);
-    false
-}
-
-/// The 32 five-bit values of a Q5_0/Q5_1 block from its `qh` (4 bytes) and `qs` (16).
+/// The 32 five-bit values of a Q5_1 block from its `qh` (4 bytes) and `qs` (16).
 fn five_bit(qh: &[u8], qs: &[u8]) -> [i32; 32] {
     let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
     let mut q = [0i32; 32];
@@ -123,29 +81,6 @@ impl QuantFormat for Q5_0 {
     }
 }
 
-/// Q5_0's or Q5_1's (`with_min`) tile: the SIMD rows where the CPU has them, else the
-/// portable definition token by token.
-#[inline(always)]
-fn five_bit_tile(
-    w: &[u8],
-    acts: &[&[BlockQ8_1]],
-    out: &mut [f32],
-    with_min: bool,
-    scalar: fn(&[u8], &[BlockQ8_1]) -> f32,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if cpu::avx2_fma_f16c_detected() && !acts.is_empty() {
-        // SAFETY: AVX2, FMA and F16C are present (checked above); the function checks the
-        // slice lengths it reads.
-        unsafe { simd::five_bit_rows(w, acts, with_min, out) };
-        return;
-    }
-    let _ = with_min;
-    for (a, o) in acts.iter().zip(out.iter_mut()) {
-        *o = scalar(w, a);
-    }
-}
-
 #[allow(non_camel_case_types)]
 pub struct Q5_1;
 
@@ -194,17 +129,40 @@ impl QuantFormat for Q5_1 {
         out[0]
     }
 
-    /// As [`Q5_0`]'s, following [`Q5_1::dot_scalar`].
+    /// Per block the five-bit values are unpacked once for the tile; each token's lanes
+    /// then follow [`Q5_1::dot_scalar`] exactly: the SIMD rows where the CPU has them, else
+    /// the portable definition token by token.
     #[inline(always)]
     fn dot_tile(w: &[[u8; 24]], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
-        five_bit_tile(w.as_flattened(), acts, out, true, Self::dot_scalar);
+        #[cfg(target_arch = "x86_64")]
+        if cpu::avx2_fma_f16c_detected() && !acts.is_empty() {
+            // SAFETY: AVX2, FMA and F16C are present (checked above); the function checks
+            // the slice lengths it reads.
+            unsafe { simd::q5_1_rows(w.as_flattened(), acts, out) };
+            return;
+        }
+        for (a, o) in acts.iter().zip(out.iter_mut()) {
+            *o = Self::dot_scalar(w.as_flattened(), a);
+        }
     }
 
+    /// The whole tiles of tokens through the 512-bit register tiles where the CPU has them;
+    /// returns the tokens done.
     #[inline(always)]
     fn wide_rows(w: &[[u8; 24]], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) -> usize {
-        five_bit_wide_rows(w, nb, x, n, out)
+        #[cfg(target_arch = "x86_64")]
+        if n >= TILE && cpu::wide_available() && cpu::avx2_fma_f16c_detected() {
+            // SAFETY: the CPU has the features `wide_available` checks (AVX-512 F, BW, DQ,
+            // VL, VNNI, with AVX2 and FMA) and F16C, the function's only requirement; it
+            // bounds-checks its slices.
+            return unsafe { x86_512::row_major_tiles(w, nb, x, n, out) };
+        }
+        let _ = (w, nb, x, n, out);
+        0
     }
 
+    /// Straight into token-major `out` (`out[t * ld + r]`), where the CPU has the 512-bit
+    /// tiles and `n` is whole tiles; false (nothing done) where not.
     #[inline(always)]
     fn rows_token_major(
         w: &[[u8; 24]],
@@ -214,6 +172,13 @@ impl QuantFormat for Q5_1 {
         out: &mut [f32],
         ld: usize,
     ) -> bool {
-        five_bit_token_major(w, nb, x, n, out, ld)
+        #[cfg(target_arch = "x86_64")]
+        if cpu::wide_available() {
+            // SAFETY: the CPU has the features `wide_available` checks, the function's only
+            // requirement; it bounds-checks its slices.
+            return unsafe { x86_512::token_major(w, nb, x, n, out, ld) };
+        }
+        let _ = (w, nb, x, n, out, ld);
+        false
     }
 }
