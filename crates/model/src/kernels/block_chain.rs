@@ -1,4 +1,4 @@
-//! The arithmetic of Q8_0 and Q5_0 products: one float step per 32-element block.
+//! The arithmetic of Q8_0, Q5_0 and Q4_0 products: one float step per 32-element block.
 //!
 //! For a weight row of blocks `b` (scale `d_b`, signed values `q_b`) against an activation
 //! row of Q8_1 blocks (scale `da_b`, quants `a_b`):
@@ -20,7 +20,7 @@
 //! spent 31% of a 16,384-token prefill in those lanes). One rounding per block instead of
 //! one per lane is also the nearer to the exact product.
 
-use crate::blocks::{f16_at, BlockQ8_0, BlockQ8_1, LanesQ8_1, QK};
+use crate::blocks::{f16_at, BlockQ4_0, BlockQ8_0, BlockQ8_1, LanesQ8_1, QK};
 
 /// A weight block of a format whose product is [`chain_dot`].
 pub(crate) trait ChainBlock: Copy + Send + Sync + 'static {
@@ -71,6 +71,52 @@ impl ChainBlock for BlockQ8_0 {
         use std::arch::x86_64::*;
         // SAFETY: as `values_256`.
         unsafe { _mm256_xor_si256(self.values_256(), _mm256_set1_epi8(-128)) }
+    }
+}
+
+/// Q4_0 with its scale widened at load: 16 bytes of nibbles (elements 0..16 low, 16..32
+/// high); the values are `q − 8`.
+impl ChainBlock for BlockQ4_0 {
+    #[inline(always)]
+    fn scale(&self) -> f32 {
+        self.d
+    }
+
+    #[inline(always)]
+    fn values(&self) -> [i8; QK] {
+        std::array::from_fn(|e| {
+            let nibble = if e < 16 {
+                self.qs[e] & 0x0f
+            } else {
+                self.qs[e - 16] >> 4
+            };
+            nibble as i8 - 8
+        })
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn values_256(&self) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees AVX2.
+        unsafe { _mm256_sub_epi8(self.unsigned_256(), _mm256_set1_epi8(8)) }
+    }
+
+    const OFFSET: i32 = 8;
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn unsigned_256(&self) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees AVX2; `qs` is 16 readable bytes (unaligned load).
+        unsafe {
+            let q = _mm_loadu_si128(self.qs.as_ptr().cast());
+            let mask = _mm_set1_epi8(0x0f);
+            _mm256_set_m128i(
+                _mm_and_si128(_mm_srli_epi16::<4>(q), mask),
+                _mm_and_si128(q, mask),
+            )
+        }
     }
 }
 

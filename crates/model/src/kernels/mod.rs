@@ -22,11 +22,11 @@
 //! the portable code):
 //!
 //! - `x86.rs`: 256-bit, two rows × four tokens for Q4_1.
-//! - `x86_512.rs`: 512-bit, one generic tile for Q4_0, Q4_1 and Q5_1 (llama.cpp's eight
-//!   float lanes per token; a `PairBlock` per format), four rows × eight tokens, two tokens
-//!   per register, each token pair's `d_w * d_a` picked by an in-lane shuffle from one
-//!   multiply per row and block; Q4_0 nibbles unpacked once per product rather than per pass.
-//! - `block_chain.rs` (Q8_0, Q5_0): one float step per block (the definition there); eight
+//! - `x86_512.rs`: 512-bit, one generic tile for Q4_1 and Q5_1 (llama.cpp's eight float
+//!   lanes per token; a `PairBlock` per format), four rows × eight tokens, two tokens per
+//!   register, each token pair's `d_w * d_a` picked by an in-lane shuffle from one multiply
+//!   per row and block.
+//! - `block_chain.rs` (Q8_0, Q5_0, Q4_0): one float step per block (the definition there); eight
 //!   rows in the lanes of a 256-bit register for one to seven tokens (`vpdpbusd` on
 //!   unsigned weights where the CPU has AVX-512 VNNI), and from eight tokens
 //!   `x86_512_block_lanes.rs`, the tokens as lanes as the k-quants' kernel below. On a
@@ -154,10 +154,7 @@ pub use low_rank::{add_scaled_combination, add_scaled_combination_portable, dot_
 pub use matmul::{matmul, matmul_group, ActKind, RowSlice, WeightRows};
 #[cfg(test)]
 pub(crate) use matmul::{q8_1_lanes, q8_k_lanes};
-pub use quant_dot::{
-    dot_q4_0, dot_q4_1, q4_0_product, q4_0_token_major, q4_1_product, q4_1_token_major, rows_q4_0,
-    rows_q4_1, scalar,
-};
+pub use quant_dot::{dot_q4_1, q4_1_product, q4_1_token_major, rows_q4_1, scalar};
 pub use quantize::{
     quantize_blocks_q8_1, quantize_blocks_q8_k, quantize_row_q8_1, quantize_row_q8_1_scalar,
     quantize_row_q8_k, quantize_row_q8_k_portable,

@@ -94,7 +94,9 @@ fn kernels_match_reference(rows: usize, cols: usize, n: usize) {
                 let nb = cols / QK;
                 let a = &xq[t * nb..(t + 1) * nb];
                 let scalar = match &d {
-                    Data::Q4_0(data) => scalar::q4_0(&data[r * nb..(r + 1) * nb], a),
+                    Data::Q4_0(data) => {
+                        super::block_chain::chain_dot_portable(&data[r * nb..(r + 1) * nb], a)
+                    }
                     Data::Q4_1(data) => scalar::q4_1(&data[r * nb..(r + 1) * nb], a),
                     Data::Q8_0(data) => {
                         super::block_chain::chain_dot_portable(&data[r * nb..(r + 1) * nb], a)
@@ -205,22 +207,18 @@ fn avx2_and_vnni_kernels_agree_bit_for_bit() {
         quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
     }
     let acts: Vec<&[BlockQ8_1]> = xq.chunks(nb).collect();
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1] {
+    for ty in [GgmlType::Q4_1] {
         let (_, _, d) = matrix(ty, 3, cols, 5);
         for r in 0..3 {
             let (mut a, mut b) = ([0f32; TILE], [0f32; TILE]);
             // SAFETY: AVX2, FMA, AVX-512 VNNI and VL are present (checked above).
             unsafe {
                 match &d {
-                    Data::Q4_0(data) => {
-                        x86::avx2::q4_0(&data[r * nb..(r + 1) * nb], &acts, &mut a);
-                        x86::vnni::q4_0(&data[r * nb..(r + 1) * nb], &acts, &mut b);
-                    }
                     Data::Q4_1(data) => {
                         x86::avx2::q4_1(&data[r * nb..(r + 1) * nb], &acts, None, &mut a);
                         x86::vnni::q4_1(&data[r * nb..(r + 1) * nb], &acts, None, &mut b);
                     }
-                    Data::Q8_0(_) | Data::Other => unreachable!(),
+                    Data::Q4_0(_) | Data::Q8_0(_) | Data::Other => unreachable!(),
                 }
             }
             assert_eq!(a.map(f32::to_bits), b.map(f32::to_bits), "{ty:?} row {r}");
@@ -389,73 +387,6 @@ fn wide_q4_1_tiles_against_the_256_bit_kernel(n: usize) {
                 one[0].to_bits(),
                 "row {r} token {t}"
             );
-        }
-    }
-}
-
-/// The register-tiled 512-bit Q4_0 product against the 256-bit kernel, as the Q4_1 test
-/// above: whole micro-tiles, leftover rows, several tiles and the tokens after the last,
-/// with tokens of very different magnitudes (so different activation scales).
-/// Ignored like the tests above, and run by `scripts/test.sh` where the CPU has the features.
-#[cfg(target_arch = "x86_64")]
-#[test]
-#[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
-fn wide_q4_0_tiles_match_the_256_bit_kernel_bit_for_bit() {
-    assert!(
-        wide_available(),
-        "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
-    );
-    // Nine micro-tiles and a row; three tiles and three tokens, a tile and one, three.
-    for n in [3 * TILE + 3, TILE + 1, TILE - 1] {
-        wide_q4_0_tiles_against_the_256_bit_kernel(n);
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-fn wide_q4_0_tiles_against_the_256_bit_kernel(n: usize) {
-    let rows = tile_out::ROWS * 9 + 1;
-    let cols = 256;
-    let nb = cols / QK;
-    let mut s = 23u64;
-    let x: Vec<f32> = (0..n * cols)
-        .map(|i| lcg(&mut s) * (1.0 + 37.0 * (i / cols % 5) as f32))
-        .collect();
-    let mut xq = vec![BlockQ8_1::default(); n * nb];
-    for t in 0..n {
-        quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
-    }
-    for ty in [GgmlType::Q4_0] {
-        let (_, _, d) = matrix(ty, rows, cols, 29);
-        let mut wide = vec![0f32; rows * n];
-        let one_row = |r: usize, t: usize| {
-            let mut one = [0f32; 1];
-            let act: [&[BlockQ8_1]; 1] = [&xq[t * nb..(t + 1) * nb]];
-            // SAFETY: AVX2 and FMA are present (implied by the check above).
-            unsafe {
-                match &d {
-                    Data::Q4_0(data) => {
-                        x86::avx2::q4_0(&data[r * nb..(r + 1) * nb], &act, &mut one)
-                    }
-                    _ => unreachable!("a Q4_0 matrix"),
-                }
-            };
-            one[0]
-        };
-        // SAFETY: the features are present (checked above).
-        unsafe {
-            match &d {
-                Data::Q4_0(data) => x86_512::q4_0_rows(data, nb, &xq, n, &mut wide),
-                _ => unreachable!("a Q4_0 matrix"),
-            }
-        };
-        for r in 0..rows {
-            for t in 0..n {
-                assert_eq!(
-                    wide[r * n + t].to_bits(),
-                    one_row(r, t).to_bits(),
-                    "{ty:?} row {r} token {t}"
-                );
-            }
         }
     }
 }
@@ -940,8 +871,8 @@ fn wide_token_major_tiles_match_row_major_bit_for_bit() {
         for t in 0..n {
             quantize_row_q8_1(&x[t * cols..(t + 1) * cols], &mut xq[t * nb..(t + 1) * nb]);
         }
-        // (Q8_0 and Q5_0: `quant/tests.rs`' block-chain test.)
-        let types = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_1];
+        // (Q8_0, Q5_0 and Q4_0: `quant/tests.rs`' block-chain test.)
+        let types = [GgmlType::Q4_1, GgmlType::Q5_1];
         for ty in types {
             let (m, _, _) = matrix(ty, rows, cols, 43);
             let mut by_row = vec![0f32; rows * n];

@@ -68,7 +68,7 @@ macro_rules! quant_kernels {
             use std::arch::x86_64::*;
 
             use super::{hsum, load_act, prefetch_ahead, unpack_nibbles};
-            use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_1};
+            use crate::blocks::{BlockQ4_1, BlockQ8_1};
 
             /// Sums of products of 32 unsigned bytes (0..=128) with 32 signed bytes, as
             /// 8 i32 lanes converted to f32. `maddubs` cannot saturate here:
@@ -97,26 +97,6 @@ macro_rules! quant_kernels {
                 }
                 for t in 0..N {
                     out[t] = hsum(acc[t]) + summs[t];
-                }
-            }
-
-            #[inline]
-            #[target_feature(enable = $features)]
-            fn q4_0_n<const N: usize>(w: &[BlockQ4_0], acts: [&[BlockQ8_1]; N], out: &mut [f32]) {
-                let mut acc = [_mm256_setzero_ps(); N];
-                let eight = _mm256_set1_epi8(8);
-                for (i, wb) in w.iter().enumerate() {
-                    prefetch_ahead(wb);
-                    let wq = _mm256_sub_epi8(unpack_nibbles(&wb.qs), eight);
-                    let wabs = _mm256_sign_epi8(wq, wq);
-                    for t in 0..N {
-                        let ab = &acts[t][i];
-                        let xy = dot_u8_i8(wabs, _mm256_sign_epi8(load_act(ab), wq));
-                        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * ab.d), xy, acc[t]);
-                    }
-                }
-                for t in 0..N {
-                    out[t] = hsum(acc[t]);
                 }
             }
 
@@ -181,8 +161,6 @@ macro_rules! quant_kernels {
             }
 
             quant_kernels!(@entry q4_1_tile, q4_1_n, BlockQ4_1, $features);
-            quant_kernels!(@entry q4_0, q4_0_n, BlockQ4_0, $features);
-            quant_kernels!(@rows q4_0_rows, q4_0, BlockQ4_0, $features);
 
             /// Every row of `w` (`nb` blocks each) against every token of `x`, in tiles:
             /// `out[r * n + t]`. `scales` are the tiles' gathered scales (or empty). One call

@@ -1,4 +1,4 @@
-//! Register-tiled products of the 32-element block formats in llama.cpp's order (Q4_0, Q4_1, Q5_1)
+//! Register-tiled products of the 32-element block formats in llama.cpp's order (Q4_1, Q5_1)
 //! for CPUs with AVX-512 VNNI: a micro-tile of [`ROWS`] weight rows × a pass of two tiles of
 //! 4 tokens (one tile at the end when the count is odd), two tokens per 512-bit register
 //! (token `2k` in the low half, `2k + 1` in the high half). Each weight block is unpacked
@@ -17,12 +17,8 @@
 //! once (the activation scales laid out by [`PassScales`]), and an in-lane shuffle picks
 //! each pair's (1.05 cycles a pair against 1.5).
 //!
-//! Signed weights (Q4_0) cannot go into `dpbusd` (unsigned × signed bytes) directly.
-//! Instead of the 256-bit kernels' sign trick (one extra instruction per row and token
-//! pair), they go in unsigned with an offset (Q4_0's raw `q` for `q - 8`), and each lane starts from minus the offset times its four
-//! activations' sum, computed once per token pair for all rows. Integer sums are exact, so
-//! each lane ends on exactly the 256-bit kernel's `i32` (for activations in -127..=127,
-//! which is what Q8_1 quantization gives and what the sign trick needs as well).
+//! Both formats' values are unsigned (a minimum carries the offset), so they go into
+//! `dpbusd` (unsigned × signed bytes) as they are.
 //!
 //! A few tokens per weight (a decode batch, a speculative verification of 2 to 12 rows)
 //! leave the weight loads exposed, as in the one-token kernels: the micro-tile prefetches
@@ -36,15 +32,13 @@
 use std::arch::x86_64::*;
 
 use super::tile_out::{Out, ROWS};
-use crate::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_1, TILE};
+use crate::blocks::{BlockQ4_1, BlockQ8_1, TILE};
 
 /// Token pairs of a pass of two tiles.
 const PAIRS: usize = TILE;
 
 /// A weight block format as the pair tiles need it.
 pub(crate) trait PairBlock: Sync {
-    /// What [`Self::unsigned`] adds to each signed value (0: the values are unsigned).
-    const OFFSET: i8;
     /// Whether the format has a minimum (`m_w * s_a`, summed apart: ggml's `summs`).
     const MIN: bool;
     /// Whether the 256-bit kernel adds the minimum sum to the result: adding `0.0` can turn
@@ -64,7 +58,7 @@ pub(crate) trait PairBlock: Sync {
         // SAFETY: the caller guarantees the CPU features.
         unsafe { _mm512_set1_ps(self.scales().0) }
     }
-    /// The block's 32 values plus [`Self::OFFSET`] as unsigned bytes, in element order, in
+    /// The block's 32 values as unsigned bytes, in element order, in
     /// both halves of a register.
     ///
     /// # Safety
@@ -88,7 +82,6 @@ unsafe fn nibbles(qs: &[u8; 16]) -> __m512i {
 /// measured 1.5% slower on the default model's prefill (its minimum term leaves the unpack a
 /// smaller share, and the unpacked rows are twice the bytes).
 impl PairBlock for BlockQ4_1 {
-    const OFFSET: i8 = 0;
     const MIN: bool = true;
     const ADDS_MIN_SUM: bool = true;
     #[inline(always)]
@@ -99,52 +92,6 @@ impl PairBlock for BlockQ4_1 {
     unsafe fn unsigned(&self) -> __m512i {
         // SAFETY: the caller guarantees the CPU features.
         unsafe { nibbles(&self.qs) }
-    }
-}
-
-/// A Q4_0 block with its nibbles already unpacked, in element order: a product lays its rows
-/// out once for all its passes of tokens instead of unpacking every block in every pass (Q2_K
-/// file prefill +2%).
-#[derive(Clone, Copy)]
-#[repr(C)]
-pub(super) struct UnpackedQ4_0 {
-    d: f32,
-    q: [u8; 32],
-}
-
-/// Q4_0 blocks with their nibbles unpacked.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn unpacked_q4_0(w: &[BlockQ4_0]) -> Vec<UnpackedQ4_0> {
-    let low = _mm_set1_epi8(0x0f);
-    let mut out = Vec::with_capacity(w.len());
-    for b in w {
-        let mut q = [0u8; 32];
-        // SAFETY: `qs` is 16 readable bytes and `q` 32 writable ones; unaligned accesses.
-        unsafe {
-            let v = _mm_loadu_si128(b.qs.as_ptr().cast());
-            _mm_storeu_si128(q.as_mut_ptr().cast(), _mm_and_si128(v, low));
-            let high = _mm_and_si128(_mm_srli_epi16::<4>(v), low);
-            _mm_storeu_si128(q.as_mut_ptr().add(16).cast(), high);
-        }
-        out.push(UnpackedQ4_0 { d: b.d, q });
-    }
-    out
-}
-
-impl PairBlock for UnpackedQ4_0 {
-    const OFFSET: i8 = 8;
-    const MIN: bool = false;
-    const ADDS_MIN_SUM: bool = false;
-    #[inline(always)]
-    unsafe fn scales(&self) -> (f32, f32) {
-        (self.d, 0.0)
-    }
-    #[inline(always)]
-    unsafe fn unsigned(&self) -> __m512i {
-        // SAFETY: `q` is 32 readable bytes and `loadu` has no alignment requirement; the
-        // caller guarantees the CPU features.
-        unsafe { _mm512_broadcast_i64x4(_mm256_loadu_si256(self.q.as_ptr().cast())) }
     }
 }
 
@@ -184,7 +131,6 @@ unsafe fn five_bits(qh: [u8; 4], qs: &[u8; 16]) -> __m512i {
 /// ggml's Q5_1 block: f16 `d` and `m`, 4 bytes of fifth bits, 16 of nibbles; the values
 /// are unsigned, with a minimum.
 impl PairBlock for [u8; 24] {
-    const OFFSET: i8 = 0;
     const MIN: bool = true;
     const ADDS_MIN_SUM: bool = true;
     #[inline(always)]
@@ -217,24 +163,6 @@ pub unsafe fn q4_1_rows(w: &[BlockQ4_1], nb: usize, x: &[BlockQ8_1], n: usize, o
     block_rows(w, w, nb, x, n, out, |row, acts, out| unsafe {
         super::x86::vnni::q4_1(row, acts, None, out)
     });
-}
-
-/// Q4_0: as [`q4_1_rows`].
-///
-/// # Safety
-/// The CPU must support the features [`super::cpu::wide_available`] checks. Slices are bounds-checked.
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn q4_0_rows(w: &[BlockQ4_0], nb: usize, x: &[BlockQ8_1], n: usize, out: &mut [f32]) {
-    // SAFETY: as in `q4_1_rows`.
-    block_rows(
-        &unpacked_q4_0(w),
-        w,
-        nb,
-        x,
-        n,
-        out,
-        |row, acts, out| unsafe { super::x86::vnni::q4_0(row, acts, out) },
-    );
 }
 
 /// Row-major rows of a block format: whole tiles through [`pair_tiles`] on `tiled` (the
@@ -357,32 +285,6 @@ pub unsafe fn token_major<B: PairBlock>(
     true
 }
 
-/// [`token_major`] for Q4_0, its nibbles unpacked first.
-///
-/// # Safety
-/// As [`token_major`].
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn q4_0_token_major(
-    w: &[BlockQ4_0],
-    nb: usize,
-    x: &[BlockQ8_1],
-    n: usize,
-    out: &mut [f32],
-    ld: usize,
-) -> bool {
-    if !n.is_multiple_of(TILE) {
-        return false;
-    }
-    pair_tiles(
-        &unpacked_q4_0(w),
-        nb,
-        x,
-        n,
-        &mut Out::TokenMajor { out, ld },
-    );
-    true
-}
-
 /// Every row of `w` (`nb` blocks each) against the whole tiles of the `n` tokens, into
 /// `out`; returns the tokens done (a multiple of [`TILE`]).
 #[inline]
@@ -414,15 +316,13 @@ fn pair_tiles<B: PairBlock>(
 }
 
 /// One block of a pass's activations, laid out once for all the micro-tiles of the pass:
-/// the token pairs' bytes as `dpbusd` takes them, each pair's offset start (formats with an
-/// [`PairBlock::OFFSET`]), the scales `d` as `[d0 d2 d4 d6, d0 d2 d4 d6, d1 d3 d5 d7,
+/// the token pairs' bytes as `dpbusd` takes them, the scales `d` as `[d0 d2 d4 d6, d0 d2 d4 d6, d1 d3 d5 d7,
 /// d1 d3 d5 d7]` (so that `d_w` times them holds every pair's product, for
 /// [`pair_products`]) and the sums `s` in token order.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct PassBlock {
     pairs: [__m512i; PAIRS],
-    starts: [__m512i; PAIRS],
     d: [f32; 16],
     s: [f32; 8],
 }
@@ -447,14 +347,6 @@ fn pass_block<B: PairBlock, const P: usize>(
             out.d[LANE[t]] = act[i].d;
             out.d[LANE[t] + 4] = act[i].d;
             out.s[t] = act[i].s;
-        }
-    }
-    if B::OFFSET != 0 {
-        let offset = _mm512_set1_epi8(B::OFFSET);
-        for (start, a) in out.starts.iter_mut().zip(out.pairs).take(2 * P) {
-            // Minus the offset times the sum of each lane's four activation bytes: exact,
-            // at most 4 · 128 · 128 in magnitude.
-            *start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, offset, a));
         }
     }
 }
@@ -522,8 +414,7 @@ fn micro_tile<B: PairBlock, const R: usize, const P: usize>(
             // memory and the shuffle a run-time branch (measured 2.6 times slower).
             #[allow(clippy::needless_range_loop)]
             for k in 0..2 * P {
-                let start = if B::OFFSET != 0 { pb.starts[k] } else { zero };
-                let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, wu, pb.pairs[k]));
+                let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, wu, pb.pairs[k]));
                 acc[k] = _mm512_fmadd_ps(pair_products(products, k), sums, acc[k]);
             }
         }

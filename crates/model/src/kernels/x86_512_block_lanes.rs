@@ -1,4 +1,4 @@
-//! Q8_0 and Q5_0 products with the tokens as lanes, for CPUs with AVX-512 VNNI: sixteen
+//! Q8_0, Q5_0 and Q4_0 products with the tokens as lanes, for CPUs with AVX-512 VNNI: sixteen
 //! tokens per 512-bit register (`LanesQ8_1`, built once per product), each weight quad
 //! broadcast from a row's prepared block, so one `vpdpbusd` does 64 multiply-adds and the
 //! float part is one conversion and one multiply-add per row, block and sixteen tokens.

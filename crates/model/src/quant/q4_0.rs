@@ -1,12 +1,12 @@
 //! Q4_0 (`x = (q - 8) * d`, 32 four-bit values and an f16 scale a block) against Q8_1
-//! activations; the kernels are `kernels/quant_dot.rs`'s.
+//! activations: one float step per block (`kernels/block_chain.rs`).
 
 use gguf::GgmlType;
 use half::f16;
 
 use super::QuantFormat;
-use crate::blocks::{Acts, BlockQ4_0, BlockQ8_1, QK};
-use crate::kernels::{dot_q4_0, q4_0_product, q4_0_token_major};
+use crate::blocks::{Acts, BlockQ4_0, BlockQ8_1, LanesQ8_1, QK};
+use crate::kernels::block_chain;
 
 pub struct Q4_0;
 
@@ -40,27 +40,25 @@ impl QuantFormat for Q4_0 {
     }
 
     fn dot(w: &[BlockQ4_0], a: &[BlockQ8_1]) -> f32 {
-        let mut out = [0f32];
-        dot_q4_0(w, &[a], &mut out);
-        out[0]
-    }
-
-    fn dot_tile(w: &[BlockQ4_0], acts: &[&[BlockQ8_1]], out: &mut [f32]) {
-        dot_q4_0(w, acts, out);
+        block_chain::chain_dot(w, a)
     }
 
     fn product(w: &[BlockQ4_0], nb: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
-        q4_0_product(w, nb, acts.q8_1, n, out);
+        block_chain::chain_rows(w, nb, acts.q8_1, n, out);
     }
 
-    fn rows_token_major(
+    fn wants_block_lanes(n: usize) -> bool {
+        block_chain::wants_lanes(n)
+    }
+
+    fn block_lanes_rows(
         w: &[BlockQ4_0],
         nb: usize,
-        x: &[BlockQ8_1],
+        lanes: &[LanesQ8_1],
         n: usize,
         out: &mut [f32],
-        ld: usize,
+        ld: Option<usize>,
     ) -> bool {
-        q4_0_token_major(w, nb, x, n, out, ld)
+        block_chain::lanes_rows(w, nb, lanes, n, out, ld)
     }
 }

@@ -898,7 +898,7 @@ fn interleaved_k_quants_give_the_definitions_bits() {
     check::<Q6K>(GgmlType::Q6_K, Q6K::dot_scalar, &mut s);
 }
 
-/// Q8_0 and Q5_0 (one float step per block, `kernels/block_chain.rs`) on every path this CPU
+/// Q8_0, Q5_0 and Q4_0 (one float step per block, `kernels/block_chain.rs`) on every path this CPU
 /// has: one value at a time, the rows, and where the CPU runs it the tokens-in-lanes kernel
 /// (partial groups, one and two groups a pass, leftover rows), row-major and token-major;
 /// each against the portable definition bit for bit, and the definition against the exact
@@ -907,7 +907,7 @@ fn interleaved_k_quants_give_the_definitions_bits() {
 fn block_chain_formats_give_the_definitions_bits() {
     use crate::kernels::block_chain::chain_dot_portable;
     let mut s = 71u64;
-    for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {
+    for ty in [GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q4_0] {
         for nb in [1, 7, 8, 20] {
             let (rows, cols) = (9, nb * QK);
             let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s) * 2.0).collect();
@@ -919,10 +919,10 @@ fn block_chain_formats_give_the_definitions_bits() {
             let rb = nb * ty.block_bytes();
             let definition = |r: usize, a: &[BlockQ8_1]| {
                 let row = &w[r * rb..(r + 1) * rb];
-                if ty == GgmlType::Q8_0 {
-                    chain_dot_portable(&q8_0::Q8_0::load(ty, row), a)
-                } else {
-                    Q5_0::dot_scalar(row, a)
+                match ty {
+                    GgmlType::Q8_0 => chain_dot_portable(&q8_0::Q8_0::load(ty, row), a),
+                    GgmlType::Q4_0 => chain_dot_portable(&q4_0::Q4_0::load(ty, row), a),
+                    _ => Q5_0::dot_scalar(row, a),
                 }
             };
             for n in [1, 2, 3, 5, 7, 8, 15, 16, 17, 33, 40] {
@@ -979,10 +979,10 @@ fn block_chain_formats_give_the_definitions_bits() {
                 }
                 // The formats' one-value dot.
                 let (row, a) = (&w[..rb], &xq[..nb]);
-                let one = if ty == GgmlType::Q8_0 {
-                    q8_0::Q8_0::dot(&q8_0::Q8_0::load(ty, row), a)
-                } else {
-                    Q5_0::dot(as_blocks(row), a)
+                let one = match ty {
+                    GgmlType::Q8_0 => q8_0::Q8_0::dot(&q8_0::Q8_0::load(ty, row), a),
+                    GgmlType::Q4_0 => q4_0::Q4_0::dot(&q4_0::Q4_0::load(ty, row), a),
+                    _ => Q5_0::dot(as_blocks(row), a),
                 };
                 assert_eq!(one.to_bits(), definition(0, a).to_bits(), "{ty:?} dot");
             }
