@@ -31,8 +31,10 @@
 //!   unsigned weights where the CPU has AVX-512 VNNI), and from eight tokens
 //!   `x86_512_block_lanes.rs`, the tokens as lanes as the k-quants' kernel below. On a
 //!   2-core Zen 4, Gemma 3 270M (Q5_0 for its 640-wide matrices): pp512 1,100 -> 1,420
-//!   tokens/s, a 30,000-token prompt's first token 69 -> 60 s; SmolLM2-135M Q8_0 pp512
-//!   1,080 -> 1,330; decode unchanged within noise.
+//!   tokens/s, a 30,000-token prompt's first token 69 -> 59-67 s; SmolLM2-135M Q8_0 pp512
+//!   1,080 -> 1,330, its decode unchanged within noise; 2,048-wide synthetic files: Q8_0
+//!   pp512 590-610 -> 1,020, Q4_0 570-585 -> 1,075, Q4_0's one-stream decode 8% slower
+//!   (one token against rows of over 2 KiB goes a row at a time, `block_chain.rs` says why).
 //! - `x86_512_lanes.rs` (Q4_K, Q6_K): sixteen tokens as the `i32` lanes of a register (the
 //!   activations laid out so once per product, `blocks::LanesQ8K`), each weight quad
 //!   broadcast, so one `vpdpbusd` does 64 multiply-adds, and four rows × two token groups

@@ -337,7 +337,6 @@ fn pass_block<B: PairBlock, const P: usize>(
 ) {
     // Token t's lane in `d` (and again 4 lanes on).
     const LANE: [usize; 8] = [0, 8, 1, 9, 2, 10, 3, 11];
-    let zero = _mm512_setzero_si512();
     for (p, acts) in acts.iter().enumerate() {
         let (a, b) = act_pairs(acts, i);
         out.pairs[2 * p] = a;

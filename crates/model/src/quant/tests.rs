@@ -908,7 +908,8 @@ fn block_chain_formats_give_the_definitions_bits() {
     use crate::kernels::block_chain::chain_dot_portable;
     let mut s = 71u64;
     for ty in [GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q4_0] {
-        for nb in [1, 7, 8, 20] {
+        // 120 blocks: eight rows over 16 KiB, which one token reads a row at a time.
+        for nb in [1, 7, 8, 20, 120] {
             let (rows, cols) = (9, nb * QK);
             let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s) * 2.0).collect();
             let w = ty.quantize(&vals);
