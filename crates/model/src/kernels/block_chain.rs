@@ -28,12 +28,6 @@ pub(crate) trait ChainBlock: Copy + Send + Sync + 'static {
     fn scale(&self) -> f32;
     /// The 32 values as signed bytes, in element order.
     fn values(&self) -> [i8; QK];
-    /// [`Self::values`] in a 256-bit register.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn values_256(&self) -> std::arch::x86_64::__m256i;
     /// What [`Self::unsigned_256`] adds to each value.
     const OFFSET: i32;
     /// The values plus [`Self::OFFSET`], as unsigned bytes in a 256-bit register.
@@ -42,6 +36,33 @@ pub(crate) trait ChainBlock: Copy + Send + Sync + 'static {
     /// The CPU must support AVX2.
     #[cfg(target_arch = "x86_64")]
     unsafe fn unsigned_256(&self) -> std::arch::x86_64::__m256i;
+    /// [`Self::values`] in a 256-bit register.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn values_256(&self) -> std::arch::x86_64::__m256i {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller guarantees AVX2. Bytes wrap: for an offset of 128 this is the
+        // sign bit flipped back.
+        unsafe {
+            _mm256_sub_epi8(
+                self.unsigned_256(),
+                _mm256_set1_epi8(Self::OFFSET as u8 as i8),
+            )
+        }
+    }
+}
+
+/// Nibble `e` of a block's 16 bytes: elements 0..16 the low nibbles, 16..32 the high.
+#[inline(always)]
+fn nibble(qs: &[u8], e: usize) -> u8 {
+    if e < 16 {
+        qs[e] & 0x0f
+    } else {
+        qs[e - 16] >> 4
+    }
 }
 
 impl ChainBlock for BlockQ8_0 {
@@ -58,6 +79,7 @@ impl ChainBlock for BlockQ8_0 {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn values_256(&self) -> std::arch::x86_64::__m256i {
+        // The bytes as stored, not the default's flip and flip back.
         // SAFETY: `qs` is 32 readable bytes; the load is unaligned; the caller guarantees
         // AVX2.
         unsafe { std::arch::x86_64::_mm256_loadu_si256(self.qs.as_ptr().cast()) }
@@ -84,22 +106,7 @@ impl ChainBlock for BlockQ4_0 {
 
     #[inline(always)]
     fn values(&self) -> [i8; QK] {
-        std::array::from_fn(|e| {
-            let nibble = if e < 16 {
-                self.qs[e] & 0x0f
-            } else {
-                self.qs[e - 16] >> 4
-            };
-            nibble as i8 - 8
-        })
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn values_256(&self) -> std::arch::x86_64::__m256i {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller guarantees AVX2.
-        unsafe { _mm256_sub_epi8(self.unsigned_256(), _mm256_set1_epi8(8)) }
+        std::array::from_fn(|e| nibble(&self.qs, e) as i8 - 8)
     }
 
     const OFFSET: i32 = 8;
@@ -107,16 +114,9 @@ impl ChainBlock for BlockQ4_0 {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn unsigned_256(&self) -> std::arch::x86_64::__m256i {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller guarantees AVX2; `qs` is 16 readable bytes (unaligned load).
-        unsafe {
-            let q = _mm_loadu_si128(self.qs.as_ptr().cast());
-            let mask = _mm_set1_epi8(0x0f);
-            _mm256_set_m128i(
-                _mm_and_si128(_mm_srli_epi16::<4>(q), mask),
-                _mm_and_si128(q, mask),
-            )
-        }
+        // SAFETY: the caller guarantees AVX2, and FMA comes with it on every CPU here
+        // (`cpu::features`).
+        unsafe { super::x86::unpack_nibbles(&self.qs) }
     }
 }
 
@@ -131,22 +131,7 @@ impl ChainBlock for [u8; 22] {
     #[inline(always)]
     fn values(&self) -> [i8; QK] {
         let qh = u32::from_le_bytes([self[2], self[3], self[4], self[5]]);
-        std::array::from_fn(|e| {
-            let nibble = if e < 16 {
-                self[6 + e] & 0x0f
-            } else {
-                self[6 + e - 16] >> 4
-            };
-            (nibble | (((qh >> e) & 1) << 4) as u8) as i8 - 16
-        })
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn values_256(&self) -> std::arch::x86_64::__m256i {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller guarantees AVX2.
-        unsafe { _mm256_sub_epi8(self.unsigned_256(), _mm256_set1_epi8(16)) }
+        std::array::from_fn(|e| (nibble(&self[6..], e) | (((qh >> e) & 1) << 4) as u8) as i8 - 16)
     }
 
     const OFFSET: i32 = 16;
@@ -155,15 +140,10 @@ impl ChainBlock for [u8; 22] {
     #[inline(always)]
     unsafe fn unsigned_256(&self) -> std::arch::x86_64::__m256i {
         use std::arch::x86_64::*;
-        // SAFETY: the caller guarantees AVX2; the one load reads the 16 nibble bytes at
-        // offset 6 of the 22.
+        let qs: &[u8; 16] = self[6..].try_into().expect("16 bytes of nibbles");
+        // SAFETY: the caller guarantees AVX2 (with FMA, as `cpu::features` pairs them).
         unsafe {
-            let q = _mm_loadu_si128(self[6..].as_ptr().cast());
-            let mask = _mm_set1_epi8(0x0f);
-            let nibbles = _mm256_set_m128i(
-                _mm_and_si128(_mm_srli_epi16::<4>(q), mask),
-                _mm_and_si128(q, mask),
-            );
+            let nibbles = super::x86::unpack_nibbles(qs);
             // Byte e tests bit e of `qh`: byte e / 8 broadcast to its eight, bit e % 8 masked.
             let bits = i32::from_le_bytes([self[2], self[3], self[4], self[5]]);
             let spread = _mm256_shuffle_epi8(
