@@ -10,8 +10,9 @@
 //! The block's sum is an exact `i32` (at most 32 · 128 · 127 in magnitude, so its `f32` is
 //! exact too), and `d_b · da_b` one rounded product: a value depends only on the two rows,
 //! never on how many rows or tokens are computed together or which instruction set runs.
-//! [`chain_dot`] is the definition; the 256-bit rows here and the 512-bit tokens-in-lanes
-//! kernel (`x86_512_block_lanes.rs`) give its bits (`quant/tests.rs`).
+//! [`chain_dot_portable`] is the definition; the 256-bit rows here (with VNNI where the CPU
+//! has it) and the 512-bit tokens-in-lanes kernel (`x86_512_block_lanes.rs`) give its bits
+//! (`quant/tests.rs`).
 //!
 //! This is not llama.cpp's order, whose AVX2 kernels keep eight float lanes per token, each
 //! taking four products of every block through its own multiply-add: a tokens-in-lanes
