@@ -535,13 +535,24 @@ fn running_slots_follow_the_tenants_weights() {
     std::thread::sleep(Duration::from_millis(200));
     count(&mut light);
     count(&mut heavy);
-    std::thread::sleep(Duration::from_millis(800));
-    let (l, h) = (count(&mut light), count(&mut heavy));
-    assert!(l > 0, "the light tenant starved");
+    // The median of three windows: the other tests of this binary share the cores, and one
+    // window in which they held the engine's thread measured 1.5 in a CI run.
+    let mut windows: Vec<(usize, usize)> = (0..3)
+        .map(|_| {
+            std::thread::sleep(Duration::from_millis(500));
+            (count(&mut heavy), count(&mut light))
+        })
+        .collect();
+    assert!(
+        windows.iter().all(|&(_, l)| l > 0),
+        "the light tenant starved: {windows:?}"
+    );
+    windows.sort_by(|a, b| (a.0 * b.1).cmp(&(b.0 * a.1)));
+    let (h, l) = windows[1];
     let ratio = h as f64 / l as f64;
     assert!(
         (2.5..=3.5).contains(&ratio),
-        "heavy {h} tokens, light {l}: {ratio:.2}"
+        "heavy {h} tokens, light {l}: {ratio:.2} (windows {windows:?})"
     );
     drop(light);
     drop(heavy);
