@@ -558,3 +558,55 @@ mod x86 {
         }
     }
 }
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use crate::kernels::quantize_row_q8_1;
+
+    /// The 256-bit rows (eight rows in lanes, the path of CPUs without AVX-512, which the
+    /// formats' test does not reach on a CPU with it) against the definition, bit for bit:
+    /// Q8_0's whole signed range, a group and a leftover row, one to five tokens.
+    #[test]
+    fn avx2_rows_give_the_definitions_bits() {
+        assert!(
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            "this CPU lacks AVX2 and FMA: the 256-bit rows cannot run here"
+        );
+        let (rows, nb) = (9, 11);
+        let mut s = 5u32;
+        let mut next = || {
+            s = s.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            s >> 8
+        };
+        let w: Vec<BlockQ8_0> = (0..rows * nb)
+            .map(|_| BlockQ8_0 {
+                d: (next() % 1000) as f32 / 997.0 - 0.3,
+                qs: std::array::from_fn(|_| next() as u8 as i8),
+            })
+            .collect();
+        for n in 1..=5 {
+            let x: Vec<f32> = (0..n * nb * QK)
+                .map(|_| (next() % 2001) as f32 / 100.0 - 10.0)
+                .collect();
+            let mut xq = vec![BlockQ8_1::default(); n * nb];
+            for (row, o) in x.chunks_exact(nb * QK).zip(xq.chunks_exact_mut(nb)) {
+                quantize_row_q8_1(row, o);
+            }
+            let mut out = vec![f32::NAN; rows * n];
+            // SAFETY: AVX2 and FMA are present (asserted), with F16C on every such CPU.
+            unsafe { x86::chain_rows_256(&w, nb, &xq, n, &mut out) };
+            for r in 0..rows {
+                for t in 0..n {
+                    let want =
+                        chain_dot_portable(&w[r * nb..(r + 1) * nb], &xq[t * nb..(t + 1) * nb]);
+                    assert_eq!(
+                        out[r * n + t].to_bits(),
+                        want.to_bits(),
+                        "row {r} token {t}"
+                    );
+                }
+            }
+        }
+    }
+}
