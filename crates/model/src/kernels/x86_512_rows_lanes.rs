@@ -14,6 +14,7 @@
 //! lane, so the results are the definitions' bits (`quant/tests.rs`).
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 use super::tile_out::Out;
 use super::x86_512_lanes::Format;
@@ -31,6 +32,11 @@ pub(crate) const Q6_K_TILE: usize = 16 * 210;
 
 /// Tokens whose accumulators share one pass over a tile's weights.
 const PASS_TOKENS: usize = 4;
+
+/// Tokens whose passes take each tile in turn, so that a tile read once from memory serves
+/// them all: with a pass over the whole group per four tokens, an eight-token decode step
+/// streamed the weights in its first pass and computed the second from cache afterwards.
+const TILE_TOKENS: usize = 2 * PASS_TOKENS;
 
 /// Tiles ahead whose lines are requested while a tile is computed: a decode step streams
 /// every weight once, and the hardware prefetcher alone left the cores waiting.
@@ -63,14 +69,21 @@ fn halves(tile: &[u8], k: usize) -> __m512 {
     _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(src.as_ptr().cast()) })
 }
 
-/// Activation quad `at..at + 4` of a super-block, in every lane.
+/// Activation quad `at..at + 4` of a super-block, in every lane. With several tokens, read
+/// as a vector, so that the broadcast folds into the multiply-add: built from four bytes as
+/// an `i32`, the quads were loaded into general registers ahead of use and spilled, and
+/// four- and eight-token passes ran 30% slower. With one token that form is the faster.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn quad(a: &BlockQ8K, at: usize) -> __m512i {
+fn quad<const T: usize>(a: &BlockQ8K, at: usize) -> __m512i {
     let q = &a.qs[at..at + 4];
-    _mm512_set1_epi32(i32::from_le_bytes([
-        q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8,
-    ]))
+    if T == 1 {
+        return _mm512_set1_epi32(i32::from_le_bytes([
+            q[0] as u8, q[1] as u8, q[2] as u8, q[3] as u8,
+        ]));
+    }
+    // SAFETY: `q` is 4 readable bytes (sliced above); the load is unaligned.
+    _mm512_broadcastd_epi32(unsafe { _mm_loadu_si32(q.as_ptr().cast()) })
 }
 
 /// In every `i32` lane, byte `b` of the lane alone (`b < 4`), or bytes `b` and `b + 1` as
@@ -116,23 +129,40 @@ pub(crate) unsafe fn tile_rows(
     let group = nb * format.tile_bytes();
     assert!(x.len() >= n * nb, "tile_rows: activations too short");
     for (g, tiles) in tiles.chunks_exact(group).enumerate() {
-        for t0 in (0..n).step_by(PASS_TOKENS) {
-            let pass = Rows {
+        for t_block in (0..n).step_by(TILE_TOKENS) {
+            // Each tile serves every pass of the block before the next one is read: the
+            // first pass streams it from memory, the others find it in L1.
+            let passes = (n - t_block).min(TILE_TOKENS).div_ceil(PASS_TOKENS);
+            let mut acc = [[_mm512_setzero_ps(); PASS_TOKENS]; TILE_TOKENS / PASS_TOKENS];
+            let pass = |p: usize| Rows {
                 tiles,
                 nb,
                 x,
-                t0,
+                t0: t_block + p * PASS_TOKENS,
                 r0: g * TILE_ROWS,
             };
-            match (format, n - t0) {
-                (Format::Q4K, 1) => pass.q4_k::<1>(out),
-                (Format::Q4K, 2) => pass.q4_k::<2>(out),
-                (Format::Q4K, 3) => pass.q4_k::<3>(out),
-                (Format::Q4K, _) => pass.q4_k::<PASS_TOKENS>(out),
-                (Format::Q6K, 1) => pass.q6_k::<1>(out),
-                (Format::Q6K, 2) => pass.q6_k::<2>(out),
-                (Format::Q6K, 3) => pass.q6_k::<3>(out),
-                (Format::Q6K, _) => pass.q6_k::<PASS_TOKENS>(out),
+            // One pass keeps its sums in registers over the whole row; several take each
+            // super-block in turn.
+            let (steps, span) = if passes == 1 { (1, nb) } else { (nb, 1) };
+            for step in 0..steps {
+                let blocks = step * span..(step + 1) * span;
+                for (p, acc) in acc.iter_mut().enumerate().take(passes) {
+                    let (rows, acc, blocks) = (pass(p), &mut acc[..], blocks.clone());
+                    match (format, n - rows.t0) {
+                        (Format::Q4K, 1) => rows.q4_k::<1>(blocks, acc),
+                        (Format::Q4K, 2) => rows.q4_k::<2>(blocks, acc),
+                        (Format::Q4K, 3) => rows.q4_k::<3>(blocks, acc),
+                        (Format::Q4K, _) => rows.q4_k::<PASS_TOKENS>(blocks, acc),
+                        (Format::Q6K, 1) => rows.q6_k::<1>(blocks, acc),
+                        (Format::Q6K, 2) => rows.q6_k::<2>(blocks, acc),
+                        (Format::Q6K, 3) => rows.q6_k::<3>(blocks, acc),
+                        (Format::Q6K, _) => rows.q6_k::<PASS_TOKENS>(blocks, acc),
+                    }
+                }
+            }
+            for (p, acc) in acc.iter().enumerate().take(passes) {
+                let rows = pass(p);
+                rows.put(&acc[..PASS_TOKENS.min(n - rows.t0)], out);
             }
         }
     }
@@ -158,13 +188,14 @@ impl Rows<'_> {
     #[allow(clippy::needless_range_loop)]
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-    fn q4_k<const T: usize>(&self, out: &mut Out<'_>) {
+    /// Super-blocks `blocks`' share of tokens `t0..t0 + T`, added to `sums`.
+    fn q4_k<const T: usize>(&self, blocks: Range<usize>, sums: &mut [__m512]) {
+        let mut acc: [__m512; T] = std::array::from_fn(|t| sums[t]);
         let zero = _mm512_setzero_si512();
         let nibble = _mm512_set1_epi8(0x0f);
         let six = _mm512_set1_epi8(0x3f);
         let top = _mm512_set1_epi8(0x30);
-        let mut acc = [_mm512_setzero_ps(); T];
-        for i in 0..self.nb {
+        for i in blocks {
             let tile = &self.tiles[i * Q4_K_TILE..(i + 1) * Q4_K_TILE];
             // `k4_scales_mins` lane by lane: words a, b, c of each row's 12 scale bytes.
             let (a, b, c) = (word(tile, 2, 0), word(tile, 2, 1), word(tile, 2, 2));
@@ -195,8 +226,8 @@ impl Rows<'_> {
                     let wh = _mm512_and_si512(_mm512_srli_epi16::<4>(w), nibble);
                     for t in 0..T {
                         let a = self.act(t, i);
-                        lo[t] = _mm512_dpbusd_epi32(lo[t], wl, quad(a, 64 * c + 4 * q));
-                        hi[t] = _mm512_dpbusd_epi32(hi[t], wh, quad(a, 64 * c + 32 + 4 * q));
+                        lo[t] = _mm512_dpbusd_epi32(lo[t], wl, quad::<T>(a, 64 * c + 4 * q));
+                        hi[t] = _mm512_dpbusd_epi32(hi[t], wh, quad::<T>(a, 64 * c + 32 + 4 * q));
                     }
                 }
                 for t in 0..T {
@@ -224,18 +255,19 @@ impl Rows<'_> {
                 acc[t] = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(mins), acc[t]);
             }
         }
-        self.put(acc, out);
+        sums[..T].copy_from_slice(&acc);
     }
 
     #[allow(clippy::needless_range_loop)]
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-    fn q6_k<const T: usize>(&self, out: &mut Out<'_>) {
+    /// Super-blocks `blocks`' share of tokens `t0..t0 + T`, added to `sums`.
+    fn q6_k<const T: usize>(&self, blocks: Range<usize>, sums: &mut [__m512]) {
+        let mut acc: [__m512; T] = std::array::from_fn(|t| sums[t]);
         let zero = _mm512_setzero_si512();
         let nibble = _mm512_set1_epi8(0x0f);
         let top = _mm512_set1_epi8(0x30);
-        let mut acc = [_mm512_setzero_ps(); T];
-        for i in 0..self.nb {
+        for i in blocks {
             let tile = &self.tiles[i * Q6_K_TILE..(i + 1) * Q6_K_TILE];
             let mut s = [zero; T];
             for half in 0..2 {
@@ -272,7 +304,7 @@ impl Rows<'_> {
                             let a = self.act(t, i);
                             for k in 0..4 {
                                 let at = 128 * half + 32 * k + 4 * q;
-                                g[k][t] = _mm512_dpbusd_epi32(g[k][t], v[k], quad(a, at));
+                                g[k][t] = _mm512_dpbusd_epi32(g[k][t], v[k], quad::<T>(a, at));
                             }
                         }
                     }
@@ -297,13 +329,13 @@ impl Rows<'_> {
                 acc[t] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s[t]), acc[t]);
             }
         }
-        self.put(acc, out);
+        sums[..T].copy_from_slice(&acc);
     }
 
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-    fn put<const T: usize>(&self, acc: [__m512; T], out: &mut Out<'_>) {
-        for (t, v) in acc.into_iter().enumerate() {
+    fn put(&self, acc: &[__m512], out: &mut Out<'_>) {
+        for (t, &v) in acc.iter().enumerate() {
             let mut vals = [0f32; TILE_ROWS];
             // SAFETY: `vals` is 16 writable f32; the store is unaligned.
             unsafe { _mm512_storeu_ps(vals.as_mut_ptr(), v) };
