@@ -34,9 +34,10 @@ pub(crate) const Q6_K_TILE: usize = 16 * 210;
 const PASS_TOKENS: usize = 4;
 
 /// Tokens whose passes take each tile in turn, so that a tile read once from memory serves
-/// them all: with a pass over the whole group per four tokens, an eight-token decode step
-/// streamed the weights in its first pass and computed the second from cache afterwards.
-const TILE_TOKENS: usize = 2 * PASS_TOKENS;
+/// them all (`quant::interleaved::ROWS_LANES_MAX`, the most this kernel is given): with a
+/// pass over the whole group per four tokens, an eight-token decode step streamed the
+/// weights in its first pass and computed the second from cache afterwards.
+const TILE_TOKENS: usize = 8 * PASS_TOKENS;
 
 /// Tiles ahead whose lines are requested while a tile is computed: a decode step streams
 /// every weight once, and the hardware prefetcher alone left the cores waiting.
