@@ -531,6 +531,9 @@ fn k_quant_lanes_give_the_definitions_bits() {
             (5, 5, 2, false),
             (6, 24, 3, false),
             (4, 8, 2, true),
+            // Longer rows, with a narrow last group.
+            (5, 40, 19, false),
+            (6, 33, 17, true),
         ] {
             let cols = nb * QK_K;
             let vals: Vec<f32> = (0..rows * cols)
@@ -833,7 +836,7 @@ fn interleaved_k_quants_give_the_definitions_bits() {
     );
     fn check<F: Interleave>(ty: GgmlType, dot: fn(&[u8], &[BlockQ8K]) -> f32, s: &mut u64) {
         assert!(applies::<F>(32) && !applies::<F>(40 + 1));
-        for (nb, extreme) in [(1, false), (3, false), (8, false), (2, true)] {
+        for (nb, extreme) in [(1, false), (3, false), (8, false), (11, false), (2, true)] {
             let rows = 48;
             let cols = nb * QK_K;
             let vals: Vec<f32> = (0..rows * cols)
@@ -858,7 +861,7 @@ fn interleaved_k_quants_give_the_definitions_bits() {
                 ty.dequantize(&w[r * rb..(r + 1) * rb], &mut want);
                 assert_eq!(got, want, "{ty:?} row {r} dequantized");
             }
-            for n in (1..=ROWS_LANES_MAX + 1).chain([17]) {
+            for n in (1..=ROWS_LANES_MAX + 1).chain([50]) {
                 let x: Vec<f32> = (0..n * cols)
                     .map(|i| match (extreme, i % 7) {
                         (true, 0) => -100.0,
