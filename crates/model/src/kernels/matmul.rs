@@ -206,6 +206,22 @@ pub(super) const TOKEN_SPLIT_MIN: usize = 64;
 /// Tokens per task of the token split (a whole number of tiles).
 pub(super) const TOKEN_BLOCK: usize = 8 * TILE;
 const _: () = assert!(TOKEN_BLOCK.is_multiple_of(LANE_TOKENS));
+/// The most tokens a task of a tokens-in-lanes product takes.
+const LANES_BLOCK_MAX: usize = 8 * LANE_TOKENS;
+
+/// Tokens per task of a tokens-in-lanes product, whose kernel unpacks every weight row
+/// once per task: blocks as long as [`LANES_BLOCK_MAX`], of equal length (whole lane
+/// groups) and as many as a multiple of the threads before that rounding, so that each
+/// core gets a near-equal share of the fewest blocks. (Blocks of 32 tokens up to 255 tokens, 64 up to 511 and 128 from
+/// 512 left a 500-token Llama-3.2-1B-shaped Q4_K_M prefill 10% slower per token than a
+/// 512-token one on a 2-core Zen 4.)
+pub(super) fn lanes_block(tokens: usize, threads: usize) -> usize {
+    let blocks = tokens
+        .div_ceil(LANES_BLOCK_MAX)
+        .next_multiple_of(threads.max(1));
+    tokens.div_ceil(blocks).next_multiple_of(LANE_TOKENS)
+}
+
 /// Weight rows whose blocks stay in L1/L2 while a token block passes over them.
 pub(super) const ROW_BLOCK: usize = 64;
 
@@ -251,16 +267,15 @@ impl Input<'_> {
 /// block is transposed while it is still in L1.
 fn by_token_blocks<W: WeightRows + ?Sized>(ws: &[&W], input: &Input<'_>, outs: &mut [&mut [f32]]) {
     let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    let threads = rayon::current_num_threads().max(1);
     for (m, out) in outs.iter_mut().enumerate() {
         let rows = ws[m].rows();
         // Longer blocks from 256 tokens: a kernel's per-row preparation then serves more
-        // tokens, while shorter products keep enough tasks for every core. The
-        // tokens-in-lanes kernel unpacks every row per block: from 512 tokens, blocks of
-        // 128 took a Llama-3.2-1B-shaped Q4_K_M prefill from 232 to 242 tokens/s.
+        // tokens, while shorter products keep enough tasks for every core.
         let tokens = out.len() / rows;
         let lanes = ws[m].wants_q8_k_lanes(tokens) || ws[m].wants_q8_1_lanes(tokens);
-        let block = if tokens >= 512 && lanes {
-            4 * TOKEN_BLOCK
+        let block = if lanes {
+            lanes_block(tokens, threads)
         } else if tokens >= 256 {
             2 * TOKEN_BLOCK
         } else {
