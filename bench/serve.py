@@ -25,6 +25,10 @@ token-id prompts, ignore_eos):
       `tool_choice: "required"` (`--tools`; its story runs past 64 tokens, so every answer
       is 64 tokens of a forced call): output tok/s, and (f) / (e), what a forced tool call
       costs;
+  (g) one stream, 500-token prompt, 1 out: the request's latency, the time to the first
+      token as the client sees it whatever the server streams (llama-server holds back text
+      that is not yet whole UTF-8, so on a synthetic file's random output its first streamed
+      token comes with the last, and (a)'s time to first token measures its whole answer);
 
 plus each server's peak RSS (VmHWM just before it is stopped) and the kernels' pp512/tg128
 (kvwarden's `cargo bench -p model --bench throughput`, llama.cpp's llama-bench). The order of
@@ -73,6 +77,7 @@ WORKLOADS = {
     "d_8_clients_schema": (8, 32, 200, 64),
     "e_8_clients_chat": (8, 32, 200, 64),
     "f_8_clients_tool": (8, 32, 200, 64),
+    "g_first_token": (1, 5, 500, 1),
 }
 SCHEMA = ROOT / "bench" / "story-schema.json"
 TOOLS = ROOT / "bench" / "story-tool.json"
@@ -85,6 +90,7 @@ if QUICK:
         "d_8_clients_schema": (2, 4, 16, 8),
         "e_8_clients_chat": (2, 4, 16, 8),
         "f_8_clients_tool": (2, 4, 16, 8),
+        "g_first_token": (1, 2, 32, 1),
     }
     KERNEL = (32, 8)
 # ONLY="a_one_stream b_8_clients": those workloads alone (a synthetic file has no chat
@@ -111,6 +117,7 @@ METRICS = [
     ("(f) 8 clients, forced tool call: output tok/s", lambda r: r["f_8_clients_tool"]["output_tok_s"], True),
     ("(f) / (e): tool call / none, output tok/s",
      lambda r: r["f_8_clients_tool"]["output_tok_s"] / r["e_8_clients_chat"]["output_tok_s"], True),
+    ("(g) 500 tokens in, 1 out: latency p50, ms", lambda r: r["g_first_token"]["e2e_ms"]["p50"], False),
     ("peak RSS, MiB", lambda r: r["peak_rss_kib"] / 1024.0, False),
     (f"kernel {PP} tok/s", lambda r: r["kernel"][PP], True),
     (f"kernel {TG} tok/s", lambda r: r["kernel"][TG], True),
