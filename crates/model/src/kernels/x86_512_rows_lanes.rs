@@ -134,7 +134,6 @@ pub(crate) unsafe fn tile_rows(
             // Each tile serves every pass of the block before the next one is read: the
             // first pass streams it from memory, the others find it in L1.
             let passes = (n - t_block).min(TILE_TOKENS).div_ceil(PASS_TOKENS);
-            let mut acc = [[_mm512_setzero_ps(); PASS_TOKENS]; TILE_TOKENS / PASS_TOKENS];
             let pass = |p: usize| Rows {
                 tiles,
                 nb,
@@ -142,23 +141,19 @@ pub(crate) unsafe fn tile_rows(
                 t0: t_block + p * PASS_TOKENS,
                 r0: g * TILE_ROWS,
             };
-            // One pass keeps its sums in registers over the whole row; several take each
-            // super-block in turn.
-            let (steps, span) = if passes == 1 { (1, nb) } else { (nb, 1) };
-            for step in 0..steps {
-                let blocks = step * span..(step + 1) * span;
+            if passes == 1 {
+                // One pass keeps its sums in registers over the whole row.
+                let (rows, mut acc) = (pass(0), [_mm512_setzero_ps(); PASS_TOKENS]);
+                rows.run(format, n - rows.t0, 0..nb, &mut acc);
+                rows.put(&acc[..n - rows.t0], out);
+                continue;
+            }
+            // Several take each super-block in turn.
+            let mut acc = [[_mm512_setzero_ps(); PASS_TOKENS]; TILE_TOKENS / PASS_TOKENS];
+            for i in 0..nb {
                 for (p, acc) in acc.iter_mut().enumerate().take(passes) {
-                    let (rows, acc, blocks) = (pass(p), &mut acc[..], blocks.clone());
-                    match (format, n - rows.t0) {
-                        (Format::Q4K, 1) => rows.q4_k::<1>(blocks, acc),
-                        (Format::Q4K, 2) => rows.q4_k::<2>(blocks, acc),
-                        (Format::Q4K, 3) => rows.q4_k::<3>(blocks, acc),
-                        (Format::Q4K, _) => rows.q4_k::<PASS_TOKENS>(blocks, acc),
-                        (Format::Q6K, 1) => rows.q6_k::<1>(blocks, acc),
-                        (Format::Q6K, 2) => rows.q6_k::<2>(blocks, acc),
-                        (Format::Q6K, 3) => rows.q6_k::<3>(blocks, acc),
-                        (Format::Q6K, _) => rows.q6_k::<PASS_TOKENS>(blocks, acc),
-                    }
+                    let rows = pass(p);
+                    rows.run(format, n - rows.t0, i..i + 1, acc);
                 }
             }
             for (p, acc) in acc.iter().enumerate().take(passes) {
@@ -179,6 +174,23 @@ struct Rows<'a> {
 }
 
 impl Rows<'_> {
+    /// Super-blocks `blocks`' share of this pass's tokens (`tokens` from `t0`, the pass
+    /// taking at most [`PASS_TOKENS`]), added to `acc`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn run(&self, format: Format, tokens: usize, blocks: Range<usize>, acc: &mut [__m512]) {
+        match (format, tokens) {
+            (Format::Q4K, 1) => self.q4_k::<1>(blocks, acc),
+            (Format::Q4K, 2) => self.q4_k::<2>(blocks, acc),
+            (Format::Q4K, 3) => self.q4_k::<3>(blocks, acc),
+            (Format::Q4K, _) => self.q4_k::<PASS_TOKENS>(blocks, acc),
+            (Format::Q6K, 1) => self.q6_k::<1>(blocks, acc),
+            (Format::Q6K, 2) => self.q6_k::<2>(blocks, acc),
+            (Format::Q6K, 3) => self.q6_k::<3>(blocks, acc),
+            (Format::Q6K, _) => self.q6_k::<PASS_TOKENS>(blocks, acc),
+        }
+    }
+
     /// Token `t`'s super-block `i`.
     #[inline(always)]
     fn act(&self, t: usize, i: usize) -> &BlockQ8K {
