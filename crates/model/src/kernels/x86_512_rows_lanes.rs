@@ -42,9 +42,9 @@ const TILE_TOKENS: usize = 8 * PASS_TOKENS;
 /// Tiles ahead whose lines are requested while a tile is computed, where a pass computes
 /// several tokens: a decode step streams every weight once, and with the compute of eight
 /// tokens per tile the hardware prefetcher alone left the cores waiting (a batch of eight
-/// 30% slower without the requests). One token's pass streams faster without them: on a
-/// 2-core Zen 4, one-stream decode of the 1B- and 3B-shaped files ran 8-18% faster (two to
-/// four tokens the same either way).
+/// 30% slower without the requests). One token's pass streams faster without them on AMD's
+/// cores (`cpu::one_token_prefetch`): on a 2-core Zen 4, one-stream decode of the 1B- and
+/// 3B-shaped files ran 8-18% faster (two to four tokens the same either way).
 const PREFETCH_TILES: usize = 2;
 
 /// Word `w` of a tile's sixteen rows, `f16s` half-precision fields in front; where `ahead`,
@@ -214,10 +214,10 @@ impl Rows<'_> {
         let nibble = _mm512_set1_epi8(0x0f);
         let six = _mm512_set1_epi8(0x3f);
         let top = _mm512_set1_epi8(0x30);
+        let ahead = T > 1 || super::cpu::one_token_prefetch();
         for i in blocks {
             let tile = &self.tiles[i * Q4_K_TILE..(i + 1) * Q4_K_TILE];
             // `k4_scales_mins` lane by lane: words a, b, c of each row's 12 scale bytes.
-            let ahead = T > 1;
             let (a, b, c) = (
                 word(tile, 2, 0, ahead),
                 word(tile, 2, 1, ahead),
@@ -291,7 +291,7 @@ impl Rows<'_> {
         let zero = _mm512_setzero_si512();
         let nibble = _mm512_set1_epi8(0x0f);
         let top = _mm512_set1_epi8(0x30);
-        let ahead = T > 1;
+        let ahead = T > 1 || super::cpu::one_token_prefetch();
         for i in blocks {
             let tile = &self.tiles[i * Q6_K_TILE..(i + 1) * Q6_K_TILE];
             let mut s = [zero; T];
