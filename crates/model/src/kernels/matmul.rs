@@ -206,15 +206,16 @@ pub(super) const TOKEN_SPLIT_MIN: usize = 64;
 /// Tokens per task of the token split (a whole number of tiles).
 pub(super) const TOKEN_BLOCK: usize = 8 * TILE;
 const _: () = assert!(TOKEN_BLOCK.is_multiple_of(LANE_TOKENS));
-/// The most tokens a task of a tokens-in-lanes product takes.
-const LANES_BLOCK_MAX: usize = 8 * LANE_TOKENS;
+/// The most tokens a task of a tokens-in-lanes product takes (256 against 128: a 1B-shaped
+/// Q4_K_M prefill of 500 or 512 tokens 4% faster on a 2-core Zen 4, 3B the same).
+const LANES_BLOCK_MAX: usize = 16 * LANE_TOKENS;
 
 /// Tokens per task of a tokens-in-lanes product, whose kernel unpacks every weight row
 /// once per task: blocks as long as [`LANES_BLOCK_MAX`], of equal length (whole lane
 /// groups) and as many as a multiple of the threads before that rounding, so that each
-/// core gets a near-equal share of the fewest blocks. (Blocks of 32 tokens up to 255 tokens, 64 up to 511 and 128 from
-/// 512 left a 500-token Llama-3.2-1B-shaped Q4_K_M prefill 10% slower per token than a
-/// 512-token one on a 2-core Zen 4.)
+/// core gets a near-equal share of the fewest blocks. (Blocks of 32 tokens up to 255
+/// tokens, 64 up to 511 and 128 from 512 left a 500-token Llama-3.2-1B-shaped Q4_K_M
+/// prefill 10% slower per token than a 512-token one on a 2-core Zen 4.)
 pub(super) fn lanes_block(tokens: usize, threads: usize) -> usize {
     let blocks = tokens
         .div_ceil(LANES_BLOCK_MAX)
