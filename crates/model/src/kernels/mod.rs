@@ -42,18 +42,23 @@
 //!   (`quant::kquants::Q4K::dot_scalar`), so lanes need no reordering. On a 2-core Zen 4 a
 //!   Llama-3.2-1B-shaped Q4_K prefill (pp512) went from 127 to 234 tokens/s. A group of at
 //!   most eight tokens (a small decode batch) runs in 256-bit registers; one token goes one
-//!   row at a time (`avx2_kquants`). Repacked into tiles, the rows take this kernel from nine
+//!   row at a time (`avx2_kquants`). Repacked into tiles, the rows take this kernel from 33
 //!   tokens, each tile's sixteen rows prepared with 16 × 16 transpositions in registers.
-//! - `x86_512_rows_lanes.rs` (Q4_K, Q6_K): decode-sized products (at most eight tokens)
-//!   with sixteen weight rows as the lanes, on the tiles `quant/interleaved.rs` repacks at
-//!   load (a tile's word of sixteen rows is one 64-byte line, so each super-block's scales
-//!   and float factors are unpacked once for sixteen rows). On a 2-core Zen 4 with the
-//!   Llama-3.2-1B-shaped Q4_K_M file, a decode batch of two went from 36-37 to 60-67
-//!   tokens/s, of eight from 89-92 to 93-101; one stream stays at the machine's read
-//!   bandwidth (30-32 GB/s measured). The loads of one pass over a tile are kept behind
-//!   `black_box`: hoisted over the whole tile by the compiler they spilled, and one stream
-//!   ran 25 tokens/s; Q6_K's tile holds its words in the order the kernel reads them (one
-//!   forward stream: 29 to 34 tokens/s).
+//!   A product's tasks take up to 256 tokens each (`matmul::lanes_block`), so that a row's
+//!   preparation serves many token groups.
+//! - `x86_512_rows_lanes.rs` (Q4_K, Q6_K): decode-sized products (at most 32 tokens) with
+//!   sixteen weight rows as the lanes, on the tiles `quant/interleaved.rs` repacks at load
+//!   (a tile's word of sixteen rows is one 64-byte line, so each super-block's scales and
+//!   float factors are unpacked once for sixteen rows). Passes of up to four tokens take
+//!   each tile in turn, so a tile read from memory once serves every pass. On a 2-core Zen
+//!   4 with the Llama-3.2-1B-shaped Q4_K_M file: decode batches of eight 150 tokens/s, of
+//!   sixteen 152 (120 and 112 before the tile served every pass and took 9-32 tokens), one
+//!   stream 37-39 (the hardware prefetcher alone, `cpu::one_token_prefetch`). The loads of
+//!   one pass over a tile are kept behind `black_box`: hoisted over the whole tile by the
+//!   compiler they spilled, and one stream ran 25 tokens/s; several tokens' activation
+//!   quads are read as vectors for the same reason (30% on a four-token pass). Q6_K's tile
+//!   holds its words in the order the kernel reads them (one forward stream: 29 to 34
+//!   tokens/s).
 //! - `x86_512_low_kquants.rs` (Q2_K, Q3_K): llama.cpp's eight lanes per token, two tokens
 //!   per register; each weight first replaced by its group-scaled value through a
 //!   per-group byte table (`sc·q`, or `sc·(q − 4) + 127` with the offset taken back once per
