@@ -517,7 +517,17 @@ fn running_slots_follow_the_tenants_weights() {
         };
         engine.submit(engine.admission().admit(r).unwrap()).unwrap()
     };
+    // The light tenant's flood first, holding every slot, then the heavy one's: the order
+    // in which the extra row once kept a 3:2 split for as long as the requests ran.
     let mut light: Vec<_> = (0..6).map(|i| submit("light", 1, i)).collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while engine.metrics().running.load(Ordering::Relaxed) < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "the light flood never filled the slots"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let mut heavy: Vec<_> = (0..6).map(|i| submit("heavy", 3, i + 20)).collect();
     let count = |handles: &mut Vec<engine::RequestHandle>| {
         let mut n = 0;
@@ -531,20 +541,25 @@ fn running_slots_follow_the_tenants_weights() {
         }
         n
     };
+    // Windows counted in engine steps, not wall-clock time: every step gives each running
+    // request one token, so until the light tenant's next `steps` tokens the counts are the
+    // tenants' slots times the same steps, however loaded the machine is. Draining both
+    // often keeps the edges within a step or two.
+    let mut window = |steps: usize| {
+        let (mut h, mut l) = (0, 0);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while l < steps && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+            h += count(&mut heavy);
+            l += count(&mut light);
+        }
+        (h, l)
+    };
     // Past the start, when the slots have moved to their shares.
-    std::thread::sleep(Duration::from_millis(200));
-    count(&mut light);
-    count(&mut heavy);
-    // The median of three windows: the other tests of this binary share the cores, and one
-    // window in which they held the engine's thread measured 1.5 in a CI run.
-    let mut windows: Vec<(usize, usize)> = (0..3)
-        .map(|_| {
-            std::thread::sleep(Duration::from_millis(500));
-            (count(&mut heavy), count(&mut light))
-        })
-        .collect();
+    window(8);
+    let mut windows: Vec<(usize, usize)> = (0..3).map(|_| window(40)).collect();
     assert!(
-        windows.iter().all(|&(_, l)| l > 0),
+        windows.iter().all(|&(_, l)| l >= 40),
         "the light tenant starved: {windows:?}"
     );
     windows.sort_by(|a, b| (a.0 * b.1).cmp(&(b.0 * a.1)));

@@ -67,10 +67,11 @@ impl Worker {
     /// into, and a spare page for each request already running. When every slot is taken
     /// and another tenant runs at least two more than the waiting request's (for their
     /// weights: `crate::preemption::slot_victim`), the waiting request runs in one of
-    /// [`burst_rows`] extra rows while one is free and the pool has room, and otherwise
-    /// that tenant's youngest running request gives its slot back. So one tenant's flood
-    /// delays another's next request by one step, not by its queue, and a light tenant's
-    /// occasional request costs the flood one row, not the recomputation of a request.
+    /// [`burst_rows`] extra rows while one is free, the pool has room and its tenant runs
+    /// nothing else, and otherwise that tenant's youngest running request gives its slot
+    /// back. So one tenant's flood delays another's next request by one step, not by its
+    /// queue, and a light tenant's occasional request costs the flood one row, not the
+    /// recomputation of a request.
     pub(super) fn promote(&mut self) {
         let burst = burst_rows(self.config.max_running);
         while let Some((w, tenant_running)) = self.next_waiting() {
@@ -89,7 +90,12 @@ impl Worker {
                 let Some(v) = preemption::slot_victim(&tenants, tenant_running, weight) else {
                     break;
                 };
-                if self.running.len() < self.config.max_running + burst {
+                // Extra rows only for a tenant running nothing (an occasional request):
+                // one taken by a tenant already running would be held for as long as its
+                // requests run, and the running set would settle on whichever shares the
+                // arrival order left (two tenants of weights 3 and 1 flooding four slots
+                // settled at 3 to 2 when the light one's flood came first, 3 to 1 when not).
+                if self.running.len() < self.config.max_running + burst && tenant_running == 0 {
                     bursting = Some(v);
                 } else {
                     let victim = self.running.remove(v);

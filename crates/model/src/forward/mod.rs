@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use crate::attention::attention;
 use crate::batch::{BatchItem, Logits, LogitsWanted};
 use crate::config::FfnAct;
-use crate::kernels::{matmul, matmul_group, RowSlice};
+use crate::kernels::{matmul, matmul_group, ActKind, RowSlice, WeightRows};
 use crate::lora::{add_lora_rows, RowAdapters, Site, Target, Update};
 use crate::weights::{BlockQ8_1, Matrix, QK};
 use crate::{LlamaConfig, ModelError};
@@ -196,8 +196,20 @@ impl Model {
         }
 
         let mut xn = vec![0f32; n * dim];
-        let mut xq = vec![BlockQ8_1::default(); n * dim / QK];
-        let mut aq = vec![BlockQ8_1::default(); n * q_dim / QK];
+        // Q8_1 blocks only for the inputs some layer's product reads as Q8_1 (the k-quants
+        // take Q8_K: a Q4_K_M file reads none, and quantizing them was 1% of its prefill).
+        let q8_1_blocks = |reads: bool, len: usize| match reads {
+            true => vec![BlockQ8_1::default(); len],
+            false => Vec::new(),
+        };
+        let reads = |pick: fn(&Layer) -> [&Matrix; 3]| {
+            let reads_q8_1 = |l: &Layer| pick(l).iter().any(|m| m.act_kind() == ActKind::Q8_1);
+            self.layers.iter().any(reads_q8_1)
+        };
+        let normed_q8 =
+            reads(|l| [&l.wq, &l.wk, &l.wv]) || reads(|l| [&l.w_gate, &l.w_up, &l.w_up]);
+        let mut xq = q8_1_blocks(normed_q8, n * dim / QK);
+        let mut aq = q8_1_blocks(reads(|l| [&l.wo; 3]), n * q_dim / QK);
         let mut q = vec![0f32; n * q_dim];
         let mut k = vec![0f32; n * kv_dim];
         let mut v = vec![0f32; n * kv_dim];
@@ -205,7 +217,7 @@ impl Model {
         let mut proj = vec![0f32; n * dim];
         let mut gate = vec![0f32; n * c.ffn_dim];
         let mut up = vec![0f32; n * c.ffn_dim];
-        let mut hq = vec![BlockQ8_1::default(); n * c.ffn_dim / QK];
+        let mut hq = q8_1_blocks(reads(|l| [&l.w_down; 3]), n * c.ffn_dim / QK);
 
         for (li, layer) in self.layers.iter().enumerate() {
             between_layers();
@@ -329,15 +341,21 @@ impl Model {
                     FfnAct::Silu => crate::kernels::swiglu(g, u),
                     FfnAct::GeluTanh => crate::gemma3::geglu(g, u),
                 }
-                quantize_rows_here(g, ffn, hq);
+                if !hq.is_empty() {
+                    quantize_rows_here(g, ffn, hq);
+                }
             };
             if per >= n {
                 activate(((&mut gate[..], &up[..]), &mut hq[..]));
             } else {
                 let (gs, us) = (gate.par_chunks_mut(per * ffn), up.par_chunks(per * ffn));
-                gs.zip(us)
-                    .zip(hq.par_chunks_mut(per * ffn / QK))
-                    .for_each(activate);
+                if hq.is_empty() {
+                    gs.zip(us).for_each(|gu| activate((gu, &mut [])));
+                } else {
+                    gs.zip(us)
+                        .zip(hq.par_chunks_mut(per * ffn / QK))
+                        .for_each(activate);
+                }
             }
             matmul(&layer.w_down, &gate, &hq, n, &mut proj);
             if lora {
@@ -383,9 +401,9 @@ impl Model {
         }
         let mut seln = vec![0f32; m * dim];
         rms_norm_rows(&sel, &self.output_norm, c.rms_eps, dim, &mut seln);
-        let mut selq = vec![BlockQ8_1::default(); m * dim / QK];
-        quantize_rows(&seln, dim, &mut selq);
         let out_w = self.output.as_ref().unwrap_or(&self.embed);
+        let mut selq = q8_1_blocks(out_w.act_kind() == ActKind::Q8_1, m * dim / QK);
+        quantize_rows(&seln, dim, &mut selq);
         let mut logits = vec![0f32; m * c.vocab_size];
         if m >= OUTPUT_SLICED_FROM {
             // A batch's output projection is a fifth of its step: in vocabulary slices, so

@@ -36,7 +36,8 @@ pub(super) fn rows_per_chunk(n: usize) -> usize {
 /// See [`rows_per_chunk`].
 const PAR_ROWS_MIN: usize = 8;
 
-/// `xn = rms_norm(x) * weight`, then `xq` its Q8_1 blocks, row chunks on every core.
+/// `xn = rms_norm(x) * weight`, then `xq` its Q8_1 blocks (none where `xq` is empty: no
+/// product of the model reads them), row chunks on every core.
 pub(super) fn norm_quantize(
     x: &[f32],
     weight: &[f32],
@@ -46,19 +47,26 @@ pub(super) fn norm_quantize(
     xq: &mut [BlockQ8_1],
 ) {
     let per = rows_per_chunk(x.len() / width);
-    let step = |((x, xn), xq): ((&[f32], &mut [f32]), &mut [BlockQ8_1])| {
+    let quantize = !xq.is_empty();
+    let step = |(x, xn): (&[f32], &mut [f32]), xq: &mut [BlockQ8_1]| {
         rms_norm_rows(x, weight, eps, width, xn);
-        quantize_rows_here(xn, width, xq);
+        if quantize {
+            quantize_rows_here(xn, width, xq);
+        }
     };
     if per * width >= x.len() {
-        return step(((x, xn), xq));
+        return step((x, xn), xq);
     }
     let chunks = x
         .par_chunks(per * width)
         .zip(xn.par_chunks_mut(per * width));
-    chunks
-        .zip(xq.par_chunks_mut(per * width / QK))
-        .for_each(step);
+    if quantize {
+        chunks
+            .zip(xq.par_chunks_mut(per * width / QK))
+            .for_each(|(rows, xq)| step(rows, xq));
+    } else {
+        chunks.for_each(|rows| step(rows, &mut []));
+    }
 }
 
 /// `x += post_norm(proj)`: a sublayer's output joining the residual stream (Gemma normalizes
@@ -84,8 +92,12 @@ pub(super) fn residual(
     chunks.for_each(step);
 }
 
-/// Each row's Q8_1 blocks, row chunks on every core.
+/// Each row's Q8_1 blocks, row chunks on every core; nothing where `out` is empty (no
+/// product reads them).
 pub(super) fn quantize_rows(x: &[f32], width: usize, out: &mut [BlockQ8_1]) {
+    if out.is_empty() {
+        return;
+    }
     let per = rows_per_chunk(x.len() / width);
     if per * width >= x.len() {
         return quantize_rows_here(x, width, out);

@@ -534,6 +534,11 @@ fn k_quant_lanes_give_the_definitions_bits() {
             // Longer rows, with a narrow last group.
             (5, 40, 19, false),
             (6, 33, 17, true),
+            // Several four-row passes, then one-row passes.
+            (8, 40, 2, false),
+            (12, 33, 3, false),
+            (13, 8, 2, true),
+            (17, 17, 2, true),
         ] {
             let cols = nb * QK_K;
             let vals: Vec<f32> = (0..rows * cols)
