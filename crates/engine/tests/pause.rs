@@ -84,6 +84,10 @@ struct HeldEngine {
 
 impl HeldEngine {
     fn start() -> Self {
+        Self::start_with(EngineConfig::default())
+    }
+
+    fn start_with(config: EngineConfig) -> Self {
         let release = Arc::<AtomicBool>::default();
         let (entered_tx, entered) = mpsc::channel();
         let engine = engine::start(
@@ -93,7 +97,7 @@ impl HeldEngine {
                 release: Arc::clone(&release),
                 entered: Mutex::new(entered_tx),
             },
-            EngineConfig::default(),
+            config,
         )
         .unwrap();
         HeldEngine {
@@ -239,6 +243,41 @@ fn a_lighter_tenants_first_token_comes_while_a_busy_step_is_paused() {
     }
     assert_eq!(later_tokens, run(request("alice", 3, 6)));
     assert_eq!(alone.metrics().paused_steps.load(Ordering::Relaxed), 0);
+}
+
+/// With every slot taken by the held step, its pause gives the extra row to a tenant
+/// running nothing, not to one already running a request (who would keep it, and leave the
+/// next idle tenant waiting for the whole held step).
+#[test]
+fn a_paused_steps_extra_row_goes_to_a_tenant_running_nothing() {
+    let held = HeldEngine::start_with(EngineConfig {
+        max_running: 4,
+        ..EngineConfig::default()
+    });
+    let engine = &held.engine;
+    let mut running: Vec<_> = (0..3)
+        .map(|i| events_of(engine, request("alice", i, 200)))
+        .collect();
+    running.push(events_of(engine, request("carol", 4, 200)));
+    for rx in &running {
+        rx.recv_timeout(HOLD).expect("a first token");
+    }
+    held.wait_held();
+
+    // Carol's second request comes first and runs less than Alice, but Carol already runs
+    // one: only Bob, running nothing, takes the one extra row in the pause.
+    let carol = events_of(engine, request("carol", 5, 5));
+    let bob = events_of(engine, bob_request());
+    bob.recv_timeout(HOLD / 2)
+        .expect("Bob's first token while the step holds every slot");
+    assert!(
+        matches!(carol.try_recv(), Err(mpsc::TryRecvError::Empty)),
+        "a tenant already running took the extra row in a pause"
+    );
+    held.release.store(true, Ordering::SeqCst);
+    // Carol's request runs once the step ends, and every answer still completes.
+    assert_eq!(rest(&carol, Vec::new()).len(), 5);
+    rest(&bob, Vec::new());
 }
 
 /// Runs `f` on a thread; its result, unless it takes longer than `limit`.

@@ -16,7 +16,7 @@
 //! has had (the first one always runs), none runs inside a step that already computes only
 //! lighter tenants' first tokens, a nested step's prompts fit one step's token budget, and
 //! its requests the running rows' limit (with the extra rows of
-//! [`super::schedule::burst_rows`]). So a flood of new tenants cannot stall the paused
+//! [`super::schedule::burst_rows`], for tenants running nothing else). So a flood of new tenants cannot stall the paused
 //! step: it keeps at least half of the time. Replays after preemption wait for a normal
 //! step. A constrained request's first mask, which a normal step computes beside its
 //! forward pass, is computed by the sampling step here (the same mask: it depends only on
@@ -89,6 +89,11 @@ impl Pause {
                 .reduce(|a, b| if a.lighter_than(b) { b } else { a });
         let own = self.running.get(tenant).map_or(Load::new(0, weight), load);
         heaviest.is_some_and(|h| own.lighter_than(h))
+    }
+
+    /// `tenant`'s running requests.
+    fn runs(&self, tenant: &str) -> usize {
+        self.running.get(tenant).map_or(0, |&(count, _)| count)
     }
 
     /// Whether another nested step may run: the first one always, later ones while the
@@ -164,6 +169,14 @@ impl Worker {
             let tenant = head.request.domain.tenant_name();
             // Only a tenant's oldest: its requests start in arrival order.
             if !seen.insert(tenant.to_owned()) || !pause.lighter(tenant, head.request.weight) {
+                w += 1;
+                continue;
+            }
+            // Beyond the slots, only a tenant running nothing, as `Worker::promote` gives its
+            // extra rows: a tenant already running that took one would keep it, and the
+            // running set would stay at the split this pause happened to meet.
+            let rows = pause.rows + self.early.len() + placed.len();
+            if rows >= self.config.max_running && pause.runs(tenant) > 0 {
                 w += 1;
                 continue;
             }
