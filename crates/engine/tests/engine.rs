@@ -96,6 +96,18 @@ fn prompt(seed: u32, len: usize) -> Vec<u32> {
         .collect()
 }
 
+/// Waits until `slots` requests run (a flood has filled the slots).
+fn wait_for_running(engine: &EngineHandle, slots: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while engine.metrics().running.load(Ordering::Relaxed) < slots {
+        assert!(
+            Instant::now() < deadline,
+            "the flood never filled the {slots} slots"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 fn wait_for_no_leases(engine: &EngineHandle) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while engine.pool_counts().leased != 0 {
@@ -520,14 +532,7 @@ fn running_slots_follow_the_tenants_weights() {
     // The light tenant's flood first, holding every slot, then the heavy one's: the order
     // in which the extra row once kept a 3:2 split for as long as the requests ran.
     let mut light: Vec<_> = (0..6).map(|i| submit("light", 1, i)).collect();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while engine.metrics().running.load(Ordering::Relaxed) < 4 {
-        assert!(
-            Instant::now() < deadline,
-            "the light flood never filled the slots"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_for_running(&engine, 4);
     let mut heavy: Vec<_> = (0..6).map(|i| submit("heavy", 3, i + 20)).collect();
     let count = |handles: &mut Vec<engine::RequestHandle>| {
         let mut n = 0;
@@ -594,14 +599,7 @@ fn one_tenants_flood_does_not_queue_another_tenant() {
                 .unwrap()
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while engine.metrics().running.load(Ordering::Relaxed) < 4 {
-        assert!(
-            Instant::now() < deadline,
-            "the flood never filled the slots"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_for_running(&engine, 4);
     // One quiet request runs in an extra row: nobody recomputes for it.
     let quiet = run(&engine, request("quiet", prompt(99, 16), 4));
     assert_eq!(quiet.tokens.len(), 4);
