@@ -16,8 +16,8 @@
 //! has had (the first one always runs), none runs inside a step that already computes only
 //! lighter tenants' first tokens, a nested step's prompts fit one step's token budget, and
 //! its requests the running rows' limit (with the extra rows of
-//! [`super::schedule::burst_rows`], for tenants running nothing else). So a flood of new tenants cannot stall the paused
-//! step: it keeps at least half of the time. Replays after preemption wait for a normal
+//! [`super::schedule::burst_rows`], for tenants running nothing else). So a flood of new
+//! tenants cannot stall the paused step: it keeps at least half of the time. Replays after preemption wait for a normal
 //! step. A constrained request's first mask, which a normal step computes beside its
 //! forward pass, is computed by the sampling step here (the same mask: it depends only on
 //! the request's own tokens).

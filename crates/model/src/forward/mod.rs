@@ -202,14 +202,15 @@ impl Model {
             true => vec![BlockQ8_1::default(); len],
             false => Vec::new(),
         };
-        let reads = |pick: fn(&Layer) -> [&Matrix; 3]| {
-            let reads_q8_1 = |l: &Layer| pick(l).iter().any(|m| m.act_kind() == ActKind::Q8_1);
-            self.layers.iter().any(reads_q8_1)
-        };
-        let normed_q8 =
-            reads(|l| [&l.wq, &l.wk, &l.wv]) || reads(|l| [&l.w_gate, &l.w_up, &l.w_up]);
+        fn q8_1(m: &Matrix) -> bool {
+            m.act_kind() == ActKind::Q8_1
+        }
+        let any_layer = |reads: fn(&Layer) -> bool| self.layers.iter().any(reads);
+        let normed_q8 = any_layer(|l| {
+            q8_1(&l.wq) || q8_1(&l.wk) || q8_1(&l.wv) || q8_1(&l.w_gate) || q8_1(&l.w_up)
+        });
         let mut xq = q8_1_blocks(normed_q8, n * dim / QK);
-        let mut aq = q8_1_blocks(reads(|l| [&l.wo; 3]), n * q_dim / QK);
+        let mut aq = q8_1_blocks(any_layer(|l| q8_1(&l.wo)), n * q_dim / QK);
         let mut q = vec![0f32; n * q_dim];
         let mut k = vec![0f32; n * kv_dim];
         let mut v = vec![0f32; n * kv_dim];
@@ -217,7 +218,7 @@ impl Model {
         let mut proj = vec![0f32; n * dim];
         let mut gate = vec![0f32; n * c.ffn_dim];
         let mut up = vec![0f32; n * c.ffn_dim];
-        let mut hq = q8_1_blocks(reads(|l| [&l.w_down; 3]), n * c.ffn_dim / QK);
+        let mut hq = q8_1_blocks(any_layer(|l| q8_1(&l.w_down)), n * c.ffn_dim / QK);
 
         for (li, layer) in self.layers.iter().enumerate() {
             between_layers();
@@ -402,7 +403,7 @@ impl Model {
         let mut seln = vec![0f32; m * dim];
         rms_norm_rows(&sel, &self.output_norm, c.rms_eps, dim, &mut seln);
         let out_w = self.output.as_ref().unwrap_or(&self.embed);
-        let mut selq = q8_1_blocks(out_w.act_kind() == ActKind::Q8_1, m * dim / QK);
+        let mut selq = q8_1_blocks(q8_1(out_w), m * dim / QK);
         quantize_rows(&seln, dim, &mut selq);
         let mut logits = vec![0f32; m * c.vocab_size];
         if m >= OUTPUT_SLICED_FROM {
