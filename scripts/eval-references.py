@@ -26,7 +26,8 @@ scored position. They are regenerated, not committed: the suite builds llama.cpp
   q8.kld, q8.json  the first model given, with llama.cpp's Q8_0 K/V (-ctk q8_0 -ctv
                q8_0), and its own KL figures of that path against plain.kld: what Q8_0
                storage costs llama.cpp (--check's bar for `kvwarden eval --kv-dtype q8_0`,
-               see check_q8)
+               see check_block_kv)
+  q4.kld, q4.json  the same with Q4_0 K/V (-ctk q4_0 -ctv q4_0), for --kv-dtype q4_0
 
 --check runs `kvwarden eval --text <the text> --kl-base plain.kld` on each file and asserts
 the bar of every arithmetic change (the issue that introduced `kvwarden eval`):
@@ -87,8 +88,9 @@ DEFAULT_FLAGS = list(COMMON)
 # Where llama.cpp's two arithmetics coincide on a file, the bar is this instead (nats; the
 # 16-bit storage alone leaves about 1e-6).
 FLOOR = {"kld_mean": 1e-4}
-# llama.cpp's Q8_0 K/V (`--kv-dtype q8_0`), checked on the first model given.
-Q8_FLAGS = ["-ctk", "q8_0", "-ctv", "q8_0"]
+# llama.cpp's block K/V types (`--kv-dtype q8_0`, `q4_0`), checked on the first model given,
+# each cached under its short name.
+BLOCK_KV = {"q8_0": "q8", "q4_0": "q4"}
 TOP1_FLOOR = 0.99
 # --lora's bar per (model, adapter type): mean KL divergence at most, top-1 agreement at
 # least, against llama.cpp's plain path under the same adapter over the 1,275 positions.
@@ -292,47 +294,54 @@ def bar(b, spread, n):
     return bar_mean, min(q - slack_top, TOP1_FLOOR)
 
 
-def check_q8(name, meta, kvwarden, binary):
-    """kvwarden's --kv-dtype q8_0 against llama.cpp's plain path with `-ctk q8_0 -ctv
-    q8_0`: the f16 bar of the file (`bar`), widened by what Q8_0 storage costs llama.cpp
-    itself (its Q8_0 path's KL divergence from its f16 path, added to the mean; its top-1
-    disagreement, taken from the agreement). kvwarden's attention reads the dequantized
-    values in f32 where llama.cpp quantizes the queries as well, so the two Q8_0 paths
-    differ by more than the two f16 paths. Returns (table line, failures)."""
+def check_block_kv(dtype, name, meta, kvwarden, binary):
+    """kvwarden's --kv-dtype `dtype` (q8_0, q4_0) against llama.cpp's plain path with the
+    same `-ctk` and `-ctv`: the f16 bar of the file (`bar`), widened by what that storage
+    costs llama.cpp itself (its path's KL divergence from its f16 path, added to the mean;
+    its top-1 disagreement, taken from the agreement). kvwarden's attention reads the
+    dequantized values in f32 where llama.cpp quantizes the queries as well (to Q8_0, for
+    its integer dot products), so the two paths differ by more than the two f16 paths.
+    Returns (table line, failures)."""
     out = ROOT / "target" / "eval-refs" / name
     model = ROOT / "models" / f"{name}.gguf"
-    key = {"plain": meta["key"], "q8": Q8_FLAGS}
-    q8_meta_path = out / "q8.json"
-    q8 = json.loads(q8_meta_path.read_text()) if q8_meta_path.is_file() else {}
-    if q8.get("key") != key or not (out / "q8.kld").is_file() or not q8.get("cost"):
-        print(f"eval-references: recording {name} with Q8_0 K/V", file=sys.stderr)
-        p, cmd = run_llama(binary, model, PLAIN_FLAGS + Q8_FLAGS, PLAIN_ENV,
-                           ["--kl-divergence-base", str(out / "q8.kld")], out / "q8.log")
+    short, flags = BLOCK_KV[dtype], ["-ctk", dtype, "-ctv", dtype]
+    key = {"plain": meta["key"], short: flags}
+    meta_path = out / f"{short}.json"
+    rec = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if rec.get("key") != key or not (out / f"{short}.kld").is_file() or not rec.get("cost"):
+        print(f"eval-references: recording {name} with {dtype} K/V", file=sys.stderr)
+        p, cmd = run_llama(binary, model, PLAIN_FLAGS + flags, PLAIN_ENV,
+                           ["--kl-divergence-base", str(out / f"{short}.kld")],
+                           out / f"{short}.log")
         if p.returncode != 0:
-            sys.exit(f"eval-references: llama-perplexity (q8_0) failed; see {out / 'q8.log'}")
-        p, _ = run_llama(binary, model, PLAIN_FLAGS + Q8_FLAGS, PLAIN_ENV,
+            sys.exit(f"eval-references: llama-perplexity ({dtype}) failed; see "
+                     f"{out / f'{short}.log'}")
+        p, _ = run_llama(binary, model, PLAIN_FLAGS + flags, PLAIN_ENV,
                          ["--kl-divergence-base", str(out / "plain.kld"), "--kl-divergence"],
-                         out / "q8-cost.log")
+                         out / f"{short}-cost.log")
         if p.returncode != 0 or not FINISHED.search(p.stdout + p.stderr):
-            sys.exit(f"eval-references: llama.cpp's Q8_0-vs-f16 figures on {name} were not "
-                     f"measured; see {out / 'q8-cost.log'}")
-        q8 = {"key": key, "command": " ".join(cmd) + " (env GGML_CPU_TILED_MM=0)",
-              "cost": kl_figures(p.stdout + p.stderr, out / "q8-cost.log")}
-        q8_meta_path.write_text(json.dumps(q8, indent=1) + "\n")
+            sys.exit(f"eval-references: llama.cpp's {dtype}-vs-f16 figures on {name} were not "
+                     f"measured; see {out / f'{short}-cost.log'}")
+        rec = {"key": key, "command": " ".join(cmd) + " (env GGML_CPU_TILED_MM=0)",
+               "cost": kl_figures(p.stdout + p.stderr, out / f"{short}-cost.log")}
+        meta_path.write_text(json.dumps(rec, indent=1) + "\n")
     ours = kvwarden_eval(kvwarden, ["--model", str(model), "--text", str(TEXT),
-                                    "--kv-dtype", "q8_0", "--kl-base", str(out / "q8.kld")])
-    b, cost = ours["base"], q8["cost"]
+                                    "--kv-dtype", dtype, "--kl-base",
+                                    str(out / f"{short}.kld")])
+    b, cost = ours["base"], rec["cost"]
     bar_mean, bar_top = bar(b, meta["spread"], ours["tokens_scored"])
     bar_mean += cost["kld_mean"]
     bar_top -= 1 - cost["same_top"]
     failures = []
     if b["kld_mean"] > bar_mean:
-        failures.append(f"q8_0 K/V: mean KL divergence {b['kld_mean']:.3g} > the bar {bar_mean:.3g}")
+        failures.append(f"{dtype} K/V: mean KL divergence {b['kld_mean']:.3g} > the bar "
+                        f"{bar_mean:.3g}")
     if b["same_top"] < bar_top:
-        failures.append(f"q8_0 K/V: top-1 agreement {b['same_top']:.4f} < the bar {bar_top:.4f}")
-    line = (f"{name}, --kv-dtype q8_0 against llama.cpp -ctk q8_0 -ctv q8_0: PPL "
+        failures.append(f"{dtype} K/V: top-1 agreement {b['same_top']:.4f} < the bar "
+                        f"{bar_top:.4f}")
+    line = (f"{name}, --kv-dtype {dtype} against llama.cpp -ctk {dtype} -ctv {dtype}: PPL "
             f"{ours['ppl']:.4f}, KLD mean {b['kld_mean']:.2e} (bar {bar_mean:.2e}), same top-1 "
-            f"{100 * b['same_top']:.2f} % (bar {100 * bar_top:.2f}); llama.cpp's own q8_0 vs "
+            f"{100 * b['same_top']:.2f} % (bar {100 * bar_top:.2f}); llama.cpp's own {dtype} vs "
             f"f16: KLD mean {cost['kld_mean']:.2e}, same top-1 {100 * cost['same_top']:.2f} %")
     return line, failures
 
@@ -500,11 +509,13 @@ def main():
             row, bad = check(name, meta, args.kvwarden)
             rows.append(row)
             failures += [f"{name}: {b}" for b in bad]
-    q8_line = None
+    block_lines = []
     if args.check:
         name = wanted[0][0]
-        q8_line, bad = check_q8(name, metas[name], args.kvwarden, binary)
-        failures += [f"{name}: {b}" for b in bad]
+        for dtype in BLOCK_KV:
+            line, bad = check_block_kv(dtype, name, metas[name], args.kvwarden, binary)
+            block_lines.append(line)
+            failures += [f"{name}: {b}" for b in bad]
     if args.invariance:
         failures += invariance(wanted[0][0], args.kvwarden, args.portable)
     lora_rows = []
@@ -523,8 +534,8 @@ def main():
               "KLD mean | KLD 99% | same top-1 % | PPL default |")
         print("| --- " * 12 + "|")
         print("\n".join(rows))
-    if q8_line:
-        print(q8_line)
+    for line in block_lines:
+        print(line)
     if lora_rows:
         print("| file | adapter | PPL kvwarden | PPL llama.cpp plain | KLD mean | KLD 99% | "
               "same top-1 % | bar: KLD, top-1 % | without the adapter (window 1): KLD mean | "

@@ -53,7 +53,7 @@ pub struct EvalArgs {
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
     /// The K/V element type, as `kvwarden serve --kv-dtype` stores it.
-    #[arg(long, default_value = "f16", value_parser = ["f16", "f32", "q8_0"])]
+    #[arg(long, default_value = "f16", value_parser = ["f16", "f32", "q8_0", "q4_0"])]
     pub kv_dtype: String,
     /// Score the text under a LoRA adapter (llama.cpp's GGUF adapter format), checked
     /// against --model, at SCALE (default 1; llama.cpp's `--lora-scaled FILE SCALE`): what
@@ -180,11 +180,8 @@ fn eval_model(model_path: &Path, args: &EvalArgs) -> Result<Report, EvalError> {
     let feeding = Feeding {
         chunk: args.prefill_chunk,
         batch: args.batch,
-        kv_dtype: match args.kv_dtype.as_str() {
-            "f32" => kv::KvDtype::F32,
-            "q8_0" => kv::KvDtype::Q8_0,
-            _ => kv::KvDtype::F16,
-        },
+        // The parser admitted only the types' names.
+        kv_dtype: kv::KvDtype::from_name(&args.kv_dtype).unwrap_or(kv::KvDtype::F16),
     };
     let per_element = feeding.kv_dtype.values_per_element();
     if !model.config.head_dim.is_multiple_of(per_element) {

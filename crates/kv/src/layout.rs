@@ -4,7 +4,9 @@
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-use crate::q8::{quantize_into, Q8Block, Q8_BLOCK_BYTES, Q8_VALUES};
+use crate::block::{dequantize_into, from_wire, quantize_into, KvBlock};
+use crate::q4::Q4Block;
+use crate::q8::Q8Block;
 
 /// Element type of stored K/V values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,24 +16,40 @@ pub enum KvDtype {
     /// 32-value blocks of bytes and an f16 scale (`crate::q8`); rows must hold a multiple
     /// of 32 values.
     Q8_0,
+    /// 32-value blocks of nibbles and an f16 scale (`crate::q4`); rows as Q8_0's.
+    Q4_0,
 }
 
 impl KvDtype {
-    /// Bytes of `values` stored values (for Q8_0, a multiple of 32).
+    /// Bytes of `values` stored values (for a block format, whole blocks).
     pub fn bytes_for(self, values: usize) -> usize {
-        match self {
-            KvDtype::F16 => 2 * values,
-            KvDtype::F32 => 4 * values,
-            KvDtype::Q8_0 => values / Q8_VALUES * Q8_BLOCK_BYTES,
-        }
+        values / self.values_per_element() * self.element_bytes()
     }
 
-    /// Values per stored element (a Q8_0 element is a block).
+    /// Values per stored element (a block format's element is a block).
     pub fn values_per_element(self) -> usize {
         match self {
             KvDtype::F16 | KvDtype::F32 => 1,
-            KvDtype::Q8_0 => Q8_VALUES,
+            KvDtype::Q8_0 => Q8Block::VALUES,
+            KvDtype::Q4_0 => Q4Block::VALUES,
         }
+    }
+
+    fn element_bytes(self) -> usize {
+        match self {
+            KvDtype::F16 => 2,
+            KvDtype::F32 => 4,
+            KvDtype::Q8_0 => Q8Block::BYTES,
+            KvDtype::Q4_0 => Q4Block::BYTES,
+        }
+    }
+
+    /// Every type, as `--kv-dtype` lists them.
+    pub const ALL: [KvDtype; 4] = [KvDtype::F16, KvDtype::F32, KvDtype::Q8_0, KvDtype::Q4_0];
+
+    /// The type `--kv-dtype` names `name`.
+    pub fn from_name(name: &str) -> Option<KvDtype> {
+        KvDtype::ALL.into_iter().find(|d| d.name() == name)
     }
 
     /// As `--kv-dtype` names it.
@@ -40,6 +58,7 @@ impl KvDtype {
             KvDtype::F16 => "f16",
             KvDtype::F32 => "f32",
             KvDtype::Q8_0 => "q8_0",
+            KvDtype::Q4_0 => "q4_0",
         }
     }
 }
@@ -67,8 +86,8 @@ impl KvLayout {
         self.dtype.bytes_for(self.page_elems())
     }
 
-    /// Whether rows of this layout can be stored in its element type (Q8_0 needs whole
-    /// blocks per row).
+    /// Whether rows of this layout can be stored in its element type (a block format needs
+    /// whole blocks per row).
     pub fn is_storable(&self) -> bool {
         self.kv_dim.is_multiple_of(self.dtype.values_per_element())
     }
@@ -84,6 +103,20 @@ pub(crate) enum PageData {
     F16(Box<[f16]>),
     F32(Box<[f32]>),
     Q8_0(Box<[Q8Block]>),
+    Q4_0(Box<[Q4Block]>),
+}
+
+fn zeroed_blocks<B: KvBlock>(elems: usize) -> Box<[B]> {
+    vec![B::ZERO; elems / B::VALUES].into_boxed_slice()
+}
+
+/// One row into the blocks of a block-format page, from `at` (a block boundary).
+fn store_blocks<B: KvBlock>(d: &mut [B], at: usize, values: usize, row: Row<'_>) {
+    let blocks = &mut d[at / B::VALUES..(at + values) / B::VALUES];
+    match row {
+        Row::Values(x) => quantize_into(x, blocks),
+        Row::Wire(bytes) => from_wire(bytes, blocks),
+    }
 }
 
 impl PageData {
@@ -92,9 +125,8 @@ impl PageData {
         match dtype {
             KvDtype::F16 => PageData::F16(vec![f16::ZERO; elems].into_boxed_slice()),
             KvDtype::F32 => PageData::F32(vec![0f32; elems].into_boxed_slice()),
-            KvDtype::Q8_0 => {
-                PageData::Q8_0(vec![Q8Block::ZERO; elems / Q8_VALUES].into_boxed_slice())
-            }
+            KvDtype::Q8_0 => PageData::Q8_0(zeroed_blocks(elems)),
+            KvDtype::Q4_0 => PageData::Q4_0(zeroed_blocks(elems)),
         }
     }
 
@@ -103,6 +135,7 @@ impl PageData {
             PageData::F16(d) => d.fill(f16::from_f32(value)),
             PageData::F32(d) => d.fill(value),
             PageData::Q8_0(d) => d.fill(Q8Block::filled(value)),
+            PageData::Q4_0(d) => d.fill(Q4Block::filled(value)),
         }
     }
 
@@ -111,7 +144,7 @@ impl PageData {
         match self {
             PageData::F16(d) => d.iter().map(|x| x.to_f32()).collect(),
             PageData::F32(d) => d.to_vec(),
-            PageData::Q8_0(_) => {
+            PageData::Q8_0(_) | PageData::Q4_0(_) => {
                 let mut out = vec![0f32; self.values()];
                 KvSlice::from(self).to_f32(&mut out);
                 out
@@ -124,11 +157,13 @@ impl PageData {
         match self {
             PageData::F16(d) => d.len(),
             PageData::F32(d) => d.len(),
-            PageData::Q8_0(d) => d.len() * Q8_VALUES,
+            PageData::Q8_0(d) => d.len() * Q8Block::VALUES,
+            PageData::Q4_0(d) => d.len() * Q4Block::VALUES,
         }
     }
 
-    /// Stores one row of `values` values at value offset `at` (for Q8_0, a block boundary);
+    /// Stores one row of `values` values at value offset `at` (for a block format, a block
+    /// boundary);
     /// the caller checked the row's shape (`Row::fits`).
     pub(crate) fn store(&mut self, at: usize, values: usize, row: Row<'_>) {
         match (self, row) {
@@ -136,10 +171,8 @@ impl PageData {
             // per instruction (per element, it was a call each); same rounding.
             (PageData::F16(d), Row::Values(x)) => d[at..at + values].convert_from_f32_slice(x),
             (PageData::F32(d), Row::Values(x)) => d[at..at + values].copy_from_slice(x),
-            (PageData::Q8_0(d), Row::Values(x)) => {
-                let b = at / Q8_VALUES;
-                quantize_into(x, &mut d[b..b + values / Q8_VALUES]);
-            }
+            (PageData::Q8_0(d), row) => store_blocks(d, at, values, row),
+            (PageData::Q4_0(d), row) => store_blocks(d, at, values, row),
             (PageData::F16(d), Row::Wire(bytes)) => {
                 for (o, b) in d[at..at + values].iter_mut().zip(bytes.chunks_exact(2)) {
                     *o = f16::from_le_bytes([b[0], b[1]]);
@@ -148,15 +181,6 @@ impl PageData {
             (PageData::F32(d), Row::Wire(bytes)) => {
                 for (o, b) in d[at..at + values].iter_mut().zip(bytes.chunks_exact(4)) {
                     *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                }
-            }
-            (PageData::Q8_0(d), Row::Wire(bytes)) => {
-                let b = at / Q8_VALUES;
-                for (o, x) in d[b..b + values / Q8_VALUES]
-                    .iter_mut()
-                    .zip(bytes.chunks_exact(Q8_BLOCK_BYTES))
-                {
-                    *o = Q8Block::from_bytes(x);
                 }
             }
         }
@@ -194,6 +218,7 @@ impl<'a> From<&'a PageData> for KvSlice<'a> {
             PageData::F16(d) => KvSlice::F16(d),
             PageData::F32(d) => KvSlice::F32(d),
             PageData::Q8_0(d) => KvSlice::Q8_0(d),
+            PageData::Q4_0(d) => KvSlice::Q4_0(d),
         }
     }
 }
@@ -204,6 +229,7 @@ pub enum KvSlice<'a> {
     F16(&'a [f16]),
     F32(&'a [f32]),
     Q8_0(&'a [Q8Block]),
+    Q4_0(&'a [Q4Block]),
 }
 
 impl KvSlice<'_> {
@@ -212,7 +238,8 @@ impl KvSlice<'_> {
         match self {
             KvSlice::F16(s) => s.len(),
             KvSlice::F32(s) => s.len(),
-            KvSlice::Q8_0(s) => s.len() * Q8_VALUES,
+            KvSlice::Q8_0(s) => s.len() * Q8Block::VALUES,
+            KvSlice::Q4_0(s) => s.len() * Q4Block::VALUES,
         }
     }
 
@@ -234,13 +261,8 @@ impl KvSlice<'_> {
                     *o = *v;
                 }
             }
-            KvSlice::Q8_0(s) => {
-                let mut block = [0f32; Q8_VALUES];
-                for (o, b) in out.chunks_mut(Q8_VALUES).zip(s.iter()) {
-                    b.dequantize(&mut block);
-                    o.copy_from_slice(&block[..o.len()]);
-                }
-            }
+            KvSlice::Q8_0(s) => dequantize_into(s, out),
+            KvSlice::Q4_0(s) => dequantize_into(s, out),
         }
         self.len().min(out.len())
     }
@@ -267,11 +289,18 @@ pub(crate) fn rows<'a>(
             KvSlice::F32(&d[v0..v0 + len]),
         ),
         PageData::Q8_0(d) => {
-            let (k0, v0, len) = (k0 / Q8_VALUES, v0 / Q8_VALUES, len / Q8_VALUES);
-            (
-                KvSlice::Q8_0(&d[k0..k0 + len]),
-                KvSlice::Q8_0(&d[v0..v0 + len]),
-            )
+            let (k, v) = block_rows(d, k0, v0, len);
+            (KvSlice::Q8_0(k), KvSlice::Q8_0(v))
+        }
+        PageData::Q4_0(d) => {
+            let (k, v) = block_rows(d, k0, v0, len);
+            (KvSlice::Q4_0(k), KvSlice::Q4_0(v))
         }
     }
+}
+
+/// The blocks of `len` values at value offsets `k0` and `v0` (block boundaries).
+fn block_rows<B: KvBlock>(d: &[B], k0: usize, v0: usize, len: usize) -> (&[B], &[B]) {
+    let (k0, v0, len) = (k0 / B::VALUES, v0 / B::VALUES, len / B::VALUES);
+    (&d[k0..k0 + len], &d[v0..v0 + len])
 }

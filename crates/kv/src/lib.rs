@@ -22,12 +22,14 @@
 // its own safety argument and test.
 #![forbid(unsafe_code)]
 
+mod block;
 mod error;
 mod evict;
 mod layout;
 mod lease;
 mod pool;
 mod prefix;
+mod q4;
 mod q8;
 mod sequence;
 mod shared;
@@ -35,11 +37,13 @@ mod state;
 mod sync;
 mod transfer;
 
+pub use block::KvBlock;
 pub use error::KvError;
 pub use layout::{KvDtype, KvLayout, KvSlice};
 pub use lease::PageLease;
 pub use pool::{KvPool, PoolConfig, PoolCounts};
 pub use prefix::{PrefixCache, PrefixError, PrefixMatch, PublicPrefixes, TreeStats};
+pub use q4::Q4Block;
 pub use q8::{Q8Block, Q8_BLOCK_BYTES, Q8_VALUES};
 pub use sequence::{KvRun, SequenceKv};
 pub use shared::SharedPage;

@@ -1,14 +1,13 @@
 //! The Q8_0 K/V element: llama.cpp's `block_q8_0` (an f16 scale and 32 signed bytes, 34
 //! bytes for 32 values against 64 in f16), as its `-ctk q8_0 -ctv q8_0` stores K and V.
 //!
-//! One quantization, defined here and used on every CPU path (K/V rows are written once
-//! per token, so a scalar loop costs nothing that matters), so that the same request stores
-//! the same bytes on every node. Dequantization is exact in f32 (an 11-bit scale times a
-//! byte), so attention reading a Q8_0 page computes on exactly the values it would read
-//! from an f32 page holding the dequantized rows: every arithmetic after the read is the
-//! f32 cache's.
+//! K/V rows are written once per token, so the scalar quantization costs nothing that
+//! matters. Dequantization is exact in f32 (an 11-bit scale times a byte): see
+//! `crate::block` for what that gives attention.
 
 use half::f16;
+
+use crate::block::KvBlock;
 
 /// Values per block.
 pub const Q8_VALUES: usize = 32;
@@ -24,15 +23,16 @@ pub struct Q8Block {
 /// Bytes of one block on the wire: `d` little-endian, then the 32 bytes.
 pub const Q8_BLOCK_BYTES: usize = 2 + Q8_VALUES;
 
-impl Q8Block {
-    pub const ZERO: Q8Block = Q8Block {
+impl KvBlock for Q8Block {
+    const BYTES: usize = Q8_BLOCK_BYTES;
+    const ZERO: Q8Block = Q8Block {
         d: f16::ZERO,
         qs: [0; Q8_VALUES],
     };
 
     /// llama.cpp's `quantize_row_q8_0_ref`: the scale maps the largest magnitude to 127,
     /// each value rounds half away from zero.
-    pub fn quantize(x: &[f32]) -> Q8Block {
+    fn quantize(x: &[f32]) -> Q8Block {
         let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
@@ -46,8 +46,7 @@ impl Q8Block {
         }
     }
 
-    /// A block whose every value reads as `value` (scrubbing: 0, or NaN for poison).
-    pub(crate) fn filled(value: f32) -> Q8Block {
+    fn filled(value: f32) -> Q8Block {
         if value.is_nan() {
             Q8Block {
                 d: f16::NAN,
@@ -58,20 +57,19 @@ impl Q8Block {
         }
     }
 
-    /// The 32 values, exactly.
-    pub fn dequantize(&self, out: &mut [f32]) {
+    fn dequantize(&self, out: &mut [f32]) {
         let d = self.d.to_f32();
         for (o, &q) in out.iter_mut().zip(&self.qs) {
             *o = d * f32::from(q);
         }
     }
 
-    pub(crate) fn push_bytes(&self, out: &mut Vec<u8>) {
+    fn push_bytes(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.d.to_le_bytes());
         out.extend(self.qs.iter().map(|&q| q as u8));
     }
 
-    pub(crate) fn from_bytes(b: &[u8]) -> Q8Block {
+    fn from_bytes(b: &[u8]) -> Q8Block {
         let mut qs = [0i8; Q8_VALUES];
         for (q, &x) in qs.iter_mut().zip(&b[2..Q8_BLOCK_BYTES]) {
             *q = x as i8;
@@ -80,13 +78,6 @@ impl Q8Block {
             d: f16::from_le_bytes([b[0], b[1]]),
             qs,
         }
-    }
-}
-
-/// `rows` (a multiple of 32 values) into `out`, block by block.
-pub(crate) fn quantize_into(rows: &[f32], out: &mut [Q8Block]) {
-    for (block, x) in out.iter_mut().zip(rows.chunks_exact(Q8_VALUES)) {
-        *block = Q8Block::quantize(x);
     }
 }
 

@@ -7,6 +7,7 @@
 //! Payload of one page: for each layer, the K rows then the V rows of its first `tokens`
 //! slots, in the pool's element type, little-endian.
 
+use crate::block::KvBlock;
 use crate::layout::Row;
 use crate::{KvError, KvLayout, KvSlice, SequenceKv};
 
@@ -27,6 +28,7 @@ fn push_slice(out: &mut Vec<u8>, s: KvSlice<'_>) {
             .iter()
             .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
         KvSlice::Q8_0(v) => v.iter().for_each(|b| b.push_bytes(out)),
+        KvSlice::Q4_0(v) => v.iter().for_each(|b| b.push_bytes(out)),
     }
 }
 

@@ -72,6 +72,7 @@ pub fn serve(#[allow(unused_mut)] mut args: ServeArgs) -> Result<()> {
         KvDtypeArg::F16 => kv::KvDtype::F16,
         KvDtypeArg::F32 => kv::KvDtype::F32,
         KvDtypeArg::Q8_0 => kv::KvDtype::Q8_0,
+        KvDtypeArg::Q4_0 => kv::KvDtype::Q4_0,
     };
     let layout = model.kv_layout(args.kv_page_tokens.max(1), kv_dtype);
     let pool_tokens = match args.kv_pool_mib {

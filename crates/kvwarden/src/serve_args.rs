@@ -131,6 +131,9 @@ pub enum KvDtypeArg {
     /// llama.cpp's block_q8_0: 34 bytes for 32 values (1.88x the tokens of f16 per byte).
     #[value(name = "q8_0")]
     Q8_0,
+    /// llama.cpp's block_q4_0: 18 bytes for 32 values (3.56x the tokens of f16 per byte).
+    #[value(name = "q4_0")]
+    Q4_0,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]

@@ -100,6 +100,9 @@ pub(crate) fn attention(
                 Some(KvSlice::Q8_0(_)) => {
                     attend_typed::<kv::Q8Block>(runs, rows, first, dim, &shape)
                 }
+                Some(KvSlice::Q4_0(_)) => {
+                    attend_typed::<kv::Q4Block>(runs, rows, first, dim, &shape)
+                }
                 _ => attend_typed::<f16>(runs, rows, first, dim, &shape),
             };
             (task, out)
@@ -142,6 +145,15 @@ impl TypedRows for kv::Q8Block {
     fn of(s: KvSlice<'_>) -> Option<&[kv::Q8Block]> {
         match s {
             KvSlice::Q8_0(x) => Some(x),
+            _ => None,
+        }
+    }
+}
+
+impl TypedRows for kv::Q4Block {
+    fn of(s: KvSlice<'_>) -> Option<&[kv::Q4Block]> {
+        match s {
+            KvSlice::Q4_0(x) => Some(x),
             _ => None,
         }
     }

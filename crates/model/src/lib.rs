@@ -12,6 +12,7 @@ pub mod config;
 pub mod forward;
 pub mod gemma3;
 pub mod kernels;
+mod kv_rotation;
 pub mod lora;
 pub mod quant;
 pub mod sampling;

@@ -444,8 +444,9 @@ fn chunking_and_batching_never_change_a_row_in_any_architecture() {
         for (ty, dtype, dim, heads) in [
             (GgmlType::Q4_1, KvDtype::F16, 96, 6),
             (GgmlType::Q8_0, KvDtype::F32, 96, 6),
-            // Q8_0 K/V needs heads of whole 32-value blocks.
+            // Block K/V (Q8_0, Q4_0) needs heads of whole 32-value blocks.
             (GgmlType::Q4_1, KvDtype::Q8_0, 256, 4),
+            (GgmlType::Q4_1, KvDtype::Q4_0, 256, 4),
             // The k-quants need rows of whole 256-element super-blocks.
             (GgmlType::Q4_K, KvDtype::F16, 256, 4),
             (GgmlType::Q6_K, KvDtype::F16, 256, 4),

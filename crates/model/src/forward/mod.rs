@@ -12,6 +12,7 @@ use crate::attention::attention;
 use crate::batch::{BatchItem, Logits, LogitsWanted};
 use crate::config::FfnAct;
 use crate::kernels::{matmul, matmul_group, ActKind, RowSlice, WeightRows};
+use crate::kv_rotation::{rotate_chunks, KvRotation};
 use crate::lora::{add_lora_rows, RowAdapters, Site, Target, Update};
 use crate::weights::{BlockQ8_1, Matrix, QK};
 use crate::{LlamaConfig, ModelError};
@@ -282,6 +283,20 @@ impl Model {
             if let Some(s) = c.q_scale {
                 q.iter_mut().for_each(|v| *v *= s);
             }
+            // A block-format cache stores K and V rotated (`kv_rotation`); each item's rows
+            // by its own pool's element type.
+            let rotations: Vec<Option<KvRotation>> = items
+                .iter()
+                .map(|it| KvRotation::of(it.kv.layout().dtype, hd))
+                .collect();
+            for (i, rot) in rotations.iter().enumerate() {
+                if let Some(rot) = rot {
+                    let rows = starts[i]..starts[i] + items[i].tokens.len();
+                    rotate_chunks(&mut q[rows.start * q_dim..rows.end * q_dim], rot.k);
+                    rotate_chunks(&mut k[rows.start * kv_dim..rows.end * kv_dim], rot.k);
+                    rotate_chunks(&mut v[rows.start * kv_dim..rows.end * kv_dim], rot.v);
+                }
+            }
             for (i, it) in items.iter_mut().enumerate() {
                 if status[i].is_err() {
                     continue;
@@ -301,6 +316,12 @@ impl Model {
                 }
             }
             attention(c, li, items, &starts, &mut status, &q, &mut attn);
+            for (i, rot) in rotations.iter().enumerate() {
+                if let Some(rot) = rot {
+                    let rows = starts[i]..starts[i] + items[i].tokens.len();
+                    rotate_chunks(&mut attn[rows.start * q_dim..rows.end * q_dim], rot.v);
+                }
+            }
             quantize_rows(&attn, q_dim, &mut aq);
             matmul(&layer.wo, &attn, &aq, n, &mut proj);
             if lora {

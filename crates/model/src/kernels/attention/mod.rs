@@ -88,21 +88,27 @@ impl KvElem for f32 {
     }
 }
 
-/// Q8_0 rows are widened to their exact f32 values, and the queries stay f32: from there
-/// on the arithmetic is the f32 cache's (`kv::Q8Block`).
-impl KvElem for kv::Q8Block {
-    const VALUES: usize = kv::Q8_VALUES;
+/// Block-format rows (`kv::KvBlock`: Q8_0, Q4_0) are widened to their exact f32 values,
+/// and the queries stay f32: from there on the arithmetic is the f32 cache's.
+macro_rules! block_kv_elem {
+    ($block:ty) => {
+        impl KvElem for $block {
+            const VALUES: usize = <$block as kv::KvBlock>::VALUES;
 
-    fn round_queries(q: &[f32], out: &mut [f32]) {
-        out.copy_from_slice(&q[..out.len()]);
-    }
+            fn round_queries(q: &[f32], out: &mut [f32]) {
+                out.copy_from_slice(&q[..out.len()]);
+            }
 
-    fn widen(src: &[kv::Q8Block], dst: &mut [f32]) {
-        for (d, b) in dst.chunks_exact_mut(kv::Q8_VALUES).zip(src) {
-            b.dequantize(d);
+            fn widen(src: &[$block], dst: &mut [f32]) {
+                for (d, b) in dst.chunks_exact_mut(Self::VALUES).zip(src) {
+                    kv::KvBlock::dequantize(b, d);
+                }
+            }
         }
-    }
+    };
 }
+block_kv_elem!(kv::Q8Block);
+block_kv_elem!(kv::Q4Block);
 
 impl KvElem for half::f16 {
     fn round_queries(q: &[f32], out: &mut [f32]) {

@@ -1,25 +1,52 @@
-//! Q8_0 pages: what they store, how they are scrubbed, and that a page moved between nodes
-//! arrives as the very blocks it left as.
+//! Block-format pages (Q8_0, Q4_0): what they store, how they are scrubbed, and that a page
+//! moved between nodes arrives as the very blocks it left as. Each test runs on every
+//! format.
 
 // Under `--cfg loom` the crate hands out loom's `Arc`, usable only inside a loom model.
 #![cfg(not(loom))]
 
 use kv::{
-    IsolationDomain, KvDtype, KvLayout, KvPool, KvSlice, Owner, PoolConfig, Q8Block, RequestId,
-    ScrubPolicy, SequenceKv, Q8_VALUES,
+    IsolationDomain, KvBlock, KvDtype, KvLayout, KvPool, KvSlice, Owner, PoolConfig, Q4Block,
+    Q8Block, RequestId, ScrubPolicy, SequenceKv,
 };
 
 const LAYERS: usize = 2;
 const DIM: usize = 64;
 const P: usize = 4;
 
-fn pool(pages: usize, scrub: ScrubPolicy) -> KvPool {
+/// A block format as the pool's slices carry it.
+trait Format: KvBlock {
+    const DTYPE: KvDtype;
+    fn blocks(s: KvSlice<'_>) -> Vec<Self>;
+}
+
+impl Format for Q8Block {
+    const DTYPE: KvDtype = KvDtype::Q8_0;
+    fn blocks(s: KvSlice<'_>) -> Vec<Q8Block> {
+        match s {
+            KvSlice::Q8_0(b) => b.to_vec(),
+            _ => panic!("a q8_0 pool stores its blocks"),
+        }
+    }
+}
+
+impl Format for Q4Block {
+    const DTYPE: KvDtype = KvDtype::Q4_0;
+    fn blocks(s: KvSlice<'_>) -> Vec<Q4Block> {
+        match s {
+            KvSlice::Q4_0(b) => b.to_vec(),
+            _ => panic!("a q4_0 pool stores its blocks"),
+        }
+    }
+}
+
+fn pool<B: Format>(pages: usize, scrub: ScrubPolicy) -> KvPool {
     KvPool::new(PoolConfig {
         layout: KvLayout {
             n_layers: LAYERS,
             kv_dim: DIM,
             page_tokens: P,
-            dtype: KvDtype::Q8_0,
+            dtype: B::DTYPE,
         },
         pages,
         scrub,
@@ -43,17 +70,18 @@ fn row(pos: usize, layer: usize, kv: usize) -> Vec<f32> {
         .collect()
 }
 
-fn blocks(s: KvSlice<'_>) -> Vec<Q8Block> {
-    match s {
-        KvSlice::Q8_0(b) => b.to_vec(),
-        _ => panic!("a q8_0 pool stores blocks"),
-    }
+#[test]
+fn a_block_page_stores_each_rows_blocks_as_quantize_makes_them() {
+    stores_each_rows_blocks::<Q8Block>(34);
+    stores_each_rows_blocks::<Q4Block>(18);
 }
 
-#[test]
-fn a_q8_0_page_stores_each_rows_blocks_as_quantize_makes_them() {
-    let pool = pool(1, ScrubPolicy::Zero);
-    assert_eq!(pool.layout().bytes_per_token(), LAYERS * 2 * DIM / 32 * 34);
+fn stores_each_rows_blocks<B: Format>(block_bytes: usize) {
+    let pool = pool::<B>(1, ScrubPolicy::Zero);
+    assert_eq!(
+        pool.layout().bytes_per_token(),
+        LAYERS * 2 * DIM / 32 * block_bytes
+    );
     let mut leases = pool.allocate(RequestId(1), 1).unwrap();
     for pos in 0..P {
         for layer in 0..LAYERS {
@@ -65,12 +93,12 @@ fn a_q8_0_page_stores_each_rows_blocks_as_quantize_makes_them() {
     for layer in 0..LAYERS {
         let (k, v) = leases[0].read(layer, P).unwrap();
         assert_eq!(k.len(), P * DIM);
-        for (kv, stored) in [(0, blocks(k)), (1, blocks(v))] {
-            let want: Vec<Q8Block> = (0..P)
+        for (kv, stored) in [(0, B::blocks(k)), (1, B::blocks(v))] {
+            let want: Vec<B> = (0..P)
                 .flat_map(|pos| {
                     row(pos, layer, kv)
-                        .chunks(Q8_VALUES)
-                        .map(Q8Block::quantize)
+                        .chunks(B::VALUES)
+                        .map(B::quantize)
                         .collect::<Vec<_>>()
                 })
                 .collect();
@@ -80,12 +108,17 @@ fn a_q8_0_page_stores_each_rows_blocks_as_quantize_makes_them() {
 }
 
 #[test]
-fn q8_0_pages_are_scrubbed_to_zero_or_poison() {
+fn block_pages_are_scrubbed_to_zero_or_poison() {
+    scrubbed_to_zero_or_poison::<Q8Block>();
+    scrubbed_to_zero_or_poison::<Q4Block>();
+}
+
+fn scrubbed_to_zero_or_poison<B: Format>() {
     for (scrub, expect) in [
         (ScrubPolicy::Zero, (|x: f32| x == 0.0) as fn(f32) -> bool),
         (ScrubPolicy::Poison, f32::is_nan),
     ] {
-        let pool = pool(1, scrub);
+        let pool = pool::<B>(1, scrub);
         let mut leases = pool.allocate(RequestId(1), 1).unwrap();
         for layer in 0..LAYERS {
             leases[0]
@@ -103,9 +136,14 @@ fn q8_0_pages_are_scrubbed_to_zero_or_poison() {
 }
 
 #[test]
-fn an_exported_q8_0_page_imports_as_the_same_blocks() {
-    let from = pool(4, ScrubPolicy::Zero);
-    let to = pool(4, ScrubPolicy::Zero);
+fn an_exported_block_page_imports_as_the_same_blocks() {
+    exported_page_imports_as_the_same_blocks::<Q8Block>();
+    exported_page_imports_as_the_same_blocks::<Q4Block>();
+}
+
+fn exported_page_imports_as_the_same_blocks<B: Format>() {
+    let from = pool::<B>(4, ScrubPolicy::Zero);
+    let to = pool::<B>(4, ScrubPolicy::Zero);
     let n = P + 3;
     let mut a = SequenceKv::new(&from, owner(1));
     a.reserve(n).unwrap();
@@ -113,7 +151,7 @@ fn an_exported_q8_0_page_imports_as_the_same_blocks() {
         for layer in 0..LAYERS {
             let mut k = row(pos, layer, 0);
             // An overflowed value makes an infinite scale: the block must still arrive as
-            // it left (requantizing its values would store a zero scale instead).
+            // it left (requantizing its values would store another block).
             if pos == 2 {
                 k[5] = f32::INFINITY;
             }
@@ -129,26 +167,38 @@ fn an_exported_q8_0_page_imports_as_the_same_blocks() {
         b.import_page(i, (n - i * P).min(P), page).unwrap();
     }
     b.commit(n).unwrap();
-    let first = blocks(a.runs(0, n).unwrap()[0].k);
-    assert!(first[2 * DIM / Q8_VALUES].d.is_infinite());
+    let first = B::blocks(a.runs(0, n).unwrap()[0].k);
+    let mut values = vec![0f32; B::VALUES];
+    first[2 * DIM / B::VALUES].dequantize(&mut values);
+    assert!(values.iter().any(|v| !v.is_finite()));
     for layer in 0..LAYERS {
         let (ra, rb) = (a.runs(layer, n).unwrap(), b.runs(layer, n).unwrap());
         for (x, y) in ra.iter().zip(&rb) {
-            assert_eq!(blocks(x.k), blocks(y.k));
-            assert_eq!(blocks(x.v), blocks(y.v));
+            assert_eq!(B::blocks(x.k), B::blocks(y.k));
+            assert_eq!(B::blocks(x.v), B::blocks(y.v));
         }
     }
 }
 
 #[test]
 #[should_panic(expected = "multiple of 32")]
-fn a_row_that_is_not_whole_blocks_is_refused() {
+fn a_row_that_is_not_whole_q8_0_blocks_is_refused() {
+    not_whole_blocks(KvDtype::Q8_0);
+}
+
+#[test]
+#[should_panic(expected = "multiple of 32")]
+fn a_row_that_is_not_whole_q4_0_blocks_is_refused() {
+    not_whole_blocks(KvDtype::Q4_0);
+}
+
+fn not_whole_blocks(dtype: KvDtype) {
     KvPool::new(PoolConfig {
         layout: KvLayout {
             n_layers: 1,
             kv_dim: 48,
             page_tokens: P,
-            dtype: KvDtype::Q8_0,
+            dtype,
         },
         pages: 1,
         scrub: ScrubPolicy::Zero,
