@@ -39,8 +39,12 @@ fn main() {
         )
     });
     let model = Model::load(&file).expect("model");
+    // BENCH_KV: the K/V element type, as `serve --kv-dtype` names it (llama-bench's -ctk/-ctv).
+    let kv_name = std::env::var("BENCH_KV").unwrap_or_else(|_| "f16".into());
+    let dtype = KvDtype::from_name(&kv_name)
+        .unwrap_or_else(|| panic!("BENCH_KV={kv_name}: not one of f16, f32, q8_0, q4_0"));
     let pool = KvPool::new(PoolConfig {
-        layout: model.kv_layout(16, KvDtype::F16),
+        layout: model.kv_layout(16, dtype),
         pages: (np.max(depth + ng)).max(batch * (ng + 16)) / 16 + 2 * batch + 2,
         scrub: ScrubPolicy::Zero,
     });

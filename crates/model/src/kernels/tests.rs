@@ -619,6 +619,78 @@ fn block_attention_is_f32_attention<B: kv::KvBlock + KvElem>() {
     }
 }
 
+/// The vector widening of block rows (V rows one at a time; K rows transposed for a block
+/// of keys) gives `kv::KvBlock::dequantize`'s values, bit for bit, special scales included.
+#[test]
+fn block_rows_widen_to_their_blocks_values() {
+    widen_gives_the_blocks_values::<kv::Q8Block>();
+    widen_gives_the_blocks_values::<kv::Q4Block>();
+}
+
+fn widen_gives_the_blocks_values<B: kv::KvBlock + KvElem>() {
+    use kv::KvBlock;
+    let mut s = 0x5eedu64;
+    let mut byte = || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (s >> 56) as u8
+    };
+    for hd in [64, 128, 256] {
+        let per_row = hd / <B as KvBlock>::VALUES;
+        for keys in [1, 5, 16, 17, 32] {
+            let rows: Vec<Vec<B>> = (0..keys)
+                .map(|r| {
+                    (0..per_row)
+                        .map(|i| {
+                            let mut wire: Vec<u8> = (0..B::BYTES).map(|_| byte()).collect();
+                            // Scales: ordinary, then infinite, NaN and subnormal ones.
+                            let d = match (r + i) % 7 {
+                                3 => 0x7c00u16,
+                                4 => 0x7e01,
+                                5 => 0x0003,
+                                _ => 0x2c00 | u16::from(wire[0] & 0x3f),
+                            };
+                            wire[..2].copy_from_slice(&d.to_le_bytes());
+                            B::from_bytes(&wire)
+                        })
+                        .collect()
+                })
+                .collect();
+            let exact: Vec<Vec<f32>> = rows
+                .iter()
+                .map(|r| {
+                    let mut x = vec![0f32; hd];
+                    for (o, b) in x.chunks_mut(<B as KvBlock>::VALUES).zip(r) {
+                        b.dequantize(o);
+                    }
+                    x
+                })
+                .collect();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for (r, want) in rows.iter().zip(&exact) {
+                let mut got = vec![0f32; hd];
+                B::widen(r, &mut got);
+                assert_eq!(bits(&got), bits(want), "hd {hd}");
+            }
+            let off = attention::KEY_BLOCK - keys;
+            let mut kt = vec![0f32; hd * attention::KEY_BLOCK];
+            let refs: Vec<&[B]> = rows.iter().map(|r| &r[..]).collect();
+            B::widen_transposed(&refs, hd, off, &mut kt);
+            for (i, want) in exact.iter().enumerate() {
+                for (d, w) in want.iter().enumerate() {
+                    let got = kt[d * attention::KEY_BLOCK + off + i];
+                    assert_eq!(
+                        got.to_bits(),
+                        w.to_bits(),
+                        "hd {hd} keys {keys} key {i} d {d}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// A query row's output is the same computed alone, in a tile with others, with its heads
 /// apart or together, and from a K/V view that starts later (a window's `base`): the
 /// arithmetic depends on positions only (chunk and batch invariance at the kernel).

@@ -271,31 +271,120 @@ pub unsafe fn widen_transposed_f16_512(
     off: usize,
     kt: &mut [f32],
 ) {
-    const B: usize = super::KEY_BLOCK;
-    assert!(hd.is_multiple_of(16) && off + rows.len() <= B && kt.len() >= hd * B);
     assert!(rows.iter().all(|r| r.len() >= hd));
-    for (g, keys) in rows.chunks(16).enumerate() {
+    transposed_16s(rows.len(), hd, off, kt, |key, d0| {
+        // SAFETY: 16 f16 at d0 lie within the row (asserted length); unaligned loads are
+        // allowed.
+        _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(rows[key].as_ptr().add(d0) as *const __m256i) })
+    });
+}
+
+/// [`super::KvElem::widen_transposed`] for f32 rows (a block cache's, dequantized) of a
+/// multiple of 16, as [`widen_transposed_f16_512`].
+///
+/// # Safety
+/// The CPU must support AVX-512 F; `hd` must be a multiple of 16.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+pub unsafe fn widen_transposed_f32_512(rows: &[&[f32]], hd: usize, off: usize, kt: &mut [f32]) {
+    assert!(rows.iter().all(|r| r.len() >= hd));
+    transposed_16s(rows.len(), hd, off, kt, |key, d0| {
+        // SAFETY: 16 f32 at d0 lie within the row (asserted length); unaligned loads are
+        // allowed.
+        unsafe { _mm512_loadu_ps(rows[key].as_ptr().add(d0)) }
+    });
+}
+
+/// `kt[d * KEY_BLOCK + off + i] = load(i, d0)[d - d0]` for `keys` keys and `d < hd`, 16
+/// keys × 16 elements at a time through a register transposition; `load(i, d0)` is key
+/// `i`'s elements `d0..d0 + 16`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
+fn transposed_16s(
+    keys: usize,
+    hd: usize,
+    off: usize,
+    kt: &mut [f32],
+    load: impl Fn(usize, usize) -> __m512,
+) {
+    const B: usize = super::KEY_BLOCK;
+    assert!(hd.is_multiple_of(16) && off + keys <= B && kt.len() >= hd * B);
+    for g in 0..keys.div_ceil(16) {
         let at = off + 16 * g;
+        let n = (keys - 16 * g).min(16);
         for d0 in (0..hd).step_by(16) {
             let mut x = [_mm512_setzero_ps(); 16];
-            for (x, r) in x.iter_mut().zip(keys) {
-                // SAFETY: 16 f16 at d0 lie within the row (asserted length); unaligned
-                // loads are allowed.
-                *x = _mm512_cvtph_ps(unsafe {
-                    _mm256_loadu_si256(r.as_ptr().add(d0) as *const __m256i)
-                });
+            for (i, x) in x.iter_mut().enumerate().take(n) {
+                *x = load(16 * g + i, d0);
             }
             let t = transpose_16x16(x);
+            let mask = if n >= 16 { u16::MAX } else { (1u16 << n) - 1 };
             for (i, t) in t.iter().enumerate() {
                 let row = &mut kt[(d0 + i) * B..(d0 + i + 1) * B];
-                let n = keys.len().min(B - at);
-                let mask = if n >= 16 { u16::MAX } else { (1u16 << n) - 1 };
                 // SAFETY: the masked store writes lanes `at..at + n` of the 32-entry row,
-                // `at + n <= B` (asserted `off + rows.len() <= B`).
+                // `at + n <= off + keys <= B` (asserted).
                 unsafe { _mm512_mask_storeu_ps(row.as_mut_ptr().add(at), mask, *t) };
             }
         }
     }
+}
+
+/// `dst` = the values of Q4_0 blocks (as `kv::KvBlock::dequantize`: each `d · (q − 8)`, one
+/// exact product) for whole blocks; returns how many values were done.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn widen_q4_0(src: &[kv::Q4Block], dst: &mut [f32]) -> usize {
+    let mut done = 0;
+    let (low, eight) = (_mm_set1_epi8(0x0f), _mm256_set1_epi32(8));
+    for (d, b) in dst.chunks_exact_mut(32).zip(src) {
+        let scale = _mm256_set1_ps(b.d.to_f32());
+        // SAFETY: `qs` is 16 readable bytes; the load is unaligned.
+        let q = unsafe { _mm_loadu_si128(b.qs.as_ptr() as *const __m128i) };
+        // Values 0..16 are the low nibbles, 16..32 the high ones.
+        let nibbles = [
+            _mm_and_si128(q, low),
+            _mm_and_si128(_mm_srli_epi16::<4>(q), low),
+        ];
+        for (k, bytes) in nibbles.into_iter().enumerate() {
+            for (h, eight_bytes) in [bytes, _mm_srli_si128::<8>(bytes)].into_iter().enumerate() {
+                let i = _mm256_sub_epi32(_mm256_cvtepu8_epi32(eight_bytes), eight);
+                let out = &mut d[16 * k + 8 * h..16 * k + 8 * h + 8];
+                // SAFETY: `out` is 8 writable f32; the store is unaligned.
+                unsafe {
+                    _mm256_storeu_ps(
+                        out.as_mut_ptr(),
+                        _mm256_mul_ps(scale, _mm256_cvtepi32_ps(i)),
+                    )
+                };
+            }
+        }
+        done += 32;
+    }
+    done
+}
+
+/// `dst` = the values of Q8_0 blocks (each `d · q`, one exact product) for whole blocks;
+/// returns how many values were done.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn widen_q8_0(src: &[kv::Q8Block], dst: &mut [f32]) -> usize {
+    let mut done = 0;
+    for (d, b) in dst.chunks_exact_mut(32).zip(src) {
+        let scale = _mm256_set1_ps(b.d.to_f32());
+        for (k, out) in d.chunks_exact_mut(8).enumerate() {
+            // SAFETY: `qs[8k..8k + 8]` is 8 readable bytes, `out` 8 writable f32; unaligned.
+            unsafe {
+                let q = _mm_loadl_epi64(b.qs[8 * k..].as_ptr() as *const __m128i);
+                let x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+                _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(scale, x));
+            }
+        }
+        done += 32;
+    }
+    done
 }
 
 /// [`super::KvElem::widen_transposed`] for f16 rows of a multiple of 8 on 256-bit lanes: 8
