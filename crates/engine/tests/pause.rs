@@ -29,10 +29,13 @@ fn tokenizer() -> std::sync::Arc<tokenizer::Tokenizer> {
 /// step, so a first token that comes before it ends came from a pause.
 const HOLD: Duration = Duration::from_secs(30);
 
-/// The synthetic model, whose first step that decodes several rows (while `armed`) is held
-/// in its forward pass (calling back between layers, as a long step does) until `release`.
+/// The synthetic model, whose first step that decodes `rows` rows or more (while `armed`)
+/// is held in its forward pass (calling back between layers, as a long step does) until
+/// `release`. Counting the rows holds the step the test means even when the engine ran a
+/// smaller decode step before the test had submitted every request (a stalled test thread).
 struct Held {
     inner: model::Model,
+    rows: usize,
     armed: AtomicBool,
     release: Arc<AtomicBool>,
     entered: Mutex<mpsc::Sender<()>>,
@@ -59,9 +62,9 @@ impl engine::StepModel for Held {
         items: &mut [model::BatchItem<'_>],
         between_layers: &mut (dyn FnMut() + Send),
     ) -> Vec<Result<model::Logits, model::ModelError>> {
-        // The first step that only decodes several rows: every one of them has had its
+        // The first step that only decodes `rows` rows: every one of them has had its
         // first token, and none can have finished before it.
-        let decoding = items.len() > 1 && items.iter().all(|i| i.tokens.len() == 1);
+        let decoding = items.len() >= self.rows && items.iter().all(|i| i.tokens.len() == 1);
         if decoding && self.armed.swap(false, Ordering::SeqCst) {
             let _ = self.entered.lock().unwrap().send(());
             let deadline = Instant::now() + HOLD;
@@ -83,16 +86,18 @@ struct HeldEngine {
 }
 
 impl HeldEngine {
-    fn start() -> Self {
-        Self::start_with(EngineConfig::default())
+    /// Holds the first step that decodes `rows` rows or more.
+    fn start(rows: usize) -> Self {
+        Self::start_with(EngineConfig::default(), rows)
     }
 
-    fn start_with(config: EngineConfig) -> Self {
+    fn start_with(config: EngineConfig, rows: usize) -> Self {
         let release = Arc::<AtomicBool>::default();
         let (entered_tx, entered) = mpsc::channel();
         let engine = engine::start(
             Held {
                 inner: synth_model(),
+                rows: rows.max(2),
                 armed: AtomicBool::new(true),
                 release: Arc::clone(&release),
                 entered: Mutex::new(entered_tx),
@@ -107,7 +112,7 @@ impl HeldEngine {
         }
     }
 
-    /// Waits until the engine's first step that decodes several rows is held.
+    /// Waits until the engine's first step that decodes the armed rows is held.
     fn wait_held(&self) {
         let entered = self.entered.lock().unwrap();
         entered.recv_timeout(HOLD).expect("a step held");
@@ -176,7 +181,7 @@ fn token(ev: Event) -> (u32, u32) {
 
 #[test]
 fn a_lighter_tenants_first_token_comes_while_a_busy_step_is_paused() {
-    let held = HeldEngine::start();
+    let held = HeldEngine::start(4);
     let engine = &held.engine;
 
     // Alice's three requests and one of Carol's decode together; their first such step
@@ -250,10 +255,13 @@ fn a_lighter_tenants_first_token_comes_while_a_busy_step_is_paused() {
 /// next idle tenant waiting for the whole held step).
 #[test]
 fn a_paused_steps_extra_row_goes_to_a_tenant_running_nothing() {
-    let held = HeldEngine::start_with(EngineConfig {
-        max_running: 4,
-        ..EngineConfig::default()
-    });
+    let held = HeldEngine::start_with(
+        EngineConfig {
+            max_running: 4,
+            ..EngineConfig::default()
+        },
+        4,
+    );
     let engine = &held.engine;
     let mut running: Vec<_> = (0..3)
         .map(|i| events_of(engine, request("alice", i, 200)))
@@ -303,7 +311,7 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
 fn a_decode_nodes_reservation_and_first_token_do_not_wait_for_a_busy_step() {
     use engine::handoff::{Manifest, PrefillOutput};
 
-    let held = Arc::new(HeldEngine::start());
+    let held = Arc::new(HeldEngine::start(2));
     let decode = &held.engine;
     let prefill = engine::start(synth_model(), EngineConfig::default()).unwrap();
 
