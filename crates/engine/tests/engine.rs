@@ -210,6 +210,42 @@ fn public_prefixes_are_shared_across_domains() {
     assert_eq!(run(&engine, request("bob", b, 4)).cached, 32);
 }
 
+/// A block-format cache (Q8_0, Q4_0: rows stored rotated) under the prefix cache: a
+/// request that reuses a cached prefix gives the bits it gives cold, and another tenant's
+/// identical prompt reuses nothing and computes the same bits.
+#[test]
+fn block_kv_prefix_hits_give_the_cold_bits_and_stay_in_their_domain() {
+    // Heads of 64 values: whole blocks, and rotated.
+    let spec = SynthSpec {
+        dim: 256,
+        ..SynthSpec::small(7, GgmlType::Q4_1, 4096)
+    };
+    for dtype in [kv::KvDtype::Q8_0, kv::KvDtype::Q4_0] {
+        let engine = engine::start(
+            spec.load().unwrap(),
+            EngineConfig {
+                kv_dtype: dtype,
+                scrub: ScrubPolicy::Poison,
+                ..EngineConfig::default()
+            },
+        )
+        .unwrap();
+        let p = prompt(3, 40);
+        let cold = run(&engine, request("a", p.clone(), 8));
+        assert_eq!(cold.cached, 0, "{dtype:?}");
+        let warm = run(&engine, request("a", p.clone(), 8));
+        assert_eq!(warm.cached, 32, "{dtype:?}: two whole pages of the prompt");
+        assert_eq!(
+            warm.tokens, cold.tokens,
+            "{dtype:?}: a prefix hit changed the bits"
+        );
+        let other = run(&engine, request("b", p, 8));
+        assert_eq!(other.cached, 0, "{dtype:?}: a prefix crossed tenants");
+        assert_eq!(other.tokens, cold.tokens, "{dtype:?}");
+        wait_for_no_leases(&engine);
+    }
+}
+
 #[test]
 fn a_dropped_request_releases_its_pages() {
     let engine = start(EngineConfig {
