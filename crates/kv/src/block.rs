@@ -57,3 +57,37 @@ pub(crate) fn dequantize_into<B: KvBlock>(blocks: &[B], out: &mut [f32]) {
         o.copy_from_slice(&block[..o.len()]);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Q4Block, Q8Block};
+
+    fn lcg(s: &mut u64) -> f32 {
+        *s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
+    }
+
+    /// Quantizing a block's own values changes nothing, and the wire form round-trips.
+    fn round_trips<B: KvBlock>(mut seed: u64) {
+        for _ in 0..2000 {
+            let x: Vec<f32> = (0..B::VALUES).map(|_| lcg(&mut seed)).collect();
+            let b = B::quantize(&x);
+            let mut y = vec![0f32; B::VALUES];
+            b.dequantize(&mut y);
+            assert_eq!(B::quantize(&y), b);
+            let mut bytes = Vec::new();
+            b.push_bytes(&mut bytes);
+            assert_eq!(bytes.len(), B::BYTES);
+            assert_eq!(B::from_bytes(&bytes), b);
+        }
+    }
+
+    #[test]
+    fn dequantized_values_quantize_to_the_same_block() {
+        round_trips::<Q8Block>(7);
+        round_trips::<Q4Block>(11);
+    }
+}
