@@ -34,6 +34,9 @@ pub struct ServeArgs {
     pub(crate) kv_pool_mib: Option<usize>,
     #[arg(long, default_value_t = 16)]
     pub(crate) kv_page_tokens: usize,
+    /// How K/V values are stored. The block formats (q8_0, q4_0) hold more tokens per MiB
+    /// and are stored Walsh-Hadamard-rotated, as llama.cpp stores a quantized cache; every
+    /// node of a cluster must store the same type.
     #[arg(long, value_enum, default_value_t = KvDtypeArg::F16)]
     pub(crate) kv_dtype: KvDtypeArg,
     /// What a KV page holds after its lease ends.
