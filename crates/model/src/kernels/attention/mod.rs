@@ -44,10 +44,11 @@
 //! registers, the same operations in the same order.
 //!
 //! A block-format cache (Q8_0, Q4_0) is widened to f32 with vector instructions (8 values
-//! per product; K rows then transposed 16 × 16 in registers). On the default model at
-//! depth 4,096 (2-core Zen 4) a 512-token prefill ran at 986–1,006 tok/s with f16 K/V,
-//! 901–904 with Q8_0 and 919–936 with Q4_0, and decode at 36–38, 42–43 and 47–48 tok/s:
-//! fewer bytes per key outweigh the widening once a step reads more K/V than weights.
+//! per product; K rows then transposed 16 × 16 in registers). On the default model (2-core
+//! Zen 4) a 512-token prefill from an empty context ran at 986–1,006 tok/s with f16 K/V,
+//! 901–904 with Q8_0 and 919–936 with Q4_0 (797 before the vector widening), and decode at
+//! depth 4,096 at 36–38, 42–43 and 47–48 tok/s: fewer bytes per key outweigh the widening
+//! once a step reads more K/V than weights.
 
 #[cfg(target_arch = "x86_64")]
 use super::cpu::has_f16c;
