@@ -163,8 +163,7 @@ impl PageData {
     }
 
     /// Stores one row of `values` values at value offset `at` (for a block format, a block
-    /// boundary);
-    /// the caller checked the row's shape (`Row::fits`).
+    /// boundary); the caller checked the row's shape (`Row::fits`).
     pub(crate) fn store(&mut self, at: usize, values: usize, row: Row<'_>) {
         match (self, row) {
             // The slice conversion checks the CPU once per row and converts several values

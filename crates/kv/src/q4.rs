@@ -23,8 +23,9 @@ impl KvBlock for Q4Block {
     };
 
     /// llama.cpp's `quantize_row_q4_0_ref`: the value of largest magnitude, with its sign,
-    /// maps to −8; each value is truncated from `x / d + 8.5` and capped at 15. A NaN
-    /// makes a zero nibble where C's conversion is undefined.
+    /// maps to −8; each value is truncated from `x / d + 8.5` and capped at 15. Where C's
+    /// conversion is undefined (a NaN, or an infinite quotient from a subnormal scale) the
+    /// nibble is clamped to 0..=15, so a value never spills into its neighbour's.
     fn quantize(x: &[f32]) -> Q4Block {
         let (mut amax, mut max) = (0f32, 0f32);
         for &v in &x[..32] {
@@ -35,7 +36,7 @@ impl KvBlock for Q4Block {
         }
         let d = max / -8.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        let nibble = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
+        let nibble = |v: f32| ((v * id + 8.5) as i8).clamp(0, 15) as u8;
         let mut qs = [0u8; 16];
         for (j, q) in qs.iter_mut().enumerate() {
             *q = nibble(x[j]) | nibble(x[16 + j]) << 4;
@@ -101,6 +102,14 @@ mod tests {
         for (a, e) in x.iter().zip(y) {
             assert!((a - e).abs() <= 2.5625, "{a} {e}");
         }
+        // A subnormal scale makes an infinite reciprocal: every nibble still stays in range.
+        let mut tiny = [0f32; 32];
+        tiny[0] = -1e-39;
+        tiny[1] = 1e-39;
+        // (−inf and +inf quotients, NaN for the zeros: nibbles 0, 15 and 0; a plain cap at
+        // 15 made the first 0x80, a high nibble of 8 for value 16.)
+        let q = Q4Block::quantize(&tiny).qs;
+        assert_eq!((q[0], q[1], q[2]), (0x00, 0x0f, 0x00));
         // A positive extreme takes −8 too: the scale is negative.
         let b = Q4Block::quantize(&[3.0; 32]);
         b.dequantize(&mut y);
