@@ -149,9 +149,8 @@ fn widen_transposed_blocks<T: KvElem>(rows: &[&[T]], hd: usize, off: usize, kt: 
             for (r, out) in rows.iter().zip(flat.chunks_exact_mut(hd)) {
                 T::widen(&r[..hd / T::VALUES], out);
             }
-            let widened: Vec<&[f32]> = flat.chunks_exact(hd).take(rows.len()).collect();
             // SAFETY: AVX-512 F is present (checked); `hd` is a multiple of 16.
-            unsafe { x86::widen_transposed_f32_512(&widened, hd, off, kt) };
+            unsafe { x86::widen_transposed_f32_512(flat, rows.len(), hd, off, kt) };
         });
         return;
     }

@@ -279,18 +279,24 @@ pub unsafe fn widen_transposed_f16_512(
     });
 }
 
-/// [`super::KvElem::widen_transposed`] for f32 rows (a block cache's, dequantized) of a
-/// multiple of 16, as [`widen_transposed_f16_512`].
+/// [`super::KvElem::widen_transposed`] for `keys` f32 rows of `hd` (a multiple of 16) laid
+/// end to end in `flat` (a block cache's, dequantized), as [`widen_transposed_f16_512`].
 ///
 /// # Safety
 /// The CPU must support AVX-512 F; `hd` must be a multiple of 16.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-pub unsafe fn widen_transposed_f32_512(rows: &[&[f32]], hd: usize, off: usize, kt: &mut [f32]) {
-    assert!(rows.iter().all(|r| r.len() >= hd));
-    transposed_16s(rows.len(), hd, off, kt, |key, d0| {
-        // SAFETY: 16 f32 at d0 lie within the row (asserted length); unaligned loads are
-        // allowed.
-        unsafe { _mm512_loadu_ps(rows[key].as_ptr().add(d0)) }
+pub unsafe fn widen_transposed_f32_512(
+    flat: &[f32],
+    keys: usize,
+    hd: usize,
+    off: usize,
+    kt: &mut [f32],
+) {
+    assert!(flat.len() >= keys * hd);
+    transposed_16s(keys, hd, off, kt, |key, d0| {
+        // SAFETY: 16 f32 at `key * hd + d0` lie within `flat` (asserted length, `d0 + 16 <=
+        // hd`); unaligned loads are allowed.
+        unsafe { _mm512_loadu_ps(flat.as_ptr().add(key * hd + d0)) }
     });
 }
 
