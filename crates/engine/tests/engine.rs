@@ -679,38 +679,108 @@ fn one_tenants_flood_does_not_queue_another_tenant() {
     wait_for_no_leases(&engine);
 }
 
+/// The synthetic model, recording every step's batch (the tokens of each item), whose
+/// first step is held until `release`: a test can queue requests behind a step that has
+/// certainly started, however long its own thread stalls.
+struct FirstStepHeld {
+    inner: model::Model,
+    /// Each step's rows, by their tokens.
+    steps: Arc<std::sync::Mutex<Vec<Vec<Vec<u32>>>>>,
+    release: Arc<std::sync::atomic::AtomicBool>,
+    entered: std::sync::Mutex<Option<std::sync::mpsc::Sender<()>>>,
+}
+
+impl engine::StepModel for FirstStepHeld {
+    fn config(&self) -> &model::LlamaConfig {
+        &self.inner.config
+    }
+
+    fn kv_layout(&self, page_tokens: usize, dtype: kv::KvDtype) -> kv::KvLayout {
+        self.inner.kv_layout(page_tokens, dtype)
+    }
+
+    fn forward(
+        &self,
+        items: &mut [model::BatchItem<'_>],
+    ) -> Vec<Result<model::Logits, model::ModelError>> {
+        if let Some(entered) = self.entered.lock().unwrap().take() {
+            let _ = entered.send(());
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !self.release.load(Ordering::SeqCst) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        self.steps
+            .lock()
+            .unwrap()
+            .push(items.iter().map(|i| i.tokens.to_vec()).collect());
+        self.inner.forward(items)
+    }
+}
+
 /// A step's prefill budget is shared between tenants: one tenant's long prompts, already
 /// running, do not hold back another tenant's short one until they are all in KV.
 #[test]
 fn long_prompts_of_one_tenant_share_the_prefill_budget() {
-    let engine = start(EngineConfig {
-        prefix_cache: false,
-        ..EngineConfig::default()
-    });
+    let steps = Arc::<std::sync::Mutex<Vec<Vec<Vec<u32>>>>>::default();
+    let release = Arc::<std::sync::atomic::AtomicBool>::default();
+    let (entered_tx, entered) = std::sync::mpsc::channel();
+    let engine = engine::start(
+        FirstStepHeld {
+            inner: synth_model(4096),
+            steps: steps.clone(),
+            release: release.clone(),
+            entered: std::sync::Mutex::new(Some(entered_tx)),
+        },
+        EngineConfig {
+            prefix_cache: false,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
     let long: Vec<_> = (0..4)
-        .map(|i| request("flood", prompt(i + 60, 1500), 2))
-        .collect();
-    let mut handles: Vec<_> = long
-        .iter()
-        .map(|r| {
-            engine
-                .submit(engine.admission().admit(r.clone()).unwrap())
-                .unwrap()
+        .map(|i| {
+            let r = request("flood", prompt(i + 60, 1500), 2);
+            engine.submit(engine.admission().admit(r).unwrap()).unwrap()
         })
         .collect();
-    let quiet = run(&engine, request("quiet", prompt(97, 16), 1));
-    assert_eq!(quiet.tokens.len(), 1);
-    // 6,000 prompt tokens at 512 a step: in arrival order the quiet prompt would have
-    // come after all of them, and the first long one would have finished first.
-    for h in &mut handles {
-        while let Ok(ev) = h.events.try_recv() {
-            assert!(
-                matches!(ev, Event::Token(_)),
-                "a long prompt finished before the quiet tenant's short one: {ev:?}"
-            );
-        }
+    // The first step (long prompts' chunks only) is held: the quiet prompt is queued
+    // while nearly all of the 6,000 long prompt tokens are still to be computed.
+    entered
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the first step started");
+    let quiet_prompt = prompt(97, 16);
+    let r = request("quiet", quiet_prompt.clone(), 1);
+    let quiet = engine.submit(engine.admission().admit(r).unwrap()).unwrap();
+    release.store(true, Ordering::SeqCst);
+    assert_eq!(collect(quiet).tokens.len(), 1);
+    for h in long {
+        assert_eq!(collect(h).tokens.len(), 2);
     }
-    drop(handles);
+    // At 512 prompt tokens a step, in arrival order the quiet prompt would have been
+    // computed after every long prompt's last chunk.
+    let steps = steps.lock().unwrap().clone();
+    let long_chunk = |row: &Vec<u32>| row.len() > 1 && *row != quiet_prompt;
+    assert!(
+        steps[0].iter().all(long_chunk),
+        "the held step was not the long prompts'"
+    );
+    let quiet_at = steps
+        .iter()
+        .position(|s| s.contains(&quiet_prompt))
+        .expect("no step computed the quiet prompt");
+    let last_long_chunk = steps
+        .iter()
+        .rposition(|s| s.iter().any(long_chunk))
+        .expect("no step computed a long prompt");
+    let sizes: Vec<Vec<usize>> = steps
+        .iter()
+        .map(|s| s.iter().map(Vec::len).collect())
+        .collect();
+    assert!(
+        quiet_at < last_long_chunk,
+        "the quiet prompt waited for every long prompt: steps {sizes:?}"
+    );
     wait_for_no_leases(&engine);
 }
 

@@ -14,6 +14,14 @@
 //! Four rows × two groups of sixteen tokens per pass: the activation register of a quad
 //! serves four rows, the broadcast weight quad two groups (24 accumulators). Each row's
 //! super-blocks are unpacked once per call for every token group.
+//!
+//! Measured (2-core Zen 4 at 3.65 GHz, `vpdpbusd` one per cycle and core): Q4_K, 8,192 ×
+//! 2,048 × 256 tokens on one thread, 0.41 ns per token-pair block, 67% of the `vpdpbusd`
+//! peak. Leaving out the float part made it 7% faster, leaving out the unpacking 4%. The
+//! group loop's own pattern (two activation loads, four broadcasts, eight `vpdpbusd`) runs
+//! at the peak in a microbenchmark from L1, L2 or L3, and `vpmulld` beside it costs
+//! nothing, so the remaining quarter is in how the loop meets its data, not in its
+//! instructions.
 
 use std::arch::x86_64::*;
 
