@@ -1,7 +1,7 @@
 //! The engine end to end on a synthetic model: batching never changes a request's tokens,
 //! the prefix cache is scoped to a domain, cancellation and completion return every page.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,12 +20,24 @@ fn synth_model(context: usize) -> model::Model {
 /// An engine over the synthetic model (no prefix cache) whose every step's batch (the
 /// tokens of each item) is recorded.
 fn recording_engine() -> (EngineHandle, Steps) {
+    let (engine, steps, _) = recording_engine_with(None);
+    (engine, steps)
+}
+
+/// [`recording_engine`], whose first step is held until the returned flag is set once
+/// `hold` (where given) has been told it started: a test can queue requests behind a step
+/// that has certainly begun, however long its own thread stalls.
+fn recording_engine_with(
+    hold: Option<std::sync::mpsc::Sender<()>>,
+) -> (EngineHandle, Steps, Arc<AtomicBool>) {
     let steps = Steps::default();
+    let release = Arc::<AtomicBool>::default();
     let engine = engine::start(
         Faulty {
             inner: synth_model(4096),
             panics: Arc::default(),
             steps: steps.clone(),
+            hold_first: std::sync::Mutex::new(hold.map(|h| (h, release.clone()))),
         },
         EngineConfig {
             prefix_cache: false,
@@ -33,10 +45,20 @@ fn recording_engine() -> (EngineHandle, Steps) {
         },
     )
     .unwrap();
-    (engine, steps)
+    (engine, steps, release)
 }
 
-type Steps = Arc<std::sync::Mutex<Vec<Vec<usize>>>>;
+/// Each step's rows, by their tokens.
+type Steps = Arc<std::sync::Mutex<Vec<Vec<Vec<u32>>>>>;
+
+/// Each recorded step's rows, by how many tokens each fed.
+fn sizes(steps: &Steps) -> Vec<Vec<usize>> {
+    let steps = steps.lock().unwrap();
+    steps
+        .iter()
+        .map(|s| s.iter().map(Vec::len).collect())
+        .collect()
+}
 
 fn start(config: EngineConfig) -> EngineHandle {
     engine::start(synth_model(4096), config).unwrap()
@@ -395,12 +417,14 @@ fn preempted_requests_recompute_to_the_same_tokens() {
     wait_for_no_leases(&engine);
 }
 
-/// The synthetic model, made to panic in `forward` as many times as `panics` says, and
-/// recording each step's batch (per item, how many tokens it fed).
+/// The synthetic model, made to panic in `forward` as many times as `panics` says,
+/// recording each step's batch (per item, the tokens it fed), and holding its first step
+/// until the flag is set where `hold_first` says so (telling its sender when it started).
 struct Faulty {
     inner: model::Model,
     panics: Arc<AtomicUsize>,
     steps: Steps,
+    hold_first: std::sync::Mutex<Option<(std::sync::mpsc::Sender<()>, Arc<AtomicBool>)>>,
 }
 
 impl engine::StepModel for Faulty {
@@ -423,10 +447,17 @@ impl engine::StepModel for Faulty {
         if fault {
             panic!("injected fault in forward");
         }
+        if let Some((entered, release)) = self.hold_first.lock().unwrap().take() {
+            let _ = entered.send(());
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !release.load(Ordering::SeqCst) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         self.steps
             .lock()
             .unwrap()
-            .push(items.iter().map(|i| i.tokens.len()).collect());
+            .push(items.iter().map(|i| i.tokens.to_vec()).collect());
         self.inner.forward(items)
     }
 }
@@ -437,6 +468,7 @@ fn faulty_engine(config: EngineConfig) -> (EngineHandle, Arc<AtomicUsize>) {
         inner: synth_model(4096),
         panics: panics.clone(),
         steps: Arc::default(),
+        hold_first: std::sync::Mutex::new(None),
     };
     (engine::start(model, config).unwrap(), panics)
 }
@@ -679,65 +711,12 @@ fn one_tenants_flood_does_not_queue_another_tenant() {
     wait_for_no_leases(&engine);
 }
 
-/// The synthetic model, recording every step's batch (the tokens of each item), whose
-/// first step is held until `release`: a test can queue requests behind a step that has
-/// certainly started, however long its own thread stalls.
-struct FirstStepHeld {
-    inner: model::Model,
-    /// Each step's rows, by their tokens.
-    steps: Arc<std::sync::Mutex<Vec<Vec<Vec<u32>>>>>,
-    release: Arc<std::sync::atomic::AtomicBool>,
-    entered: std::sync::Mutex<Option<std::sync::mpsc::Sender<()>>>,
-}
-
-impl engine::StepModel for FirstStepHeld {
-    fn config(&self) -> &model::LlamaConfig {
-        &self.inner.config
-    }
-
-    fn kv_layout(&self, page_tokens: usize, dtype: kv::KvDtype) -> kv::KvLayout {
-        self.inner.kv_layout(page_tokens, dtype)
-    }
-
-    fn forward(
-        &self,
-        items: &mut [model::BatchItem<'_>],
-    ) -> Vec<Result<model::Logits, model::ModelError>> {
-        if let Some(entered) = self.entered.lock().unwrap().take() {
-            let _ = entered.send(());
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while !self.release.load(Ordering::SeqCst) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
-        self.steps
-            .lock()
-            .unwrap()
-            .push(items.iter().map(|i| i.tokens.to_vec()).collect());
-        self.inner.forward(items)
-    }
-}
-
 /// A step's prefill budget is shared between tenants: one tenant's long prompts, already
 /// running, do not hold back another tenant's short one until they are all in KV.
 #[test]
 fn long_prompts_of_one_tenant_share_the_prefill_budget() {
-    let steps = Arc::<std::sync::Mutex<Vec<Vec<Vec<u32>>>>>::default();
-    let release = Arc::<std::sync::atomic::AtomicBool>::default();
     let (entered_tx, entered) = std::sync::mpsc::channel();
-    let engine = engine::start(
-        FirstStepHeld {
-            inner: synth_model(4096),
-            steps: steps.clone(),
-            release: release.clone(),
-            entered: std::sync::Mutex::new(Some(entered_tx)),
-        },
-        EngineConfig {
-            prefix_cache: false,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap();
+    let (engine, steps, release) = recording_engine_with(Some(entered_tx));
     let long: Vec<_> = (0..4)
         .map(|i| {
             let r = request("flood", prompt(i + 60, 1500), 2);
@@ -757,8 +736,8 @@ fn long_prompts_of_one_tenant_share_the_prefill_budget() {
     for h in long {
         assert_eq!(collect(h).tokens.len(), 2);
     }
-    // At 512 prompt tokens a step, in arrival order the quiet prompt would have been
-    // computed after every long prompt's last chunk.
+    // At 512 prompt tokens a step the long prompts take many steps; the quiet prompt must
+    // not wait for them.
     let steps = steps.lock().unwrap().clone();
     let long_chunk = |row: &Vec<u32>| row.len() > 1 && *row != quiet_prompt;
     assert!(
@@ -769,17 +748,23 @@ fn long_prompts_of_one_tenant_share_the_prefill_budget() {
         .iter()
         .position(|s| s.contains(&quiet_prompt))
         .expect("no step computed the quiet prompt");
+    // Shared, the step after the held one computes the quiet prompt; in arrival order the
+    // long prompts' chunks would fill steps until their caps left room (step 9 here).
+    assert_eq!(
+        quiet_at, 1,
+        "the quiet prompt waited behind the long prompts' chunks"
+    );
     let last_long_chunk = steps
         .iter()
         .rposition(|s| s.iter().any(long_chunk))
         .expect("no step computed a long prompt");
-    let sizes: Vec<Vec<usize>> = steps
-        .iter()
-        .map(|s| s.iter().map(Vec::len).collect())
-        .collect();
     assert!(
         quiet_at < last_long_chunk,
-        "the quiet prompt waited for every long prompt: steps {sizes:?}"
+        "the quiet prompt waited for every long prompt: steps {:?}",
+        steps
+            .iter()
+            .map(|s| s.iter().map(Vec::len).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
     );
     wait_for_no_leases(&engine);
 }
@@ -804,15 +789,13 @@ fn a_light_tenants_first_token_gets_a_step_of_its_own() {
         .collect();
     // Wait until the heavy tenant is decoding: a step of six one-token rows.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !steps.lock().unwrap().iter().any(|s| s == &[1; 6]) {
+    while !sizes(&steps).iter().any(|s| s == &[1; 6]) {
         assert!(Instant::now() < deadline, "the heavy tenant never decoded");
         std::thread::sleep(Duration::from_millis(1));
     }
     let light = run(&engine, request("light", prompt(96, 37), 1));
     assert_eq!(light.tokens.len(), 1);
-    let at = steps
-        .lock()
-        .unwrap()
+    let at = sizes(&steps)
         .iter()
         .position(|s| s.contains(&37))
         .expect("no step computed the light prompt");
@@ -824,7 +807,7 @@ fn a_light_tenants_first_token_gets_a_step_of_its_own() {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
-    let steps = steps.lock().unwrap().clone();
+    let steps = sizes(&steps);
     drop(heavy);
     assert_eq!(
         steps[at],
@@ -844,7 +827,7 @@ fn a_long_prompts_deep_chunks_are_shorter() {
     let (engine, steps) = recording_engine();
     let done = run(&engine, request("long", prompt(5, 3800), 1));
     assert_eq!(done.tokens.len(), 1);
-    let steps = steps.lock().unwrap().clone();
+    let steps = sizes(&steps);
     let chunks: Vec<usize> = steps.iter().map(|s| s.iter().sum()).collect();
     assert_eq!(chunks.iter().sum::<usize>(), 3800, "{chunks:?}");
     assert_eq!(chunks[0], 512, "{chunks:?}");

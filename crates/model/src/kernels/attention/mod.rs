@@ -56,8 +56,9 @@
 //! multiply-adds alone. The scores run at 85% of that peak, the V updates at 94%; the
 //! widening is 7% of the time and the softmax steps about 10% (the `exp` itself under 5%).
 //! Gemma 3 at 30,000 tokens spends about 72% of its prefill in attention, at 62% of the
-//! peak: the K/V of a global layer (30 MB) no longer stays in L3. Tasks of 8 or 64 rows
-//! were slower there than 16 (63–68 s and 63–67 s to the first token, against 57–61).
+//! peak; a global layer's K/V (30 MB, the size of L3) is the likely difference from the
+//! bench's 73%. Tasks of 8 or 64 rows were slower there than 16 (63–68 s and 63–67 s to
+//! the first token, against 57–61).
 
 #[cfg(target_arch = "x86_64")]
 use super::cpu::has_f16c;
