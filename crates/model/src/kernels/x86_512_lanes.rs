@@ -17,11 +17,11 @@
 //!
 //! Measured (2-core Zen 4 at 3.65 GHz, `vpdpbusd` one per cycle and core): Q4_K, 8,192 ×
 //! 2,048 × 256 tokens on one thread, 0.41 ns per token-pair block, 67% of the `vpdpbusd`
-//! peak. Leaving out the float part made it 7% faster, leaving out the unpacking 4%. The
-//! group loop's own pattern (two activation loads, four broadcasts, eight `vpdpbusd`) runs
-//! at the peak in a microbenchmark from L1, L2 or L3, and `vpmulld` beside it costs
-//! nothing, so the remaining quarter is in how the loop meets its data, not in its
-//! instructions.
+//! peak. Leaving out the float part made it 7% faster, the unpacking 4%, and the group
+//! scale's `vpmulld` (an add in its place) 8–10%: it shares the multiply pipes with
+//! `vpdpbusd`, as does an exact float multiply in its place (slower still). The group
+//! loop's own pattern (two activation loads, four broadcasts, eight `vpdpbusd`) runs at
+//! the peak in a microbenchmark with its data in L1, L2 or L3.
 
 use std::arch::x86_64::*;
 
