@@ -50,10 +50,16 @@ pub(crate) fn attention(
     // arithmetic. A KV head's query heads stay together where there is enough other work
     // (the fused kernel interleaves them and reads each K/V row once for all), and are
     // split in two where there is not (a single decode stream has as few tasks as KV heads).
-    const ROWS_PER_TASK: usize = 16;
+    let threads = rayon::current_num_threads();
+    let rows_per_task = |n: usize| task_rows(n, threads);
     let row_blocks: usize = (0..items.len())
         .filter(|&i| views[i].is_some())
-        .map(|i| items[i].tokens.len().div_ceil(ROWS_PER_TASK))
+        .map(|i| {
+            items[i]
+                .tokens
+                .len()
+                .div_ceil(rows_per_task(items[i].tokens.len()))
+        })
         .sum();
     let head_parts = if row_blocks * c.n_kv_heads < 2 * rayon::current_num_threads() {
         group.min(2)
@@ -65,13 +71,14 @@ pub(crate) fn attention(
         .filter(|&i| views[i].is_some())
         .flat_map(|i| {
             let n = items[i].tokens.len();
+            let per_task = rows_per_task(n);
             (0..c.n_kv_heads).flat_map(move |g| {
                 (0..group).step_by(per_part).flat_map(move |h0| {
-                    (0..n).step_by(ROWS_PER_TASK).map(move |t0| Task {
+                    (0..n).step_by(per_task).map(move |t0| Task {
                         item: i,
                         g,
                         heads: h0..(h0 + per_part).min(group),
-                        rows: t0..(t0 + ROWS_PER_TASK).min(n),
+                        rows: t0..(t0 + per_task).min(n),
                     })
                 })
             })
@@ -116,6 +123,23 @@ pub(crate) fn attention(
             attn[r * dim + from..r * dim + from + width].copy_from_slice(row);
         }
     }
+}
+
+/// Most query rows in one task: every block of K/V is widened once per task, and a row's
+/// query and accumulator (8 KiB for four heads of 256) stay in L2 for as many rows as this.
+const MAX_ROWS_PER_TASK: usize = 64;
+
+/// Query rows per task for an item of `n` new rows on `threads` threads: the rows cut into
+/// equal tasks, a multiple of `threads` of them, none over [`MAX_ROWS_PER_TASK`].
+///
+/// A deep prefill chunk is short (`engine::step_cost` caps its cost), and every layer's
+/// attention is one fork-join: with tasks of a fixed 16 rows, a 150-row chunk left one core
+/// idle for up to a task at the end of each layer. Gemma 3 at 30,000 tokens reached its
+/// first token in 57–60 s that way. Rows are independent, so the cut changes no bits.
+fn task_rows(n: usize, threads: usize) -> usize {
+    let threads = threads.max(1);
+    let tasks = threads * n.div_ceil(MAX_ROWS_PER_TASK * threads);
+    n.div_ceil(tasks.max(1)).max(1)
 }
 
 /// A K/V element type as the pool's slices carry it.
@@ -256,4 +280,47 @@ fn attend_group<T: KvElem>(
     let mut out = vec![0f32; n_new * width];
     attend_rows(&qs, &RowsShape { base, ..rows }, &k_rows, &v_rows, &mut out);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rows handed to each thread when an item's tasks are dealt out in turn.
+    fn loads(n: usize, threads: usize, per_task: usize) -> Vec<usize> {
+        let mut load = vec![0; threads];
+        for (i, t0) in (0..n).step_by(per_task).enumerate() {
+            load[i % threads] += per_task.min(n - t0);
+        }
+        load
+    }
+
+    /// Tasks stay within the row limit yet are as large as it and the threads allow (each
+    /// K/V block is widened once per task), and the busiest thread has at most a row per
+    /// task over an even share. A fixed 16 rows fails the size bound on a 150-row chunk.
+    #[test]
+    fn an_items_rows_are_cut_into_even_tasks_for_the_threads() {
+        for threads in 1..=8 {
+            for n in 1..=2048 {
+                let per_task = task_rows(n, threads);
+                assert!(
+                    (1..=MAX_ROWS_PER_TASK).contains(&per_task),
+                    "{n} rows, {threads}"
+                );
+                assert!(
+                    2 * per_task >= n.div_ceil(threads).min(MAX_ROWS_PER_TASK),
+                    "{n} rows on {threads} threads: tasks of {per_task}"
+                );
+                let tasks = n.div_ceil(per_task);
+                let most = *loads(n, threads, per_task).iter().max().unwrap();
+                assert!(
+                    most <= n.div_ceil(threads) + tasks.div_ceil(threads),
+                    "{n} rows on {threads} threads: {per_task} per task, {most} on one"
+                );
+            }
+        }
+        assert_eq!(task_rows(150, 2), 38);
+        assert_eq!(task_rows(512, 2), 64);
+        assert_eq!(task_rows(1, 2), 1);
+    }
 }
