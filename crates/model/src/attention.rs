@@ -130,16 +130,20 @@ pub(crate) fn attention(
 const MAX_ROWS_PER_TASK: usize = 64;
 
 /// Query rows per task for an item of `n` new rows on `threads` threads: the rows cut into
-/// equal tasks, a multiple of `threads` of them, none over [`MAX_ROWS_PER_TASK`].
+/// equal tasks, a multiple of `threads` of them and at least two per thread, none over
+/// [`MAX_ROWS_PER_TASK`].
 ///
 /// A deep prefill chunk is short (`engine::step_cost` caps its cost), and every layer's
 /// attention is one fork-join: with tasks of a fixed 16 rows, a 150-row chunk left one core
-/// idle for up to a task at the end of each layer. Gemma 3 at 30,000 tokens reached its
-/// first token in 57–60 s that way. Rows are independent, so the cut changes no bits.
+/// idle for up to a task at the end of each layer, and Gemma 3 at 30,000 tokens reached its
+/// first token in 56–58 s (51–53 with this cut). With fewer tasks than twice the threads,
+/// a KV head's query heads are split between tasks instead (see `attention`), which lost
+/// more than the larger tasks gained (60–64 s with one task per thread). Rows are
+/// independent, so the cut changes no bits.
 fn task_rows(n: usize, threads: usize) -> usize {
     let threads = threads.max(1);
-    let tasks = threads * n.div_ceil(MAX_ROWS_PER_TASK * threads);
-    n.div_ceil(tasks.max(1)).max(1)
+    let tasks = threads * n.div_ceil(MAX_ROWS_PER_TASK * threads).max(2);
+    n.div_ceil(tasks).max(1)
 }
 
 /// A K/V element type as the pool's slices carry it.
@@ -320,6 +324,7 @@ mod tests {
             }
         }
         assert_eq!(task_rows(150, 2), 38);
+        assert_eq!(task_rows(100, 2), 25);
         assert_eq!(task_rows(512, 2), 64);
         assert_eq!(task_rows(1, 2), 1);
     }
