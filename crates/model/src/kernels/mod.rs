@@ -69,8 +69,8 @@
 //!   first maximum and rounding lane for lane.
 //! - `rope.rs`: the RoPE rotation compiled with FMA.
 //! - `attention/`: attention's one arithmetic (f32 online softmax over key blocks aligned to
-//!   absolute positions) compiled for 256 and 512 bits; tiles of up to sixteen query rows ×
-//!   one KV head's query heads per widened key block, the block's K rows transposed so the
+//!   absolute positions) compiled for 256 and 512 bits; tiles of up to 64 query rows × one
+//!   KV head's query heads per widened key block, the block's K rows transposed so the
 //!   keys are lanes (no cross-lane reduction per score).
 //! - `libm_expf.rs`: the C library's `expf` on vector lanes, which llama.cpp calls once per
 //!   key; compared with the linked C library's on every non-positive f32 by a test, and on a

@@ -24,7 +24,7 @@
 //! positions and the window: not on how many rows or heads are computed together, how a
 //! prompt was chunked, which instruction set runs, or prefill versus decode. That is the
 //! chunk, batch and prefill/decode invariance the engine's tests assert; a query row is the
-//! same whether computed alone, in a tile of sixteen, or on another machine's CPU.
+//! same whether computed alone, in a tile of 64, or on another machine's CPU.
 //!
 //! This is not llama.cpp's one-row kernel (an f16 accumulator rounded after every key and the
 //! maximum rescaled key by key): that chain of dependent roundings cannot use a tile of query
@@ -34,7 +34,8 @@
 //!
 //! # Speed
 //!
-//! A task is up to sixteen query rows × the query heads of one KV head. Each block's K rows
+//! A task is up to 64 query rows × the query heads of one KV head (`crate::attention` cuts
+//! an item's rows into equal tasks, at least two per thread). Each block's K rows
 //! are widened to f32 and transposed once for all of them (keys in lanes, so a score chain
 //! runs 16 keys per instruction with no cross-lane reduction; the reuse a one-row kernel
 //! lacks), V rows widened once, and the V updates run over every head of a row, so one V row
@@ -57,8 +58,16 @@
 //! widening is 7% of the time and the softmax steps about 10% (the `exp` itself under 5%).
 //! Gemma 3 at 30,000 tokens spends about 72% of its prefill in attention, at 62% of the
 //! peak; a global layer's K/V (30 MB, the size of L3) is the likely difference from the
-//! bench's 73%. Tasks of 8 or 64 rows were slower there than 16 (63–68 s and 63–67 s to
-//! the first token, against 57–61).
+//! bench's 73%. Rows per task: the bench at 30,000 keys ran 12.45 ns per head and key with
+//! 16 rows, 11.5 with 32, 11.2 with 64 and 10.55 with 128 (each block widened for more rows,
+//! from 8% of Gemma's prefill to 3%); serving Gemma at 30,000 tokens took 51–53 s to the
+//! first token with equal tasks of up to 64 against 56–58 with a fixed 16, and 60–64 with
+//! one task per thread (a short deep chunk then split a KV head's query heads instead).
+//! Tried and dropped (the same bits, no faster): a block's steps phase by phase for all
+//! rows, so each part of K and V stays in L1 while every row uses it (12.9 against 12.5 ns
+//! per head and key at 30,000 keys); both groups of 16 keys per pass over the elements with
+//! explicit query broadcasts (11.1 against 10.7 ns with 64 rows); one maximum reduction
+//! instead of one per group (no change).
 
 #[cfg(target_arch = "x86_64")]
 use super::cpu::has_f16c;
