@@ -51,17 +51,14 @@ pub(crate) fn attention(
     // (the fused kernel interleaves them and reads each K/V row once for all), and are
     // split in two where there is not (a single decode stream has as few tasks as KV heads).
     let threads = rayon::current_num_threads();
-    let rows_per_task = |n: usize| task_rows(n, threads);
     let row_blocks: usize = (0..items.len())
         .filter(|&i| views[i].is_some())
         .map(|i| {
-            items[i]
-                .tokens
-                .len()
-                .div_ceil(rows_per_task(items[i].tokens.len()))
+            let n = items[i].tokens.len();
+            n.div_ceil(task_rows(n, threads))
         })
         .sum();
-    let head_parts = if row_blocks * c.n_kv_heads < 2 * rayon::current_num_threads() {
+    let head_parts = if row_blocks * c.n_kv_heads < 2 * threads {
         group.min(2)
     } else {
         1
@@ -71,7 +68,7 @@ pub(crate) fn attention(
         .filter(|&i| views[i].is_some())
         .flat_map(|i| {
             let n = items[i].tokens.len();
-            let per_task = rows_per_task(n);
+            let per_task = task_rows(n, threads);
             (0..c.n_kv_heads).flat_map(move |g| {
                 (0..group).step_by(per_part).flat_map(move |h0| {
                     (0..n).step_by(per_task).map(move |t0| Task {
@@ -130,8 +127,8 @@ pub(crate) fn attention(
 const MAX_ROWS_PER_TASK: usize = 64;
 
 /// Query rows per task for an item of `n` new rows on `threads` threads: the rows cut into
-/// equal tasks, a multiple of `threads` of them and at least two per thread, none over
-/// [`MAX_ROWS_PER_TASK`].
+/// near-equal tasks, aiming at a multiple of `threads` of them and at least two per thread
+/// (fewer where the rows run out), none over [`MAX_ROWS_PER_TASK`].
 ///
 /// A deep prefill chunk is short (`engine::step_cost` caps its cost), and every layer's
 /// attention is one fork-join: with tasks of a fixed 16 rows, a 150-row chunk left one core

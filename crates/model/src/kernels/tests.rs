@@ -464,6 +464,9 @@ fn attention_shapes() -> Vec<(usize, usize, usize, usize, Option<usize>)> {
             (3, 90, 16, Some(40)),
             (2, 300, 1, Some(33)),
             (4, 17, 5, Some(1)),
+            // Tiles as large as `crate::attention`'s tasks.
+            (4, 70, 64, None),
+            (2, 33, 64, Some(40)),
         ] {
             v.push((hd, heads, first, rows, window));
         }
@@ -525,7 +528,7 @@ fn check_attention_build(seed: u64, name: &str, build: &AttendRows) {
 }
 
 /// The 256-bit build of the attention arithmetic gives the portable build's bits, on every
-/// shape of [`attention_shapes`] (tiles of 1 to 16 rows, 1 to 5 heads, windows), with the
+/// shape of [`attention_shapes`] (tiles of 1 to 64 rows, 1 to 5 heads, windows), with the
 /// head size known at compile time or not.
 #[cfg(target_arch = "x86_64")]
 #[test]

@@ -56,9 +56,9 @@
 //! (`kernels` bench, `attention`): 11.5–12 ns per head and key against 8.8 for the
 //! multiply-adds alone. The scores run at 85% of that peak, the V updates at 94%; the
 //! widening is 7% of the time and the softmax steps about 10% (the `exp` itself under 5%).
-//! Gemma 3 at 30,000 tokens spends about 72% of its prefill in attention, at 62% of the
-//! peak; a global layer's K/V (30 MB, the size of L3) is the likely difference from the
-//! bench's 73%. Rows per task: the bench at 30,000 keys ran 12.45 ns per head and key with
+//! Gemma 3 at 30,000 tokens spent about 72% of its prefill in attention, at 62% of the
+//! peak, with tasks of 16 rows; with tasks of up to 64, 71% at about 70% of the peak.
+//! Rows per task: the bench at 30,000 keys ran 12.45 ns per head and key with
 //! 16 rows, 11.5 with 32, 11.2 with 64 and 10.55 with 128 (each block widened for more rows,
 //! from 8% of Gemma's prefill to 3%); serving Gemma at 30,000 tokens took 51–53 s to the
 //! first token with equal tasks of up to 64 against 56–58 with a fixed 16, and 60–64 with
