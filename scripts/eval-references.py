@@ -38,10 +38,11 @@ the bar of every arithmetic change (the issue that introduced `kvwarden eval`):
     TOP1_FLOOR), each within two standard errors of the difference: both are estimates
     over the same 1,275 positions, and a bar without that slack would fail an arithmetic
     exactly as good as llama.cpp's own half the time.
-and prints the table. --invariance also runs the first model on every other SIMD path this
-machine has (KVWARDEN_CPU; --portable adds the portable code, which does not give their bits
-yet), with its windows fed in chunks and in batches, and asserts every file is
-byte-identical to the first and scores a KL divergence of exactly 0 against it.
+and prints the table. --invariance also runs the first model on every other path this
+machine has (KVWARDEN_CPU: the narrower SIMD paths and the portable code, the definition
+every SIMD path must give the bits of), with its windows fed in chunks and in batches, and
+asserts every file is byte-identical to the first and scores a KL divergence of exactly 0
+against it.
 
 --lora checks LoRA adapters against llama.cpp's (issue 23) on record-llama-references.py's
 LORA cases with an f32 adapter: the default model and synth-qwen2-q4_k (--lora-all adds the
@@ -57,7 +58,7 @@ where measured 95.76 %" on the default model. The adapter's products are f32 on 
 (an F16 adapter: llama.cpp rounds the activations to f16 for them, kvwarden does not), and
 they add nothing measurable to the base model's own disagreement with llama.cpp.
 
-Usage: scripts/eval-references.py [--check] [--invariance [--portable]] [--lora | --lora-all]
+Usage: scripts/eval-references.py [--check] [--invariance] [--lora | --lora-all]
        [--kvwarden BIN] [MODEL ...]
 (default: every model). Plain python3, standard library only.
 """
@@ -438,7 +439,7 @@ def check_lora(name, ty, fetch, kvwarden, binary, rec, no_lora_written):
     return row, failures
 
 
-def invariance(name, kvwarden, with_portable):
+def invariance(name, kvwarden):
     """The same file on every CPU path and however the windows are fed."""
     out = ROOT / "target" / "eval-refs" / name
     model = ROOT / "models" / f"{name}.gguf"
@@ -448,13 +449,11 @@ def invariance(name, kvwarden, with_portable):
     runs = [("prefill in chunks of 37", ["--prefill-chunk", "37"], {}),
             ("chunks of 100, 3 windows per batch", ["--prefill-chunk", "100", "--batch", "3"],
              {})]
-    # Every SIMD path narrower than the one this CPU runs by default. The portable path
-    # (KVWARDEN_CPU=portable) does not yet give the SIMD paths' bits on x86: --portable
-    # checks it too, and fails until that is fixed.
+    # Every path narrower than the one this CPU runs by default, the portable code (the
+    # definition, what a CPU without AVX2 runs) included.
     narrower = PATHS[:PATHS.index(first["cpu"])]
     for path in narrower:
-        if path != "portable" or with_portable:
-            runs.append((f"KVWARDEN_CPU={path}", [], {"KVWARDEN_CPU": path}))
+        runs.append((f"KVWARDEN_CPU={path}", [], {"KVWARDEN_CPU": path}))
     if not [p for p in narrower if p != "portable"]:
         print(f"eval-references: NOT RUN: another SIMD path than {first['cpu']} (this CPU "
               f"has no other)", file=sys.stderr)
@@ -480,8 +479,6 @@ def main():
     ap.add_argument("models", nargs="*")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--invariance", action="store_true")
-    ap.add_argument("--portable", action="store_true",
-                    help="--invariance also on the portable kernels (known to differ today)")
     ap.add_argument("--lora", action="store_true",
                     help="check LoRA adapters against llama.cpp's (record-llama-references.py's "
                          "LORA cases with an f32 adapter)")
@@ -517,7 +514,7 @@ def main():
             block_lines.append(line)
             failures += [f"{name}: {b}" for b in bad]
     if args.invariance:
-        failures += invariance(wanted[0][0], args.kvwarden, args.portable)
+        failures += invariance(wanted[0][0], args.kvwarden)
     lora_rows = []
     if args.lora:
         fetches, no_lora_written = dict(known), set()

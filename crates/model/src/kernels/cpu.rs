@@ -1,10 +1,10 @@
 //! Which instruction sets this CPU offers the kernels, detected once, and which of the
 //! kernel paths `KVWARDEN_CPU` asks for.
 
-/// The kernels' instruction-set paths, narrowest first. The SIMD paths give the same bits
-/// (the portable code does not yet: `scripts/eval-references.py --invariance --portable`
-/// measures it); `KVWARDEN_CPU` selects a narrower one than the CPU's best, to measure or
-/// test the paths other machines run.
+/// The kernels' instruction-set paths, narrowest first. Every path gives the portable
+/// code's bits (`scripts/eval-references.py --invariance` checks whole texts on each);
+/// `KVWARDEN_CPU` selects a narrower one than the CPU's best, to measure or test the paths
+/// other machines run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum CpuPath {
     Portable,

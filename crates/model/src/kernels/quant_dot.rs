@@ -113,19 +113,33 @@ pub fn rows_q4_1(
 /// Portable reference kernels: the definition the SIMD kernels are tested against.
 pub mod scalar {
     use super::*;
+    use crate::blocks::hsum8;
 
+    /// Q4_1 in the SIMD kernels' float order (llama.cpp's AVX2 `ggml_vec_dot_q4_1_q8_1`):
+    /// per block eight lanes of four products (elements `4l..4l + 4`, the low nibbles
+    /// being elements 0..16), each lane's exact sum added by a fused multiply-add with
+    /// `d_w·d_a`; the offsets `m_w·s_a` summed apart (multiply, then add) and added after
+    /// the lanes' [`hsum8`]. So a CPU without AVX2 gives the same bits as one with it.
     pub fn q4_1(w: &[BlockQ4_1], a: &[BlockQ8_1]) -> f32 {
-        let mut acc = 0f32;
+        let mut acc = [0f32; 8];
         let mut summs = 0f32;
         for (wb, ab) in w.iter().zip(a) {
-            let mut isum = 0i32;
-            for j in 0..16 {
-                isum += (wb.qs[j] & 15) as i32 * ab.qs[j] as i32;
-                isum += (wb.qs[j] >> 4) as i32 * ab.qs[j + 16] as i32;
-            }
-            acc += wb.d * ab.d * isum as f32;
             summs += wb.m * ab.s;
+            let d = wb.d * ab.d;
+            for (l, acc) in acc.iter_mut().enumerate() {
+                let lane: i32 = (4 * l..4 * l + 4)
+                    .map(|e| {
+                        let q = if e < 16 {
+                            wb.qs[e] & 15
+                        } else {
+                            wb.qs[e - 16] >> 4
+                        };
+                        i32::from(q) * i32::from(ab.qs[e])
+                    })
+                    .sum();
+                *acc = d.mul_add(lane as f32, *acc);
+            }
         }
-        acc + summs
+        hsum8(acc) + summs
     }
 }

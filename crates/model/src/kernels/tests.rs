@@ -103,10 +103,10 @@ fn kernels_match_reference(rows: usize, cols: usize, n: usize) {
                     }
                     Data::Other => got,
                 };
-                // (The other formats' SIMD sums run in eight lanes, the scalar in one.)
-                assert!(
-                    (scalar - got).abs() <= 1e-5 * (nb as f32).sqrt() * (1.0 + got.abs()),
-                    "{ty:?} t{t} r{r}: SIMD {got} vs scalar {scalar}"
+                assert_eq!(
+                    scalar.to_bits(),
+                    got.to_bits(),
+                    "{ty:?} t{t} r{r}: SIMD {got} vs portable {scalar}"
                 );
             }
         }
