@@ -19,6 +19,7 @@ pub mod float;
 pub(crate) mod interleaved;
 pub mod iq4_nl;
 pub mod kquants;
+mod load_buffer;
 pub mod low_kquants;
 pub mod q4_0;
 pub mod q4_1;
