@@ -3,9 +3,12 @@
 //! side, then each 4-byte word of the block as sixteen rows' words (one 64-byte line).
 //! The tile is a permutation of the rows' bytes, as many as they were, so a matrix is held
 //! once (the file's pages released as it is repacked, as widened formats do), in memory
-//! asked for 2 MiB pages (`load_buffer.rs`): a Llama-3.2-1B-shaped Q4_K_M decode on a 2-core
-//! Zen 4 went from 34–37 to 44–51 tokens/s on them (llama.cpp 33–38 in the same minutes),
-//! its start from 1.3–1.45 s to 1.16–1.18; prefill did not change.
+//! asked for 2 MiB pages (`load_buffer.rs`). A Llama-3.2-1B-shaped Q4_K_M decode on a
+//! 2-core Zen 4 VM, 31 alternated pairs: median 37.3 tokens/s on 4 KiB pages, 49.0 on
+//! these (median ratio 1.24, from 0.98 to 1.52; faster in 29), llama.cpp 32.5–42.8 (median
+//! 37.7) in the same minutes; the VM's memory bandwidth moves by more than that from minute
+//! to minute. Start went from 1.3–1.45 s to 1.17–1.22 (2.0–2.2 when the kernel first has
+//! to compact memory for the huge pages); prefill did not change.
 //!
 //! Decode-sized products (at most [`ROWS_LANES_MAX`] tokens) run the rows-in-lanes kernel
 //! on the tiles (`kernels/x86_512_rows_lanes.rs`); larger ones the tokens-in-lanes kernel,
