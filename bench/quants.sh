@@ -6,7 +6,8 @@
 # built from the same sdist as the references (bench/build-llama-server.sh llama-bench,
 # cached in .peer/), flash attention on as in the references, its other settings its
 # defaults (so its weight repacking and tiled matmul on). Run on an otherwise idle machine;
-# timings are never pass/fail tests. QUANTS="Q4_K_M Q6_K" and THREADS override the defaults;
+# timings are never pass/fail tests. kvwarden's figures are the median of RUNS runs (default
+# 5; llama-bench averages its 5 repetitions). QUANTS="Q4_K_M Q6_K" and THREADS override the defaults;
 # FILES="a.gguf b.gguf" (names under models/) takes other files instead (bench/model-size.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,17 +22,24 @@ fi
 llama_bench=$(./bench/build-llama-server.sh llama-bench)
 for file in $FILES; do
   q=${file%.gguf}
-  ours=$(BENCH_MODEL=$file BENCH_PP=$np BENCH_TG=$ng RAYON_NUM_THREADS=$threads \
-    cargo bench -q -p model --bench throughput 2>/dev/null | tail -1)
+  # RUNS runs (default 5, as llama-bench's repetitions), their median taken below: on a VM
+  # one decode run can land 25% off its neighbours.
+  ours=""
+  for _ in $(seq "${RUNS:-5}"); do
+    ours="$ours $(BENCH_MODEL=$file BENCH_PP=$np BENCH_TG=$ng RAYON_NUM_THREADS=$threads \
+      cargo bench -q -p model --bench throughput 2>/dev/null | tail -1)"
+  done
   theirs=$("$llama_bench" -m "models/$file" -p "$np" -n "$ng" -t "$threads" -fa 1 -o json 2>/dev/null)
   # llama.cpp again with its plain kernels only (no weight repacking, no tiled K-quant
   # matmul): the reference arithmetic (scripts/record-llama-references.py).
   plain=$(GGML_CPU_TILED_MM=0 "$llama_bench" -m "models/$file" -p "$np" -n "$ng" -t "$threads" \
     -fa 1 --repack 0 -o json 2>/dev/null)
   python3 - "$q" "$ours" "$theirs" "$plain" <<'PY'
-import json, re, sys
-q, ours = sys.argv[1], sys.argv[2]
-ours = {k: float(v) for k, v in re.findall(r"(pp\d+|tg\d+)=([0-9.]+)", ours)}
+import json, re, statistics, sys
+q, runs = sys.argv[1], {}
+for k, v in re.findall(r"(pp\d+|tg\d+)=([0-9.]+)", sys.argv[2]):
+    runs.setdefault(k, []).append(float(v))
+ours = {k: statistics.median(v) for k, v in runs.items()}
 
 def rates(runs):
     return {(f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"): r["avg_ts"]
