@@ -320,7 +320,9 @@ fn by_row_blocks<W: WeightRows + ?Sized>(
     // Whole tiles of sixteen rows: a task that starts or ends inside one of the repacked
     // k-quant tiles (`quant/interleaved.rs`) rebuilds ggml's blocks for its rows, which cost a
     // 576-wide model's Q4_K_M decode 40% of its speed.
-    let rows_per_task = (total_rows / (threads * 8)).clamp(16, 512).next_multiple_of(16);
+    let rows_per_task = (total_rows / (threads * 8))
+        .clamp(16, 512)
+        .next_multiple_of(16);
     let mut by_row: Vec<Vec<f32>> = ws
         .iter()
         .map(|w| {
