@@ -123,9 +123,14 @@ impl PageData {
     /// A page of `elems` values, all zero.
     pub(crate) fn zeroed(dtype: KvDtype, elems: usize) -> Self {
         match dtype {
-            KvDtype::F16 => PageData::F16(vec![f16::ZERO; elems].into_boxed_slice()),
+            // Zeroed allocations: the system's zero pages until first written, so a pool of
+            // hundreds of MiB costs nothing at start and no memory until used (as f32's
+            // `vec!` does; f16 and blocks are not primitives `vec!` knows to be zero).
+            KvDtype::F16 => PageData::F16(bytemuck::allocation::zeroed_slice_box(elems)),
             KvDtype::F32 => PageData::F32(vec![0f32; elems].into_boxed_slice()),
-            KvDtype::Q8_0 => PageData::Q8_0(zeroed_blocks(elems)),
+            KvDtype::Q8_0 => PageData::Q8_0(bytemuck::allocation::zeroed_slice_box(
+                elems / Q8Block::VALUES,
+            )),
             KvDtype::Q4_0 => PageData::Q4_0(zeroed_blocks(elems)),
         }
     }
@@ -302,4 +307,29 @@ pub(crate) fn rows<'a>(
 fn block_rows<B: KvBlock>(d: &[B], k0: usize, v0: usize, len: usize) -> (&[B], &[B]) {
     let (k0, v0, len) = (k0 / B::VALUES, v0 / B::VALUES, len / B::VALUES);
     (&d[k0..k0 + len], &d[v0..v0 + len])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh page reads as zero in every element type, and equals the page the
+    /// element-wise constructor writes: the zeroed allocations of `PageData::zeroed` (the
+    /// system's zero pages for the f16 and Q8_0 ones) are zero values, not merely zero
+    /// bytes.
+    #[test]
+    fn fresh_pages_read_zero_in_every_element_type() {
+        let elems = 64 * 1024;
+        for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Q8_0, KvDtype::Q4_0] {
+            let page = PageData::zeroed(dtype, elems);
+            assert_eq!(page.values(), elems, "{dtype:?}");
+            assert!(page.to_f32().iter().all(|&v| v.to_bits() == 0), "{dtype:?}");
+            match &page {
+                PageData::F16(d) => assert!(d.iter().all(|&v| v == f16::ZERO)),
+                PageData::F32(_) => {}
+                PageData::Q8_0(d) => assert!(d.iter().all(|&b| b == Q8Block::ZERO)),
+                PageData::Q4_0(d) => assert!(d.iter().all(|&b| b == Q4Block::ZERO)),
+            }
+        }
+    }
 }

@@ -5,7 +5,7 @@ use gguf::{GgmlType, GgufFile, TensorInfo};
 
 use crate::blocks::Acts;
 use crate::kernels::{ActKind, WeightRows};
-use crate::quant::WeightMatrix;
+use crate::quant::{Repack, WeightMatrix};
 use crate::ModelError;
 
 // The forward pass and the benches name these here.
@@ -39,12 +39,24 @@ impl Matrix {
         self.0.act_kind() == ActKind::Q8K
     }
 
-    /// Loads a 2-D tensor whose ggml dims are `[cols, rows]`.
+    /// Loads a 2-D tensor whose ggml dims are `[cols, rows]`, repacked (where its format
+    /// is) before this returns.
     pub fn load(
         file: &GgufFile,
         info: &TensorInfo,
         rows: usize,
         cols: usize,
+    ) -> Result<Self, ModelError> {
+        Self::load_with(file, info, rows, cols, &Repack::AtLoad)
+    }
+
+    /// [`Self::load`], repacking when `repack` says.
+    pub fn load_with(
+        file: &GgufFile,
+        info: &TensorInfo,
+        rows: usize,
+        cols: usize,
+        repack: &Repack<'_>,
     ) -> Result<Self, ModelError> {
         if info.dims.len() != 2 || info.dims[0] as usize != cols || info.dims[1] as usize != rows {
             return Err(ModelError::Tensor {
@@ -59,12 +71,13 @@ impl Matrix {
             });
         }
         let data = file.tensor_data(info);
-        let m = crate::quant::table::matrix(info.ty, rows, cols, &data).ok_or_else(|| {
-            ModelError::Tensor {
-                name: info.name.clone(),
-                reason: format!("ggml type {:?} has no kernel", info.ty),
-            }
-        })?;
+        let m =
+            crate::quant::table::matrix(info.ty, rows, cols, &data, repack).ok_or_else(|| {
+                ModelError::Tensor {
+                    name: info.name.clone(),
+                    reason: format!("ggml type {:?} has no kernel", info.ty),
+                }
+            })?;
         Ok(Matrix(m))
     }
 

@@ -652,6 +652,56 @@ fn a_mapped_model_computes_what_the_read_one_does() {
     }
 }
 
+/// A model whose repacks are deferred (`Model::load_deferring_repack`, what `serve` does)
+/// gives the bits of one repacked at load: before its repacks run (the file's rows), while
+/// they run on another thread beside forward passes, and after. Prompts of 21 and 40
+/// tokens take the decode-sized and the prefill-sized kernels.
+#[test]
+fn a_deferred_repack_changes_no_bit_before_during_or_after() {
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        let mut spec = spec(256, 4, 2, ty);
+        spec.vocab = 512;
+        let path = std::env::temp_dir().join(format!(
+            "kvwarden-deferred-{}-{:?}.gguf",
+            std::process::id(),
+            ty
+        ));
+        std::fs::write(&path, spec.build_arch(SynthArch::Qwen3).unwrap().to_bytes()).unwrap();
+        let file = GgufFile::open_with(&path, gguf::Load::Map).unwrap();
+        let prompts = [tokens(21, 5), tokens(40, 6)];
+        let logits = |model: &Model| -> Vec<Vec<u32>> {
+            prompts
+                .iter()
+                .map(|p| {
+                    let l = all_logits(model, KvDtype::F16, p);
+                    l.iter().map(|x| x.to_bits()).collect()
+                })
+                .collect()
+        };
+        let at_load = logits(&Model::load(&file).unwrap());
+        let (model, pending) = Model::load_deferring_repack(&file).unwrap();
+        drop(file);
+        std::fs::remove_file(&path).unwrap();
+        // 7 matrices a layer, and the embedding where it is of the type.
+        assert_eq!(
+            pending.len() >= 7 * spec.layers,
+            model::kernels::wide_available(),
+            "{ty:?}: {} repacks deferred",
+            pending.len()
+        );
+        assert!(logits(&model) == at_load, "{ty:?}: the file's rows differ");
+        let repacking = std::thread::spawn(move || pending.run());
+        let mut during = 0;
+        while !repacking.is_finished() {
+            assert!(logits(&model) == at_load, "{ty:?}: differs while repacking");
+            during += 1;
+        }
+        assert!(repacking.join().unwrap() > 0 || !model::kernels::wide_available());
+        assert!(logits(&model) == at_load, "{ty:?}: the tiles differ");
+        eprintln!("{ty:?}: {during} passes while the repack ran");
+    }
+}
+
 /// A step paused between layers (`Model::forward_yielding`) for a nested step on another
 /// sequence: both give the bits they give alone, and a batch's output projection in
 /// vocabulary slices (from 8 sampled rows) gives what a smaller batch's gives unsliced.

@@ -5,11 +5,31 @@ use gguf::GgufFile;
 
 use super::{Layer, Model};
 use crate::config::Arch;
+use crate::quant::{PendingRepacks, Repack};
 use crate::weights::{load_vector, Matrix, QK};
 use crate::{LlamaConfig, ModelError};
 
 impl Model {
+    /// The model of `file`, its weights repacked (where the CPU runs tiles) before this
+    /// returns.
     pub fn load(file: &GgufFile) -> Result<Self, ModelError> {
+        Self::load_with(file, &Repack::AtLoad)
+    }
+
+    /// The model of `file`, answering at once from the file's rows: the repacks are left
+    /// to the returned [`PendingRepacks`], to run beside serving (the same bits either
+    /// way). A file read into memory (not mapped) is repacked here, so that it is not held
+    /// twice while the repacks wait.
+    pub fn load_deferring_repack(file: &GgufFile) -> Result<(Self, PendingRepacks), ModelError> {
+        let pending = PendingRepacks::default();
+        if !file.is_mapped() {
+            return Ok((Self::load(file)?, pending));
+        }
+        let model = Self::load_with(file, &Repack::Deferred(&pending))?;
+        Ok((model, pending))
+    }
+
+    fn load_with(file: &GgufFile, repack: &Repack<'_>) -> Result<Self, ModelError> {
         let config = LlamaConfig::from_gguf(file)?;
         let c = &config;
         // Every tensor the file holds must be one this architecture reads: a tensor left
@@ -29,7 +49,7 @@ impl Model {
                     "{name}: row length {cols} is not a multiple of {QK}"
                 )));
             }
-            Matrix::load(file, tensor(name)?, rows, cols)
+            Matrix::load_with(file, tensor(name)?, rows, cols, repack)
         };
         let vec = |name: &str, len: usize| load_vector(file, tensor(name)?, len);
         let opt_vec = |name: &str, len: usize| match file.tensor(name) {

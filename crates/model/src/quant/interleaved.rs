@@ -10,6 +10,12 @@
 //! to minute. Start went from 1.3–1.45 s to 1.17–1.22 (2.0–2.2 when the kernel first has
 //! to compact memory for the huge pages); prefill did not change.
 //!
+//! Repacking is most of a start (the kernel zeroing the huge pages, then the copies), and
+//! every layout gives the same bits, so `serve` defers it ([`Repack::Deferred`]): each
+//! matrix reads the file's rows until its tiles are set, built over the global rayon pool
+//! beside the forward passes. The same 1B file is healthy 0.15–0.18 s after start (0.78–0.83
+//! repacking first; llama-server 1.05–1.1) and at full speed after about 1.0 s more.
+//!
 //! Decode-sized products (at most [`ROWS_LANES_MAX`] tokens) run the rows-in-lanes kernel
 //! on the tiles (`kernels/x86_512_rows_lanes.rs`); larger ones the tokens-in-lanes kernel,
 //! which prepares each tile's sixteen rows with transpositions in registers
@@ -18,13 +24,14 @@
 //! `Q6K::dot_scalar`), so the layout changes no bit (`quant/tests.rs`).
 
 use std::marker::PhantomData;
+use std::sync::{Arc, OnceLock};
 
 use gguf::{GgmlType, TensorData};
 use rayon::prelude::*;
 
 use super::kquants::{Q4K, Q6K};
 use super::load_buffer::LoadBuffer;
-use super::{QuantFormat, WeightMatrix};
+use super::{DeferredRepack, QuantFormat, Repack, WeightMatrix};
 use crate::blocks::{Acts, BlockQ8K};
 use crate::kernels::tile_out::Out;
 use crate::kernels::x86_512_lanes::{k_quant_lanes, Format, Weights};
@@ -119,47 +126,124 @@ fn pack<F: Interleave>(rows: &[u8], nb: usize, i: usize, tile: &mut [u8]) {
     }
 }
 
-/// A matrix of format `F` as tiles, `[group * nb + i]` for groups of sixteen rows.
+/// A matrix of format `F` as tiles, `[group * nb + i]` for groups of sixteen rows, or the
+/// file's rows until a deferred repack ([`Repack::Deferred`]) has built them.
 pub(crate) struct InterleavedMatrix<F: Interleave> {
     ty: GgmlType,
     rows: usize,
     cols: usize,
-    tiles: LoadBuffer,
+    tiles: Tiles<F>,
+}
+
+enum Tiles<F: Interleave> {
+    /// Built at load.
+    Built(LoadBuffer),
+    /// Built when the deferred repack reaches this matrix.
+    Deferred(Arc<DeferredTiles<F>>),
+}
+
+/// Where a product reads the rows.
+enum Layout<'a> {
+    Tiles(&'a [u8]),
+    /// As the file holds them (a deferred repack not yet run).
+    File(&'a [u8]),
+}
+
+/// A deferred repack's matrix: the file's rows, read until the tiles are set.
+struct DeferredTiles<F: Interleave> {
+    file: TensorData,
+    rows: usize,
+    cols: usize,
+    tiles: OnceLock<LoadBuffer>,
     format: PhantomData<F>,
+}
+
+/// The tiles of `rows` rows of `cols` from the file's rows `file`, its pages released
+/// slice by slice, over the global rayon pool (not the model's: a deferred repack shares
+/// the cores with the forward passes instead of queueing in front of them). Readers of the
+/// file's rows meanwhile fault released pages back in from the file: they read the same
+/// bytes.
+fn build<F: Interleave>(file: &TensorData, rows: usize, cols: usize) -> LoadBuffer {
+    let nb = cols / gguf::QK_K;
+    let group = nb * tile_bytes::<F>();
+    let mut tiles = LoadBuffer::zeroed(rows / TILE_ROWS * group);
+    let groups_per_slice = (REPACK_SLICE / group.max(1)).max(1);
+    let src = file.bytes();
+    let pack_group = |(dst, rows): (&mut [u8], &[u8])| {
+        for (i, tile) in dst.chunks_exact_mut(tile_bytes::<F>()).enumerate() {
+            pack::<F>(rows, nb, i, tile);
+        }
+    };
+    for (s, dst) in tiles.chunks_mut(groups_per_slice * group).enumerate() {
+        let at = s * groups_per_slice * group;
+        let from = &src[at..at + dst.len()];
+        dst.par_chunks_mut(group)
+            .zip(from.par_chunks(group))
+            .for_each(pack_group);
+        file.release_part(at, dst.len());
+    }
+    tiles
+}
+
+impl<F: Interleave> DeferredRepack for DeferredTiles<F> {
+    fn repack(&self) -> usize {
+        if self.tiles.get().is_none() {
+            let tiles = build::<F>(&self.file, self.rows, self.cols);
+            if self.tiles.set(tiles).is_ok() {
+                // Pages that readers faulted back in while the repack ran: nothing reads
+                // the file's rows once the tiles are set.
+                self.file.release_part(0, self.file.bytes().len());
+            }
+        }
+        self.file.bytes().len()
+    }
 }
 
 impl<F: Interleave> InterleavedMatrix<F> {
     /// `data` must hold `rows` rows of `cols` elements of `F` (the GGUF reader checked the
-    /// size), `rows` a multiple of sixteen ([`applies`]). A mapped tensor's pages are
-    /// released slice by slice as they are repacked.
-    pub(crate) fn new(ty: GgmlType, rows: usize, cols: usize, data: &TensorData) -> Self {
+    /// size), `rows` a multiple of sixteen ([`applies`]). At load, a mapped tensor's pages
+    /// are released slice by slice as they are repacked. Deferred, the matrix reads the
+    /// file's rows until the repack registered with `repack` has run.
+    pub(crate) fn new(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &TensorData,
+        repack: &Repack<'_>,
+    ) -> Self {
         assert!(
             rows.is_multiple_of(TILE_ROWS),
             "interleaved: rows not whole tiles"
         );
-        let nb = cols / gguf::QK_K;
-        let group = nb * tile_bytes::<F>();
-        let mut tiles = LoadBuffer::zeroed(rows / TILE_ROWS * group);
-        let groups_per_slice = (REPACK_SLICE / group.max(1)).max(1);
-        let src = data.bytes();
-        for (s, dst) in tiles.chunks_mut(groups_per_slice * group).enumerate() {
-            let at = s * groups_per_slice * group;
-            let from = &src[at..at + dst.len()];
-            dst.par_chunks_mut(group)
-                .zip(from.par_chunks(group))
-                .for_each(|(dst, rows)| {
-                    for (i, tile) in dst.chunks_exact_mut(tile_bytes::<F>()).enumerate() {
-                        pack::<F>(rows, nb, i, tile);
-                    }
+        let tiles = match repack {
+            Repack::Deferred(pending) => {
+                let deferred = Arc::new(DeferredTiles {
+                    file: data.clone(),
+                    rows,
+                    cols,
+                    tiles: OnceLock::new(),
+                    format: PhantomData,
                 });
-            data.release_part(at, dst.len());
-        }
+                pending.add(deferred.clone());
+                Tiles::Deferred(deferred)
+            }
+            Repack::AtLoad => Tiles::Built(build::<F>(data, rows, cols)),
+        };
         InterleavedMatrix {
             ty,
             rows,
             cols,
             tiles,
-            format: PhantomData,
+        }
+    }
+
+    fn layout(&self) -> Layout<'_> {
+        match &self.tiles {
+            Tiles::Built(tiles) => Layout::Tiles(tiles),
+            Tiles::Deferred(d) => match d.tiles.get() {
+                Some(tiles) => Layout::Tiles(tiles),
+                None => Layout::File(d.file.bytes()),
+            },
         }
     }
 
@@ -167,8 +251,8 @@ impl<F: Interleave> InterleavedMatrix<F> {
         self.cols / gguf::QK_K
     }
 
-    /// Rows `r0..r0 + nr` (at least one) as ggml's blocks, given to `use_blocks`: rebuilt
-    /// into this thread's buffer, whole tiles' words sixteen by sixteen in registers. For
+    /// Rows `r0..r0 + nr` (at least one) as ggml's blocks, given to `use_blocks`: the
+    /// file's rows before the tiles exist, else rebuilt into this thread's buffer, whole tiles' words sixteen by sixteen in registers. For
     /// what the tile kernels do not take: rows that do not start a tile, and dequantized
     /// rows (embedding lookups).
     fn with_blocks<R>(&self, r0: usize, nr: usize, use_blocks: impl FnOnce(&[F::Block]) -> R) -> R {
@@ -178,6 +262,13 @@ impl<F: Interleave> InterleavedMatrix<F> {
         let nb = self.nb();
         let row_bytes = nb * F::BLOCK;
         let words_at = 32 * F::HALVES.len();
+        let tiles = match self.layout() {
+            Layout::Tiles(tiles) => tiles,
+            Layout::File(file) => {
+                let rows = &file[r0 * row_bytes..(r0 + nr) * row_bytes];
+                return use_blocks(F::view(rows).expect("k-quant blocks are viewed in place"));
+            }
+        };
         BLOCKS.with_borrow_mut(|buf| {
             if buf.len() < nr * row_bytes {
                 buf.resize(nr * row_bytes, 0);
@@ -189,7 +280,7 @@ impl<F: Interleave> InterleavedMatrix<F> {
                 let rows = &mut out[(first - r0) * row_bytes..(last - r0) * row_bytes];
                 for i in 0..nb {
                     let at = (g * nb + i) * tile_bytes::<F>();
-                    let tile = &self.tiles[at..at + tile_bytes::<F>()];
+                    let tile = &tiles[at..at + tile_bytes::<F>()];
                     let mut w0 = 0;
                     if last - first == TILE_ROWS && F::SLOTS_IN_ORDER {
                         while w0 + TILE_ROWS <= F::WORDS {
@@ -227,7 +318,12 @@ impl<F: Interleave> InterleavedMatrix<F> {
             return None;
         }
         let group = self.nb() * tile_bytes::<F>();
-        Some(&self.tiles[r0 / TILE_ROWS * group..(r0 + nr) / TILE_ROWS * group])
+        match self.layout() {
+            Layout::Tiles(tiles) => {
+                Some(&tiles[r0 / TILE_ROWS * group..(r0 + nr) / TILE_ROWS * group])
+            }
+            Layout::File(_) => None,
+        }
     }
 
     /// The rows computed on their tiles, into `out`: at most [`ROWS_LANES_MAX`] tokens by

@@ -232,6 +232,57 @@ pub(crate) fn byte_view<const N: usize>(bytes: &[u8]) -> &[[u8; N]] {
     bytes.as_chunks::<N>().0
 }
 
+/// When the matrices a CPU runs on repacked tiles (`interleaved.rs`) are built.
+pub enum Repack<'a> {
+    /// While the model loads.
+    AtLoad,
+    /// By [`PendingRepacks::run`], later: until then each matrix reads the file's rows.
+    /// Every layout gives the same bits, so a server can answer while its weights are
+    /// still being repacked.
+    Deferred(&'a PendingRepacks),
+}
+
+/// One matrix's deferred repack.
+pub(crate) trait DeferredRepack: Send + Sync {
+    /// Builds the tiles unless built; the file bytes they cover.
+    fn repack(&self) -> usize;
+}
+
+/// The repacks a load deferred ([`Repack::Deferred`]).
+#[derive(Default)]
+pub struct PendingRepacks(std::sync::Mutex<Vec<std::sync::Arc<dyn DeferredRepack>>>);
+
+impl PendingRepacks {
+    pub(crate) fn add(&self, repack: std::sync::Arc<dyn DeferredRepack>) {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(repack);
+    }
+
+    /// How many matrices wait.
+    pub fn len(&self) -> usize {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Repacks every matrix in turn, each over the global rayon pool; the file bytes
+    /// repacked.
+    pub fn run(self) -> usize {
+        let pending = self
+            .0
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        pending.iter().map(|m| m.repack()).sum()
+    }
+}
+
 /// What [`crate::weights::Matrix`] holds: a matrix of some format, behind one virtual call
 /// per product task.
 pub trait WeightMatrix: WeightRows {

@@ -7,13 +7,14 @@ use gguf::{GgmlType, TensorData};
 use super::*;
 
 /// Builds a matrix of `rows` × `cols` from a tensor's type and bytes.
-type Constructor = fn(GgmlType, usize, usize, &TensorData) -> Box<dyn WeightMatrix>;
+type Constructor = fn(GgmlType, usize, usize, &TensorData, &Repack<'_>) -> Box<dyn WeightMatrix>;
 
 fn boxed<F: QuantFormat>(
     ty: GgmlType,
     rows: usize,
     cols: usize,
     data: &TensorData,
+    _: &Repack<'_>,
 ) -> Box<dyn WeightMatrix> {
     Box::new(QuantMatrix::<F>::new(ty, rows, cols, data))
 }
@@ -26,13 +27,14 @@ fn tiled<F: interleaved::Interleave>(
     rows: usize,
     cols: usize,
     data: &TensorData,
+    repack: &Repack<'_>,
 ) -> Box<dyn WeightMatrix> {
     if interleaved::applies::<F>(rows) {
         return Box::new(interleaved::InterleavedMatrix::<F>::new(
-            ty, rows, cols, data,
+            ty, rows, cols, data, repack,
         ));
     }
-    boxed::<F>(ty, rows, cols, data)
+    boxed::<F>(ty, rows, cols, data, repack)
 }
 
 /// Off x86-64 there are no tiles.
@@ -64,9 +66,10 @@ pub fn matrix(
     rows: usize,
     cols: usize,
     data: &TensorData,
+    repack: &Repack<'_>,
 ) -> Option<Box<dyn WeightMatrix>> {
     let (_, make) = FORMATS.iter().find(|(t, _)| *t == ty)?;
-    Some(make(ty, rows, cols, data))
+    Some(make(ty, rows, cols, data, repack))
 }
 
 /// The types a matrix can be loaded from, in the table's order.

@@ -655,8 +655,14 @@ fn wide_k_quant_token_major_matches_row_major_bit_for_bit() {
         let (rows, nb) = (5, 2);
         let cols = nb * QK_K;
         let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s) * 3.0).collect();
-        let m = table::matrix(ty, rows, cols, &TensorData::from_vec(ty.quantize(&vals)))
-            .expect("a supported type");
+        let m = table::matrix(
+            ty,
+            rows,
+            cols,
+            &TensorData::from_vec(ty.quantize(&vals)),
+            &Repack::AtLoad,
+        )
+        .expect("a supported type");
         for n in [12, 4, 6, 37] {
             let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 5.0).collect();
             let (xk, lanes) = q8_k_inputs(&*m, &x, n, nb);
@@ -777,8 +783,14 @@ fn iq4_nl_products_match_the_definition_and_the_reference() {
         for (row, o) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(nb)) {
             quantize_row_q8_1(row, o);
         }
-        let m =
-            table::matrix(ty, rows, cols, &TensorData::from_vec(w.clone())).expect("IQ4_NL loads");
+        let m = table::matrix(
+            ty,
+            rows,
+            cols,
+            &TensorData::from_vec(w.clone()),
+            &Repack::AtLoad,
+        )
+        .expect("IQ4_NL loads");
         let acts = Acts {
             f32: &x,
             q8_1: &xq,
@@ -835,6 +847,7 @@ fn iq4_nl_products_match_the_definition_and_the_reference() {
 #[ignore = "needs AVX-512 VNNI; scripts/test.sh runs it where the CPU has it"]
 fn interleaved_k_quants_give_the_definitions_bits() {
     use super::interleaved::{applies, Interleave, InterleavedMatrix, ROWS_LANES_MAX};
+    use super::{PendingRepacks, Repack};
     assert!(
         crate::kernels::wide_available(),
         "this CPU lacks AVX-512 (F, BW, DQ, VL, VNNI): the wide kernel cannot run here"
@@ -858,7 +871,35 @@ fn interleaved_k_quants_give_the_definitions_bits() {
                     }
                 }
             }
-            let m = InterleavedMatrix::<F>::new(ty, rows, cols, &TensorData::from_vec(w.clone()));
+            let data = TensorData::from_vec(w.clone());
+            let at_load = InterleavedMatrix::<F>::new(ty, rows, cols, &data, &Repack::AtLoad);
+            let pending = PendingRepacks::default();
+            let deferred =
+                InterleavedMatrix::<F>::new(ty, rows, cols, &data, &Repack::Deferred(&pending));
+            assert_eq!(pending.len(), 1);
+            check_matrix::<F>(&at_load, &w, ty, nb, extreme, true, dot, s);
+            // The file's rows, before the deferred repack has run; then its tiles.
+            check_matrix::<F>(&deferred, &w, ty, nb, extreme, false, dot, s);
+            assert_eq!(pending.run(), w.len());
+            check_matrix::<F>(&deferred, &w, ty, nb, extreme, true, dot, s);
+        }
+    }
+    /// Every product and dequantized row of `m` (`w`'s rows; `tiled`: built) against the
+    /// definition.
+    #[allow(clippy::too_many_arguments)]
+    fn check_matrix<F: Interleave>(
+        m: &InterleavedMatrix<F>,
+        w: &[u8],
+        ty: GgmlType,
+        nb: usize,
+        extreme: bool,
+        tiled: bool,
+        dot: fn(&[u8], &[BlockQ8K]) -> f32,
+        s: &mut u64,
+    ) {
+        let rows = 48;
+        let cols = nb * QK_K;
+        {
             let rb = nb * ty.block_bytes();
             for r in [0, 17, 47] {
                 let (mut got, mut want) = (vec![0f32; cols], vec![0f32; cols]);
@@ -874,7 +915,7 @@ fn interleaved_k_quants_give_the_definitions_bits() {
                         _ => lcg(s) * (1.0 + 37.0 * (i / cols % 5) as f32),
                     })
                     .collect();
-                let (xk, lanes) = q8_k_inputs(&m, &x, n, nb);
+                let (xk, lanes) = q8_k_inputs(m, &x, n, nb);
                 let acts = q8_k_acts(&xk, &lanes);
                 // Whole tiles, and a run of rows that starts and ends inside tiles.
                 for (r0, nr) in [(0, rows), (16, 16), (3, 30)] {
@@ -895,7 +936,7 @@ fn interleaved_k_quants_give_the_definitions_bits() {
                             }
                         }
                     }
-                    let on_tiles = r0 % 16 == 0 && nr % 16 == 0 && n <= ROWS_LANES_MAX;
+                    let on_tiles = tiled && r0 % 16 == 0 && nr % 16 == 0 && n <= ROWS_LANES_MAX;
                     assert_eq!(wrote, on_tiles || n > ROWS_LANES_MAX, "{ty:?} n {n}");
                 }
             }
@@ -923,8 +964,14 @@ fn block_chain_formats_give_the_definitions_bits() {
             let w = ty.quantize(&vals);
             let mut deq = vec![0f32; rows * cols];
             ty.dequantize(&w, &mut deq);
-            let m = table::matrix(ty, rows, cols, &TensorData::from_vec(w.clone()))
-                .expect("a supported type");
+            let m = table::matrix(
+                ty,
+                rows,
+                cols,
+                &TensorData::from_vec(w.clone()),
+                &Repack::AtLoad,
+            )
+            .expect("a supported type");
             let rb = nb * ty.block_bytes();
             let definition = |r: usize, a: &[BlockQ8_1]| {
                 let row = &w[r * rb..(r + 1) * rb];
