@@ -8,6 +8,9 @@
 # a decode node.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each stage's start, in seconds since this script's: where the run's time goes (CI keeps
+# the whole well under an hour on 2 cores).
+stage() { echo "test.sh: [${SECONDS} s] $*" >&2; }
 
 ./scripts/check-repo.sh
 ./scripts/fetch-model.sh
@@ -21,16 +24,20 @@ cd "$(dirname "$0")/.."
 ./scripts/make-synthetic-models.sh
 python=$(./scripts/python-env.sh)
 
+stage "formatting, lints, docs"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # Doc links name items that exist (module docs are where the kernels' notes live).
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
+stage "cargo test --workspace"
 cargo test --workspace
 # The container image and the Helm chart (deploy/): the chart linted, rendered and validated
 # against the Kubernetes API schemas, the image built around the binary just built and run.
+stage "deploy checks"
 ./scripts/check-deploy.sh
 # Tests that need CPU features not every machine has are ignored by default: run them
 # where they can run, and say so where they cannot, instead of passing silently.
+stage "CPU-specific model tests"
 if grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null; then
   cargo test -p model --lib -- --ignored
   # This CPU runs the AVX-512 kernels above; the whole-model references once more on the
@@ -45,12 +52,15 @@ fi
 # on every CPU path this machine has, with windows fed whole, in chunks and in batches; and
 # (--lora) the default model and a synthetic qwen2 file under a synthetic LoRA adapter
 # against llama.cpp's `--lora` (their greedy tokens: crates/model/tests/llama_references.rs).
+stage "accuracy oracle"
 python3 scripts/eval-references.py --check --invariance --lora SmolLM2-135M-Instruct.Q4_1 \
   SmolLM2-135M-Instruct.Q4_K_M synth-qwen3-q6_k
+stage "loom"
 bash crates/kv/loom.sh
 # Every cargo-fuzz target (fuzz/) for a short fixed time: a crash fails the run, its input
 # saved in fuzz/artifacts/. `scripts/fuzz.sh 1800` is the long form. 18 s each: nine
 # targets in about the 160 s that eight had at 20 s.
+stage "fuzzing"
 ./scripts/fuzz.sh 18
 
 # The default binary must not carry the fault-injection switch (the feature is off).
@@ -63,6 +73,7 @@ fi
 # artifacts side by side, so only the crates the feature touches are compiled again (its own
 # target dir rebuilt every dependency, minutes on 2 cores); the binary moves to
 # target/fault/debug and the normal one goes back where `cargo test` put it.
+stage "fault-injection build"
 cp target/debug/kvwarden target/debug/kvwarden.normal
 cargo build -p kvwarden --features fault-injection
 mkdir -p target/fault/debug
@@ -82,12 +93,15 @@ target/debug/kvwarden --threads 2 audit --scenario incident
 # The end-to-end suite runs the binary that `cargo test` just built (optimized dev profile).
 # The fault suite's long form (scripts/faults.sh --long) is not part of this run.
 long=(--ignore tests/python/test_faults_netns.py --ignore tests/python/test_faults_more.py)
-"$python" -m pytest tests/python -q "${long[@]}"
+stage "end-to-end suite"
+"$python" -m pytest tests/python -q --durations=12 "${long[@]}"
 # Every fixture becomes router + prefill node + decode node: the router must answer exactly
 # as `serve` does.
 # (test_cluster.py, test_dns_discovery.py, test_tracing.py and the fault suite test_faults.py
 # start their own clusters and ran above.)
 # test_gemma3.py and test_quant_models.py start their own `serve` and ran above.
-KVWARDEN_DEPLOYMENT=cluster "$python" -m pytest tests/python -q --ignore tests/python/test_cluster.py \
+stage "end-to-end suite through the router"
+KVWARDEN_DEPLOYMENT=cluster "$python" -m pytest tests/python -q --durations=12 --ignore tests/python/test_cluster.py \
   --ignore tests/python/test_dns_discovery.py --ignore tests/python/test_faults.py --ignore tests/python/test_gemma3.py \
   --ignore tests/python/test_quant_models.py --ignore tests/python/test_tracing.py "${long[@]}"
+stage "done"
