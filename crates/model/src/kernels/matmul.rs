@@ -308,6 +308,22 @@ fn by_token_blocks<W: WeightRows + ?Sized>(ws: &[&W], input: &Input<'_>, outs: &
     });
 }
 
+/// Rows per task of a product split by weight rows (`total_rows` over all the group's
+/// matrices): about eight tasks per thread, from 16 to 512 rows, and always whole tiles of
+/// sixteen rows. A task that starts or ends inside one of the repacked k-quant tiles
+/// (`quant/interleaved.rs`) rebuilds ggml's blocks for its rows, which cost a 576-wide
+/// model's Q4_K_M decode 40% of its speed.
+fn row_task_rows(total_rows: usize, threads: usize) -> usize {
+    (total_rows / (threads.max(1) * 8))
+        .clamp(TASK_ROWS_ALIGN, 512)
+        .next_multiple_of(TASK_ROWS_ALIGN)
+}
+
+/// The repacked tiles' rows, on every target (the tiles exist on x86-64 only).
+const TASK_ROWS_ALIGN: usize = 16;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(TASK_ROWS_ALIGN == super::x86_512_rows_lanes::TILE_ROWS);
+
 /// Tasks own runs of weight rows across every token (one token needs no transposition).
 fn by_row_blocks<W: WeightRows + ?Sized>(
     ws: &[&W],
@@ -315,14 +331,8 @@ fn by_row_blocks<W: WeightRows + ?Sized>(
     n: usize,
     outs: &mut [&mut [f32]],
 ) {
-    let threads = rayon::current_num_threads().max(1);
     let total_rows: usize = ws.iter().map(|w| w.rows()).sum();
-    // Whole tiles of sixteen rows: a task that starts or ends inside one of the repacked
-    // k-quant tiles (`quant/interleaved.rs`) rebuilds ggml's blocks for its rows, which cost a
-    // 576-wide model's Q4_K_M decode 40% of its speed.
-    let rows_per_task = (total_rows / (threads * 8))
-        .clamp(16, 512)
-        .next_multiple_of(16);
+    let rows_per_task = row_task_rows(total_rows, rayon::current_num_threads());
     let mut by_row: Vec<Vec<f32>> = ws
         .iter()
         .map(|w| {
@@ -459,4 +469,30 @@ pub(super) fn tile_scales(x: &[BlockQ8_1], n: usize, nb: usize) -> Vec<TileScale
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::row_task_rows;
+
+    /// Every decode split starts and ends its tasks on tile boundaries (the last task of a
+    /// matrix ends with the matrix), for the shapes served and odd ones, on any thread
+    /// count; and keeps about eight tasks per thread within its bounds.
+    #[test]
+    fn row_tasks_are_whole_tiles() {
+        // Served models' groups (576-wide QKV, 1B's, 3B's, an FFN, the 128k output) and odd.
+        let shapes = [16, 48, 576, 1536, 3072, 9216, 16384, 128_256, 1 << 20];
+        for threads in [0, 1, 2, 3, 7, 16, 64] {
+            for total in shapes {
+                let rows = row_task_rows(total, threads);
+                assert_eq!(rows % 16, 0, "{total} rows, {threads} threads: {rows}");
+                assert!((16..=512).contains(&rows), "{total}, {threads}: {rows}");
+                let tasks = total.div_ceil(rows);
+                if rows > 16 && rows < 512 {
+                    let per = tasks as f64 / threads.max(1) as f64;
+                    assert!((4.0..=8.5).contains(&per), "{total}, {threads}: {tasks}");
+                }
+            }
+        }
+    }
 }
