@@ -123,14 +123,9 @@ impl PageData {
     /// A page of `elems` values, all zero.
     pub(crate) fn zeroed(dtype: KvDtype, elems: usize) -> Self {
         match dtype {
-            // Zeroed allocations: the system's zero pages until first written, so a pool of
-            // hundreds of MiB costs nothing at start and no memory until used (as f32's
-            // `vec!` does; f16 and blocks are not primitives `vec!` knows to be zero).
-            KvDtype::F16 => PageData::F16(bytemuck::allocation::zeroed_slice_box(elems)),
+            KvDtype::F16 => PageData::F16(vec![f16::ZERO; elems].into_boxed_slice()),
             KvDtype::F32 => PageData::F32(vec![0f32; elems].into_boxed_slice()),
-            KvDtype::Q8_0 => PageData::Q8_0(bytemuck::allocation::zeroed_slice_box(
-                elems / Q8Block::VALUES,
-            )),
+            KvDtype::Q8_0 => PageData::Q8_0(zeroed_blocks(elems)),
             KvDtype::Q4_0 => PageData::Q4_0(zeroed_blocks(elems)),
         }
     }
@@ -313,10 +308,7 @@ fn block_rows<B: KvBlock>(d: &[B], k0: usize, v0: usize, len: usize) -> (&[B], &
 mod tests {
     use super::*;
 
-    /// A fresh page reads as zero in every element type, and equals the page the
-    /// element-wise constructor writes: the zeroed allocations of `PageData::zeroed` (the
-    /// system's zero pages for the f16 and Q8_0 ones) are zero values, not merely zero
-    /// bytes.
+    /// A fresh page reads as zero in every element type, element by element.
     #[test]
     fn fresh_pages_read_zero_in_every_element_type() {
         let elems = 64 * 1024;

@@ -13,8 +13,9 @@
 //! Repacking is most of a start (the kernel zeroing the huge pages, then the copies), and
 //! every layout gives the same bits, so `serve` defers it ([`Repack::Deferred`]): each
 //! matrix reads the file's rows until its tiles are set, built over the global rayon pool
-//! beside the forward passes. The same 1B file is healthy 0.15–0.18 s after start (0.78–0.83
-//! repacking first; llama-server 1.05–1.1) and at full speed after about 1.0 s more.
+//! beside the forward passes. The same 1B file is healthy 0.39–0.44 s after start (0.78–0.83
+//! repacking first; llama-server 1.10; of kvwarden's, 0.25 s is writing its 512 MiB KV
+//! pool) and at full speed about 1.0 s later.
 //!
 //! Decode-sized products (at most [`ROWS_LANES_MAX`] tokens) run the rows-in-lanes kernel
 //! on the tiles (`kernels/x86_512_rows_lanes.rs`); larger ones the tokens-in-lanes kernel,
