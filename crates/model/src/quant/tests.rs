@@ -18,6 +18,18 @@ fn as_blocks<const N: usize>(bytes: &[u8]) -> &[[u8; N]] {
     blocks
 }
 
+/// A matrix of `ty` made from `bytes` in memory (no file), built at once.
+fn in_memory(ty: GgmlType, rows: usize, cols: usize, bytes: Vec<u8>) -> Box<dyn WeightMatrix> {
+    table::matrix(
+        ty,
+        rows,
+        cols,
+        &TensorData::from_vec(bytes),
+        &Repack::AtLoad,
+    )
+    .unwrap_or_else(|| panic!("{ty:?} has no matrix"))
+}
+
 /// `n` rows of `x` (`nb` super-blocks each) quantized to Q8_K, and laid out as lanes where
 /// a product of `m` takes them.
 fn q8_k_inputs(
@@ -655,14 +667,7 @@ fn wide_k_quant_token_major_matches_row_major_bit_for_bit() {
         let (rows, nb) = (5, 2);
         let cols = nb * QK_K;
         let vals: Vec<f32> = (0..rows * cols).map(|_| lcg(&mut s) * 3.0).collect();
-        let m = table::matrix(
-            ty,
-            rows,
-            cols,
-            &TensorData::from_vec(ty.quantize(&vals)),
-            &Repack::AtLoad,
-        )
-        .expect("a supported type");
+        let m = in_memory(ty, rows, cols, ty.quantize(&vals));
         for n in [12, 4, 6, 37] {
             let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 5.0).collect();
             let (xk, lanes) = q8_k_inputs(&*m, &x, n, nb);
@@ -783,14 +788,7 @@ fn iq4_nl_products_match_the_definition_and_the_reference() {
         for (row, o) in x.chunks_exact(cols).zip(xq.chunks_exact_mut(nb)) {
             quantize_row_q8_1(row, o);
         }
-        let m = table::matrix(
-            ty,
-            rows,
-            cols,
-            &TensorData::from_vec(w.clone()),
-            &Repack::AtLoad,
-        )
-        .expect("IQ4_NL loads");
+        let m = in_memory(ty, rows, cols, w.clone());
         let acts = Acts {
             f32: &x,
             q8_1: &xq,
@@ -964,14 +962,7 @@ fn block_chain_formats_give_the_definitions_bits() {
             let w = ty.quantize(&vals);
             let mut deq = vec![0f32; rows * cols];
             ty.dequantize(&w, &mut deq);
-            let m = table::matrix(
-                ty,
-                rows,
-                cols,
-                &TensorData::from_vec(w.clone()),
-                &Repack::AtLoad,
-            )
-            .expect("a supported type");
+            let m = in_memory(ty, rows, cols, w.clone());
             let rb = nb * ty.block_bytes();
             let definition = |r: usize, a: &[BlockQ8_1]| {
                 let row = &w[r * rb..(r + 1) * rb];
