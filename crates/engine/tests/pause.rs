@@ -91,7 +91,12 @@ impl HeldEngine {
         Self::start_with(EngineConfig::default(), rows)
     }
 
-    fn start_with(config: EngineConfig, rows: usize) -> Self {
+    /// Speculation is off: the held step is the first whose rows each decode one token, and
+    /// `Auto` drafts for a step with nothing else to do, so once a synthetic model's
+    /// repetitive output gave prompt lookup its drafts the step to hold never came (it
+    /// timed out in a CI run on a busy 2-core machine).
+    fn start_with(mut config: EngineConfig, rows: usize) -> Self {
+        config.speculation.mode = engine::SpeculationMode::Off;
         let release = Arc::<AtomicBool>::default();
         let (entered_tx, entered) = mpsc::channel();
         let engine = engine::start(
