@@ -594,6 +594,17 @@ fn linear_rope_scaling_divides_the_angles() {
     assert!(worst_diff(&got[v..], &unscaled[v..]) > 1e-3);
 }
 
+/// A small qwen3 file of `ty` written to a temporary path named by `tag` (the caller
+/// removes it), and its spec.
+fn qwen3_file(tag: &str, ty: GgmlType) -> (SynthSpec, std::path::PathBuf) {
+    let mut spec = spec(256, 4, 2, ty);
+    spec.vocab = 512;
+    let path =
+        std::env::temp_dir().join(format!("kvwarden-{tag}-{}-{ty:?}.gguf", std::process::id()));
+    std::fs::write(&path, spec.build_arch(SynthArch::Qwen3).unwrap().to_bytes()).unwrap();
+    (spec, path)
+}
+
 /// A mapped file's matrices are used where they lie, for the formats stored as in the file
 /// (Q4_K and Q6_K only where the CPU lacks the rows-in-lanes kernel: elsewhere they are
 /// repacked into tiles of sixteen rows), and give the bits of the same file read into
@@ -607,14 +618,7 @@ fn a_mapped_model_computes_what_the_read_one_does() {
         (GgmlType::Q4_K, !model::kernels::wide_available()),
         (GgmlType::Q4_1, false),
     ] {
-        let mut spec = spec(256, 4, 2, ty);
-        spec.vocab = 512;
-        let path = std::env::temp_dir().join(format!(
-            "kvwarden-mapped-{}-{:?}.gguf",
-            std::process::id(),
-            ty
-        ));
-        std::fs::write(&path, spec.build_arch(SynthArch::Qwen3).unwrap().to_bytes()).unwrap();
+        let (spec, path) = qwen3_file("mapped", ty);
         let run = |load: gguf::Load| {
             let file = GgufFile::open_with(&path, load).unwrap();
             assert_eq!(file.is_mapped(), load != gguf::Load::Read);
@@ -659,14 +663,7 @@ fn a_mapped_model_computes_what_the_read_one_does() {
 #[test]
 fn a_deferred_repack_changes_no_bit_before_during_or_after() {
     for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
-        let mut spec = spec(256, 4, 2, ty);
-        spec.vocab = 512;
-        let path = std::env::temp_dir().join(format!(
-            "kvwarden-deferred-{}-{:?}.gguf",
-            std::process::id(),
-            ty
-        ));
-        std::fs::write(&path, spec.build_arch(SynthArch::Qwen3).unwrap().to_bytes()).unwrap();
+        let (spec, path) = qwen3_file("deferred", ty);
         let file = GgufFile::open_with(&path, gguf::Load::Map).unwrap();
         let prompts = [tokens(21, 5), tokens(40, 6)];
         let logits = |model: &Model| -> Vec<Vec<u32>> {

@@ -253,9 +253,9 @@ impl<F: Interleave> InterleavedMatrix<F> {
     }
 
     /// Rows `r0..r0 + nr` (at least one) as ggml's blocks, given to `use_blocks`: the
-    /// file's rows before the tiles exist, else rebuilt into this thread's buffer, whole tiles' words sixteen by sixteen in registers. For
-    /// what the tile kernels do not take: rows that do not start a tile, and dequantized
-    /// rows (embedding lookups).
+    /// file's rows before the tiles exist, else rebuilt into this thread's buffer, whole
+    /// tiles' words sixteen by sixteen in registers. For what the tile kernels do not take:
+    /// rows that do not start a tile, and dequantized rows (embedding lookups).
     fn with_blocks<R>(&self, r0: usize, nr: usize, use_blocks: impl FnOnce(&[F::Block]) -> R) -> R {
         thread_local! {
             static BLOCKS: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
