@@ -12,23 +12,31 @@ pub enum CpuPath {
     Avx2,
     /// AVX-512 F, BW, DQ, VL and VNNI, with the AVX2 set.
     Avx512,
+    /// AMX-INT8 tiles for prefill products, with the AVX-512 set (`x86_amx.rs`).
+    Amx,
 }
 
 impl CpuPath {
-    pub const NAMES: &'static str = "portable, avx2, avx512";
+    pub const NAMES: &'static str = "portable, avx2, avx512, amx";
 
     pub fn name(self) -> &'static str {
         match self {
             CpuPath::Portable => "portable",
             CpuPath::Avx2 => "avx2",
             CpuPath::Avx512 => "avx512",
+            CpuPath::Amx => "amx",
         }
     }
 
     fn parse(name: &str) -> Option<Self> {
-        [CpuPath::Portable, CpuPath::Avx2, CpuPath::Avx512]
-            .into_iter()
-            .find(|p| p.name() == name)
+        [
+            CpuPath::Portable,
+            CpuPath::Avx2,
+            CpuPath::Avx512,
+            CpuPath::Amx,
+        ]
+        .into_iter()
+        .find(|p| p.name() == name)
     }
 }
 
@@ -42,7 +50,9 @@ pub fn best_path() -> CpuPath {
         && has!("avx512dq")
         && has!("avx512vl")
         && has!("avx512vnni");
-    if avx512 {
+    if avx512 && super::x86_amx::usable() {
+        CpuPath::Amx
+    } else if avx512 {
         CpuPath::Avx512
     } else if avx2 {
         CpuPath::Avx2
@@ -83,6 +93,7 @@ pub(crate) struct Features {
     pub(crate) f16c: bool,
     pub(crate) vnni: bool,
     pub(crate) wide: bool,
+    pub(crate) amx: bool,
     /// Whether one-token passes over streamed weights request lines ahead themselves.
     pub(crate) one_token_prefetch: bool,
 }
@@ -120,6 +131,7 @@ pub(crate) fn features() -> Features {
             f16c: avx2,
             vnni: wide,
             wide,
+            amx: path >= CpuPath::Amx,
             one_token_prefetch: !amd(),
         }
     })
@@ -154,6 +166,12 @@ pub(crate) fn has_vnni() -> bool {
 /// AVX2, FMA and F16C).
 pub fn wide_available() -> bool {
     features().wide
+}
+
+/// Whether the k-quants' prefill products run on AMX tiles (which implies
+/// [`wide_available`]).
+pub(crate) fn has_amx() -> bool {
+    features().amx
 }
 
 /// The k-quants' 256-bit integer lanes: AVX2 on the selected path.

@@ -38,6 +38,11 @@ pub trait WeightRows: Send + Sync {
         let _ = n;
         false
     }
+    /// Whether a product of `n` tokens prepares each weight row once per task for every
+    /// token of it (so tasks should be long: [`lanes_block`]).
+    fn prepares_rows(&self, n: usize) -> bool {
+        self.wants_q8_k_lanes(n) || self.wants_q8_1_lanes(n)
+    }
     /// `out[r * n + t] = dot(W[r0 + r], x[t])` for `nr` rows and the `n` tokens of `acts`.
     fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]);
     /// Rows `r0..r0 + nr` against the `n` tokens straight into token-major `out`
@@ -86,6 +91,10 @@ impl<W: WeightRows + ?Sized> WeightRows for RowSlice<'_, W> {
 
     fn wants_q8_1_lanes(&self, n: usize) -> bool {
         self.w.wants_q8_1_lanes(n)
+    }
+
+    fn prepares_rows(&self, n: usize) -> bool {
+        self.w.prepares_rows(n)
     }
 
     fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
@@ -274,7 +283,7 @@ fn by_token_blocks<W: WeightRows + ?Sized>(ws: &[&W], input: &Input<'_>, outs: &
         // Longer blocks from 256 tokens: a kernel's per-row preparation then serves more
         // tokens, while shorter products keep enough tasks for every core.
         let tokens = out.len() / rows;
-        let lanes = ws[m].wants_q8_k_lanes(tokens) || ws[m].wants_q8_1_lanes(tokens);
+        let lanes = ws[m].prepares_rows(tokens);
         let block = if lanes {
             lanes_block(tokens, threads)
         } else if tokens >= 256 {

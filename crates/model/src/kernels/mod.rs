@@ -128,6 +128,8 @@ pub(crate) mod x86_512_lanes;
 pub(crate) mod x86_512_low_kquants;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_512_rows_lanes;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_amx;
 
 pub use activation::{ggml_expf, silu, swiglu, table_glu};
 pub use attention::{attend_rows, attend_rows_portable, KvElem, RowsShape, KEY_BLOCK};
@@ -140,7 +142,7 @@ pub fn cpu_path() -> &'static str {
     "portable"
 }
 
-/// Checks `KVWARDEN_CPU` (`portable`, `avx2`, `avx512`, or unset for the CPU's widest
+/// Checks `KVWARDEN_CPU` (`portable`, `avx2`, `avx512`, `amx`, or unset for the CPU's widest
 /// path) and returns the path the kernels will take; an unknown value, or a path this CPU
 /// cannot run, is an error naming it, for the binary to refuse at start.
 pub fn check_cpu_request() -> Result<&'static str, String> {

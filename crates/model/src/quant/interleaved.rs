@@ -37,6 +37,7 @@ use crate::blocks::{Acts, BlockQ8K};
 use crate::kernels::tile_out::Out;
 use crate::kernels::x86_512_lanes::{k_quant_lanes, Format, Weights};
 use crate::kernels::x86_512_rows_lanes::{self as kernel, TILE_ROWS};
+use crate::kernels::x86_amx::k_quant_amx;
 use crate::kernels::{cpu, ActKind, WeightRows};
 
 /// Products of at most this many tokens run on the tiles. On a 2-core Zen 4 with the
@@ -340,6 +341,12 @@ impl<F: Interleave> InterleavedMatrix<F> {
             unsafe { kernel::tile_rows(F::FORMAT, tiles, nb, acts.q8_k, n, out) };
             return true;
         }
+        if cpu::has_amx() {
+            // SAFETY: the CPU has AMX (`has_amx` asked the OS for the tile state), and the
+            // matrix exists only where `applies` found the rest of the features.
+            unsafe { k_quant_amx(F::FORMAT, tiles, nb, acts.q8_k, n, out) };
+            return true;
+        }
         if acts.q8_k_lanes.is_empty() || !F::wants_lanes(n) {
             return false;
         }
@@ -376,6 +383,13 @@ impl<F: Interleave> WeightRows for InterleavedMatrix<F> {
     }
 
     fn wants_q8_k_lanes(&self, n: usize) -> bool {
+        // The AMX kernel reads the Q8_K blocks themselves, once the tiles exist (a
+        // deferred repack's file rows still run the lanes kernel).
+        let on_amx = cpu::has_amx() && matches!(self.layout(), Layout::Tiles(_));
+        n > ROWS_LANES_MAX && F::wants_lanes(n) && !on_amx
+    }
+
+    fn prepares_rows(&self, n: usize) -> bool {
         n > ROWS_LANES_MAX && F::wants_lanes(n)
     }
 
