@@ -123,6 +123,45 @@ impl LanesQ8K {
     }
 }
 
+/// One Q8_K super-block of [`LANE_TOKENS`] tokens as the left operand of AMX tile products
+/// (`kernels/x86_amx.rs`): `q[s][t]` holds token `t`'s quants `64s..64s + 64`, so each step
+/// of 64 weights is one contiguous, aligned 1 KiB tile (loaded from the blocks themselves,
+/// rows 292 bytes apart and across cache lines, the tile loads were most of the kernel's
+/// time). Tokens past the product's last hold zeros and are never stored.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub struct TilesQ8K {
+    pub q: [[[i8; 64]; LANE_TOKENS]; QK_K / 64],
+    /// Each token's sub-block sums in pairs, as [`LanesQ8K::sum_pairs`], token by token.
+    pub sum_pairs: [[i32; 4]; LANE_TOKENS],
+}
+
+impl TilesQ8K {
+    pub const EMPTY: TilesQ8K = TilesQ8K {
+        q: [[[0; 64]; LANE_TOKENS]; QK_K / 64],
+        sum_pairs: [[0; 4]; LANE_TOKENS],
+    };
+
+    /// Tokens `x[0..]` (at most [`LANE_TOKENS`], each `nb` super-blocks) as `nb` tile
+    /// blocks, super-block `i` at `out[i]`.
+    pub fn fill(x: &[&[BlockQ8K]], out: &mut [TilesQ8K]) {
+        assert!(x.len() <= LANE_TOKENS, "tiles: too many tokens");
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = TilesQ8K::EMPTY;
+            for (t, row) in x.iter().enumerate() {
+                let b = &row[i];
+                for (s, step) in o.q.iter_mut().enumerate() {
+                    step[t].copy_from_slice(&b.qs[64 * s..64 * s + 64]);
+                }
+                let sum = |j: usize| b.bsums[2 * j] + b.bsums[2 * j + 1];
+                o.sum_pairs[t] = std::array::from_fn(|k| {
+                    i32::from(sum(2 * k) as u16) | (i32::from(sum(2 * k + 1) as u16) << 16)
+                });
+            }
+        }
+    }
+}
+
 /// One Q8_1 block of [`LANE_TOKENS`] tokens with the tokens as lanes, as [`LanesQ8K`] lays
 /// out a super-block: `q[g]` holds quants `4g..4g + 4` of every token, offset by 128 into
 /// unsigned bytes; `d` each token's scale. Lanes past the product's last token hold zero
@@ -174,6 +213,8 @@ pub struct Acts<'a> {
     /// The Q8_K rows as lanes (`[group * nb + super-block]`, groups of [`LANE_TOKENS`]
     /// tokens), where a matrix of the product asks for them (else empty).
     pub q8_k_lanes: &'a [LanesQ8K],
+    /// The Q8_K rows as AMX's tiles (`[group * nb + super-block]`), likewise.
+    pub q8_k_tiles: &'a [TilesQ8K],
     /// The Q8_1 rows as lanes (`[group * nb + block]`), likewise.
     pub q8_1_lanes: &'a [LanesQ8_1],
 }

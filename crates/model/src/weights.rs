@@ -121,6 +121,10 @@ impl WeightRows for Matrix {
         self.0.prepares_rows(n)
     }
 
+    fn wants_q8_k_tiles(&self, n: usize) -> bool {
+        self.0.wants_q8_k_tiles(n)
+    }
+
     fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
         self.0.rows_kernel(r0, nr, acts, n, out);
     }

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use super::quantize::quantize_row_q8_k;
 use crate::blocks::{
-    Acts, BlockQ8K, BlockQ8_1, LanesQ8K, LanesQ8_1, TileScales, LANE_TOKENS, QK, TILE,
+    Acts, BlockQ8K, BlockQ8_1, LanesQ8K, LanesQ8_1, TileScales, TilesQ8K, LANE_TOKENS, QK, TILE,
 };
 
 /// The activation quantization a format's dot product is defined on.
@@ -30,6 +30,11 @@ pub trait WeightRows: Send + Sync {
     fn wants_tile_scales(&self) -> bool;
     /// Whether a product of `n` tokens reads [`Acts::q8_k_lanes`].
     fn wants_q8_k_lanes(&self, n: usize) -> bool {
+        let _ = n;
+        false
+    }
+    /// Whether a product of `n` tokens reads [`Acts::q8_k_tiles`].
+    fn wants_q8_k_tiles(&self, n: usize) -> bool {
         let _ = n;
         false
     }
@@ -95,6 +100,10 @@ impl<W: WeightRows + ?Sized> WeightRows for RowSlice<'_, W> {
 
     fn prepares_rows(&self, n: usize) -> bool {
         self.w.prepares_rows(n)
+    }
+
+    fn wants_q8_k_tiles(&self, n: usize) -> bool {
+        self.w.wants_q8_k_tiles(n)
     }
 
     fn rows_kernel(&self, r0: usize, nr: usize, acts: &Acts<'_>, n: usize, out: &mut [f32]) {
@@ -185,6 +194,11 @@ pub fn matmul_group<W: WeightRows + ?Sized>(
     } else {
         Vec::new()
     };
+    let tiles = if ws.iter().any(|w| w.wants_q8_k_tiles(n)) {
+        q8_k_tiles(&q8_k, n, cols / gguf::QK_K)
+    } else {
+        Vec::new()
+    };
     let block_lanes = if ws.iter().any(|w| w.wants_q8_1_lanes(n)) {
         q8_1_lanes(x_q8, n, cols / QK)
     } else {
@@ -197,6 +211,7 @@ pub fn matmul_group<W: WeightRows + ?Sized>(
             q8_k: &q8_k,
             tile_scales: &scales,
             q8_k_lanes: &lanes,
+            q8_k_tiles: &tiles,
             q8_1_lanes: &block_lanes,
         },
         cols,
@@ -261,6 +276,11 @@ impl Input<'_> {
             q8_k_lanes: self
                 .acts
                 .q8_k_lanes
+                .get(t0 / LANE_TOKENS * nbk..(t0 + nt).div_ceil(LANE_TOKENS) * nbk)
+                .unwrap_or(&[]),
+            q8_k_tiles: self
+                .acts
+                .q8_k_tiles
                 .get(t0 / LANE_TOKENS * nbk..(t0 + nt).div_ceil(LANE_TOKENS) * nbk)
                 .unwrap_or(&[]),
             q8_1_lanes: self
@@ -439,6 +459,21 @@ pub(crate) fn q8_k_lanes(x: &[BlockQ8K], n: usize, nb: usize) -> Vec<LanesQ8K> {
             .map(|t| &x[t * nb..(t + 1) * nb])
             .collect();
         LanesQ8K::fill(&rows, o);
+    });
+    out
+}
+
+/// The Q8_K rows `x` (`n` tokens, `nb` super-blocks each) as AMX's tiles:
+/// `[group * nb + i]`.
+pub(crate) fn q8_k_tiles(x: &[BlockQ8K], n: usize, nb: usize) -> Vec<TilesQ8K> {
+    let groups = n.div_ceil(LANE_TOKENS);
+    let mut out = vec![TilesQ8K::EMPTY; groups * nb];
+    out.par_chunks_mut(nb).enumerate().for_each(|(g, o)| {
+        let t0 = g * LANE_TOKENS;
+        let rows: Vec<&[BlockQ8K]> = (t0..n.min(t0 + LANE_TOKENS))
+            .map(|t| &x[t * nb..(t + 1) * nb])
+            .collect();
+        TilesQ8K::fill(&rows, o);
     });
     out
 }

@@ -162,7 +162,7 @@ pub use f32_dot::{dot_f32, dot_f32_portable};
 pub use low_rank::{add_scaled_combination, add_scaled_combination_portable, dot_rows_f32};
 pub use matmul::{matmul, matmul_group, ActKind, RowSlice, WeightRows};
 #[cfg(test)]
-pub(crate) use matmul::{q8_1_lanes, q8_k_lanes};
+pub(crate) use matmul::{q8_1_lanes, q8_k_lanes, q8_k_tiles};
 pub use quant_dot::{dot_q4_1, q4_1_product, q4_1_token_major, rows_q4_1, scalar};
 pub use quantize::{
     quantize_blocks_q8_1, quantize_blocks_q8_k, quantize_row_q8_1, quantize_row_q8_1_scalar,

@@ -994,6 +994,7 @@ fn wide_token_major_tiles_match_row_major_bit_for_bit() {
                 q8_k: &[],
                 tile_scales: &[],
                 q8_k_lanes: &[],
+                q8_k_tiles: &[],
                 q8_1_lanes: &[],
             };
             // Through the matrix as the driver calls it: row-major, then token-major.

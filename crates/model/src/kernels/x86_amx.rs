@@ -22,8 +22,8 @@
 //!
 //! A call takes the repacked tiles of sixteen rows (`quant/interleaved.rs`) against up to a
 //! task's tokens: each super-block of a tile is expanded once into the tile-product layout
-//! (12 KiB, in L1) and serves every group of sixteen tokens, whose activations are loaded
-//! as tiles straight from the Q8_K blocks (a last partial group from a zero-padded copy).
+//! (8 KiB, in L1) and serves every pair of sixteen-token groups, whose activations the
+//! product laid out once as tiles (`blocks::TilesQ8K`).
 
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -32,7 +32,7 @@ use std::sync::OnceLock;
 use super::tile_out::Out;
 use super::x86_512_lanes::Format;
 use super::x86_512_rows_lanes::TILE_ROWS;
-use crate::blocks::BlockQ8K;
+use crate::blocks::{BlockQ8K, TilesQ8K};
 
 /// Tokens per tile product (a tile's rows).
 const TOKENS: usize = 16;
@@ -42,8 +42,8 @@ const TILE_BYTES: usize = 1024;
 const DEPTH: usize = 64;
 /// Tile products per super-block.
 const STEPS: usize = gguf::QK_K / DEPTH;
-/// Tile parts per step: Q4_K's scaled high and low parts and its mins; Q6_K uses two.
-const PARTS: usize = 3;
+/// Tile parts per step: the scaled weights' high and low parts.
+const PARTS: usize = 2;
 
 /// Whether this CPU has AMX-INT8 (CPUID leaf 7: AMX-TILE, AMX-INT8) and Linux granted the
 /// process the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once). Without the
@@ -82,7 +82,8 @@ fn request_tile_state() -> bool {
 }
 
 /// The tile configuration every call loads: palette 1, tiles 0..8 of 16 rows × 64 bytes.
-/// Tiles 0..3 accumulate the parts, 3 holds the activations, 4..7 the weight parts.
+/// Tiles 0..4 accumulate two token groups' two parts, 4 and 5 hold the groups'
+/// activations, 6 and 7 the weights' parts.
 #[repr(C, align(64))]
 struct TileConfig([u8; 64]);
 
@@ -105,54 +106,49 @@ struct Expanded {
     lines: [[[u8; TILE_BYTES]; PARTS]; STEPS],
 }
 
-/// The three accumulator tiles as stored: `[part][token][row]`.
+/// Two token groups' accumulator tiles as stored: `[group][part][token][row]`.
 #[repr(C, align(64))]
-struct Sums([[[i32; TILE_ROWS]; TOKENS]; PARTS]);
+struct Sums([[[[i32; TILE_ROWS]; TOKENS]; PARTS]; 2]);
+
+/// A super-block's factors for sixteen rows: `d_w`, and for Q4_K `−dmin_w` and the mins in
+/// pairs (`m_2p | m_2p+1 << 16`, against the activations' sub-block sums in pairs).
+struct Factors {
+    d: __m512,
+    neg_dmin: __m512,
+    m_pairs: [__m512i; 4],
+}
 
 /// Every whole tile of sixteen rows of `tiles` (`format`, `nb` super-blocks a row,
-/// `[group * nb + i]`) against the `n` tokens of `x` (`nb` blocks each, token-major), into
-/// `out` (rows numbered from the first tile's first).
+/// `[group * nb + i]`) against the `n` tokens of `x` (`nb` blocks each, token-major; the
+/// same quants as `a_tiles`, `[token group * nb + i]`), into `out` (rows numbered from the
+/// first tile's first).
 ///
 /// # Safety
 /// [`usable`] must be true and the CPU must support the features
-/// `super::cpu::wide_available` checks. Slices are bounds-checked before any tile load.
+/// `super::cpu::wide_available` checks. Slices are bounds-checked.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(crate) unsafe fn k_quant_amx(
     format: Format,
     tiles: &[u8],
     nb: usize,
     x: &[BlockQ8K],
+    a_tiles: &[TilesQ8K],
     n: usize,
     out: &mut Out<'_>,
 ) {
     let tile_bytes = format.tile_bytes();
     let groups = tiles.len() / (nb * tile_bytes);
-    assert!(x.len() >= n * nb, "k_quant_amx: activations too short");
-    let qs_at = std::mem::offset_of!(BlockQ8K, qs);
-    let stride = nb * size_of::<BlockQ8K>();
-    let whole = n / TOKENS;
-    // The last partial group's quants, zero-padded to a whole tile: `[token][i * 256 + k]`.
-    let rest = n % TOKENS;
-    let mut padded = vec![
-        0i8;
-        if rest > 0 {
-            TOKENS * nb * gguf::QK_K
-        } else {
-            0
-        }
-    ];
-    for t in 0..rest {
-        for i in 0..nb {
-            let row = &mut padded[(t * nb + i) * gguf::QK_K..][..gguf::QK_K];
-            row.copy_from_slice(&x[(whole * TOKENS + t) * nb + i].qs);
-        }
-    }
     let token_groups = n.div_ceil(TOKENS);
+    assert!(x.len() >= n * nb, "k_quant_amx: activations too short");
+    assert!(
+        a_tiles.len() >= token_groups * nb,
+        "k_quant_amx: activation tiles too short"
+    );
     let mut acc = vec![_mm512_setzero_ps(); token_groups * TOKENS];
     let mut expanded = Box::new(Expanded {
         lines: [[[0; TILE_BYTES]; PARTS]; STEPS],
     });
-    let mut sums = Box::new(Sums([[[0; TILE_ROWS]; TOKENS]; PARTS]));
+    let mut sums = Box::new([const { Sums([[[[0; TILE_ROWS]; TOKENS]; PARTS]; 2]) }; 2]);
     // SAFETY: `CONFIG` is a valid palette-1 configuration (64 bytes, aligned); loading it
     // sets this thread's tile shapes and zeroes the tiles.
     unsafe { asm!("ldtilecfg [{}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly)) };
@@ -160,47 +156,42 @@ pub(crate) unsafe fn k_quant_amx(
         acc.fill(_mm512_setzero_ps());
         for i in 0..nb {
             let tile = &tiles[(g * nb + i) * tile_bytes..][..tile_bytes];
-            let (d_w, neg_dmin_w) = match format {
+            let f = match format {
                 Format::Q4K => expand_q4_k(tile, &mut expanded),
-                Format::Q6K => (expand_q6_k(tile, &mut expanded), _mm512_setzero_ps()),
+                Format::Q6K => expand_q6_k(tile, &mut expanded),
             };
-            for tg in 0..token_groups {
-                let (a, a_stride) = if tg < whole {
-                    let block = &x[tg * TOKENS * nb + i];
-                    // The group's last row ends inside `x`: checked by the assert above.
-                    (
-                        std::ptr::from_ref(block).cast::<u8>().wrapping_add(qs_at),
-                        stride,
-                    )
-                } else {
-                    (
-                        padded[i * gguf::QK_K..].as_ptr().cast::<u8>(),
-                        nb * gguf::QK_K,
-                    )
-                };
-                // SAFETY: the tile loads read rows `a + r * a_stride .. + 256` for r < 16,
-                // all inside `x`'s blocks `(16 tg + r) * nb + i` (whole groups end at or
-                // before token `n`) or inside `padded`; `expanded` and `sums` are the
-                // layouts the offsets name.
-                unsafe { products(format, a, a_stride, &expanded, &mut sums) };
-                let first = tg * TOKENS;
-                for t in 0..TOKENS.min(n - first) {
-                    let ab = &x[(first + t) * nb + i];
-                    let acc = &mut acc[first + t];
-                    // SAFETY: each row of `sums` is 16 aligned `i32`.
-                    let part =
-                        |p: usize| unsafe { _mm512_load_si512(sums.0[p][t].as_ptr().cast()) };
-                    let s = match format {
-                        Format::Q4K => _mm512_add_epi32(_mm512_slli_epi32::<3>(part(0)), part(1)),
-                        Format::Q6K => _mm512_add_epi32(_mm512_slli_epi32::<7>(part(0)), part(1)),
-                    };
-                    let d = _mm512_mul_ps(_mm512_set1_ps(ab.d), d_w);
-                    *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), *acc);
-                    if format == Format::Q4K {
-                        let dmin = _mm512_mul_ps(_mm512_set1_ps(ab.d), neg_dmin_w);
-                        *acc = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(part(2)), *acc);
+            // Each pair's tile products are issued before the previous pair's sums are
+            // taken into the float chains (the sums double-buffered), so that the tile unit
+            // works while the vector units do.
+            let mut pending: Option<(usize, bool, usize)> = None;
+            let mut tg = 0;
+            while tg < token_groups || pending.is_some() {
+                let issued = (tg < token_groups).then(|| {
+                    let pair = tg + 1 < token_groups;
+                    let buffer = tg / 2 % 2;
+                    let a = [
+                        &a_tiles[tg * nb + i],
+                        &a_tiles[(tg + usize::from(pair)) * nb + i],
+                    ];
+                    products(pair, a, &expanded, &mut sums[buffer]);
+                    (tg, pair, buffer)
+                });
+                if let Some((tg, pair, buffer)) = pending {
+                    for k in 0..1 + usize::from(pair) {
+                        let first = (tg + k) * TOKENS;
+                        let chains = Chains {
+                            format,
+                            f: &f,
+                            sums: &sums[buffer].0[k],
+                            x: &x[first * nb + i..],
+                            nb,
+                            sum_pairs: &a_tiles[(tg + k) * nb + i].sum_pairs,
+                        };
+                        chains.add(&mut acc[first..first + TOKENS.min(n - first)]);
                     }
                 }
+                pending = issued;
+                tg += 2;
             }
         }
         for (t, &v) in acc.iter().take(n).enumerate() {
@@ -215,98 +206,143 @@ pub(crate) unsafe fn k_quant_amx(
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
 
-/// One super-block's tile products for sixteen tokens (rows `a + r * a_stride`, 256 bytes
-/// each) against `expanded`, stored into `sums`.
-///
-/// # Safety
-/// The tile configuration [`CONFIG`] must be loaded on this thread, and the sixteen rows of
-/// 256 bytes at `a` readable.
+/// One token group's super-block sums, taken into its tokens' float chains.
+struct Chains<'a> {
+    format: Format,
+    f: &'a Factors,
+    /// `[part][token][row]`.
+    sums: &'a [[[i32; TILE_ROWS]; TOKENS]; PARTS],
+    /// The group's first token's block of this super-block; token `t`'s is `x[t * nb]`.
+    x: &'a [BlockQ8K],
+    nb: usize,
+    sum_pairs: &'a [[i32; 4]; TOKENS],
+}
+
+impl Chains<'_> {
+    /// `acc[t] = fma(d_a·d_w, S, acc[t])`, then Q4_K's `fma(−d_a·dmin_w, M, acc[t])`, for
+    /// the group's tokens in `acc`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn add(&self, acc: &mut [__m512]) {
+        let f = self.f;
+        for (t, acc) in acc.iter_mut().enumerate() {
+            let ab = &self.x[t * self.nb];
+            // SAFETY: each row of `sums` is 16 aligned `i32`.
+            let part = |p: usize| unsafe { _mm512_load_si512(self.sums[p][t].as_ptr().cast()) };
+            let s = match self.format {
+                Format::Q4K => _mm512_add_epi32(_mm512_slli_epi32::<3>(part(0)), part(1)),
+                Format::Q6K => _mm512_add_epi32(_mm512_slli_epi32::<7>(part(0)), part(1)),
+            };
+            let d_a = _mm512_set1_ps(ab.d);
+            *acc = _mm512_fmadd_ps(_mm512_mul_ps(d_a, f.d), _mm512_cvtepi32_ps(s), *acc);
+            if self.format == Format::Q4K {
+                let mut mins = _mm512_setzero_si512();
+                for (&m, &a) in f.m_pairs.iter().zip(&self.sum_pairs[t]) {
+                    mins = _mm512_dpwssd_epi32(mins, m, _mm512_set1_epi32(a));
+                }
+                let dmin = _mm512_mul_ps(d_a, f.neg_dmin);
+                *acc = _mm512_fmadd_ps(dmin, _mm512_cvtepi32_ps(mins), *acc);
+            }
+        }
+    }
+}
+
+/// One super-block's tile products for one or (`pair`) two groups of sixteen tokens
+/// against `w`, stored into `sums[k]`. The caller has loaded [`CONFIG`] on this thread;
+/// every operand is a reference to the layout the offsets below name.
 #[inline]
-unsafe fn products(format: Format, a: *const u8, a_stride: usize, w: &Expanded, sums: &mut Sums) {
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn products(pair: bool, a: [&TilesQ8K; 2], w: &Expanded, sums: &mut Sums) {
+    let a = a.map(|a| a.q.as_ptr().cast::<u8>());
     let b = w.lines.as_ptr().cast::<u8>();
     let c = sums.0.as_mut_ptr().cast::<u8>();
-    // Tile 0 and 1 take the high and low parts, 2 the mins (Q4_K); 3 the activations, 4..7
-    // the weights. Steps are 64 weights apart in `a`, 3 KiB apart in `expanded`.
+    // Tiles 0 and 1 take group 0's high and low parts, 2 and 3 group 1's; 4 and 5 the
+    // groups' activations, 6 and 7 the weights' parts. Steps are 1 KiB apart in `a` and
+    // 2 KiB in `expanded`; every tile's rows are 64 bytes apart.
     macro_rules! step {
-        ($a:literal, $b:literal, $b1:literal, $b2:literal) => {
-            concat!(
-                "tileloadd tmm3, [{a} + {stride}*1 + ",
-                $a,
-                "]\n",
-                "tileloadd tmm4, [{b} + {s64}*1 + ",
-                $b,
-                "]\n",
-                "tileloadd tmm5, [{b} + {s64}*1 + ",
-                $b1,
-                "]\n",
-                "tdpbssd tmm0, tmm3, tmm4\n",
-                "tdpbssd tmm1, tmm3, tmm5\n",
-                "tileloadd tmm6, [{b} + {s64}*1 + ",
-                $b2,
-                "]\n",
-                "tdpbssd tmm2, tmm3, tmm6\n",
-            )
-        };
-    }
-    macro_rules! step2 {
         ($a:literal, $b:literal, $b1:literal) => {
             concat!(
-                "tileloadd tmm3, [{a} + {stride}*1 + ",
-                $a,
-                "]\n",
-                "tileloadd tmm4, [{b} + {s64}*1 + ",
+                "tileloadd tmm6, [{b} + {s64}*1 + ",
                 $b,
                 "]\n",
-                "tileloadd tmm5, [{b} + {s64}*1 + ",
+                "tileloadd tmm4, [{a0} + {s64}*1 + ",
+                $a,
+                "]\n",
+                "tileloadd tmm7, [{b} + {s64}*1 + ",
                 $b1,
                 "]\n",
-                "tdpbssd tmm0, tmm3, tmm4\n",
-                "tdpbssd tmm1, tmm3, tmm5\n",
+                "tdpbssd tmm0, tmm4, tmm6\n",
+                "tileloadd tmm5, [{a1} + {s64}*1 + ",
+                $a,
+                "]\n",
+                "tdpbssd tmm1, tmm4, tmm7\n",
+                "tdpbssd tmm2, tmm5, tmm6\n",
+                "tdpbssd tmm3, tmm5, tmm7\n",
             )
         };
     }
-    match format {
-        // SAFETY: as the function's; the offsets stay inside `Expanded` (12 KiB) and
-        // `Sums` (3 KiB), and the activation rows' 256 bytes.
-        Format::Q4K => unsafe {
+    macro_rules! step1 {
+        ($a:literal, $b:literal, $b1:literal) => {
+            concat!(
+                "tileloadd tmm6, [{b} + {s64}*1 + ",
+                $b,
+                "]\n",
+                "tileloadd tmm4, [{a0} + {s64}*1 + ",
+                $a,
+                "]\n",
+                "tileloadd tmm7, [{b} + {s64}*1 + ",
+                $b1,
+                "]\n",
+                "tdpbssd tmm0, tmm4, tmm6\n",
+                "tdpbssd tmm1, tmm4, tmm7\n",
+            )
+        };
+    }
+    if pair {
+        // SAFETY: the caller loaded the tile configuration on this thread; the loads read
+        // inside the two `TilesQ8K` (4 KiB of quants each) and `Expanded` (8 KiB), the
+        // stores write inside `Sums` (8 KiB).
+        unsafe {
             asm!(
                 "tilezero tmm0",
                 "tilezero tmm1",
                 "tilezero tmm2",
-                step!("0", "0", "1024", "2048"),
-                step!("64", "3072", "4096", "5120"),
-                step!("128", "6144", "7168", "8192"),
-                step!("192", "9216", "10240", "11264"),
+                "tilezero tmm3",
+                step!("0", "0", "1024"),
+                step!("1024", "2048", "3072"),
+                step!("2048", "4096", "5120"),
+                step!("3072", "6144", "7168"),
                 "tilestored [{c} + {s64}*1], tmm0",
                 "tilestored [{c} + {s64}*1 + 1024], tmm1",
                 "tilestored [{c} + {s64}*1 + 2048], tmm2",
-                a = in(reg) a,
-                stride = in(reg) a_stride,
+                "tilestored [{c} + {s64}*1 + 3072], tmm3",
+                a0 = in(reg) a[0],
+                a1 = in(reg) a[1],
                 b = in(reg) b,
                 c = in(reg) c,
                 s64 = in(reg) 64usize,
                 options(nostack, preserves_flags),
             )
-        },
-        // SAFETY: as above.
-        Format::Q6K => unsafe {
+        }
+    } else {
+        // SAFETY: as above, one group.
+        unsafe {
             asm!(
                 "tilezero tmm0",
                 "tilezero tmm1",
-                step2!("0", "0", "1024"),
-                step2!("64", "3072", "4096"),
-                step2!("128", "6144", "7168"),
-                step2!("192", "9216", "10240"),
+                step1!("0", "0", "1024"),
+                step1!("1024", "2048", "3072"),
+                step1!("2048", "4096", "5120"),
+                step1!("3072", "6144", "7168"),
                 "tilestored [{c} + {s64}*1], tmm0",
                 "tilestored [{c} + {s64}*1 + 1024], tmm1",
-                a = in(reg) a,
-                stride = in(reg) a_stride,
+                a0 = in(reg) a[0],
                 b = in(reg) b,
                 c = in(reg) c,
                 s64 = in(reg) 64usize,
                 options(nostack, preserves_flags),
             )
-        },
+        }
     }
 }
 
@@ -352,10 +388,10 @@ fn both_halves(v: __m512i) -> __m512i {
     _mm512_or_si512(low, _mm512_slli_epi32::<16>(low))
 }
 
-/// A Q4_K super-block of sixteen rows (a tile's) expanded; returns `d_w` and `−dmin_w`.
+/// A Q4_K super-block of sixteen rows (a tile's) expanded, with its factors.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn expand_q4_k(tile: &[u8], e: &mut Expanded) -> (__m512, __m512) {
+fn expand_q4_k(tile: &[u8], e: &mut Expanded) -> Factors {
     let nibble = _mm512_set1_epi8(0x0f);
     let six = _mm512_set1_epi8(0x3f);
     let top = _mm512_set1_epi8(0x30);
@@ -373,13 +409,12 @@ fn expand_q4_k(tile: &[u8], e: &mut Expanded) -> (__m512, __m512) {
     );
     let sub = |lo: __m512i, hi: __m512i, j: usize| byte_lane(if j < 4 { lo } else { hi }, j % 4);
     for step in 0..STEPS {
-        let [hi_part, lo_part, mins] = &mut e.lines[step];
+        let [hi_part, lo_part] = &mut e.lines[step];
         // Sub-blocks 2·step (the low nibbles, rows k/4 0..8) and 2·step + 1 (high, 8..16).
         for (half, j) in [2 * step, 2 * step + 1].into_iter().enumerate() {
             let sc = sub(sc_lo, sc_hi, j);
             let sh = both_halves(_mm512_srli_epi32::<3>(sc));
             let sl = both_halves(_mm512_and_si512(sc, _mm512_set1_epi32(7)));
-            let m = _mm512_mullo_epi32(sub(m_lo, m_hi, j), _mm512_set1_epi32(0x0101_0101));
             for u in 0..8 {
                 let w = line(tile, 64, 3 + 8 * step + u);
                 let q = if half == 0 {
@@ -389,18 +424,24 @@ fn expand_q4_k(tile: &[u8], e: &mut Expanded) -> (__m512, __m512) {
                 };
                 store(hi_part, 8 * half + u, _mm512_mullo_epi16(q, sh));
                 store(lo_part, 8 * half + u, _mm512_mullo_epi16(q, sl));
-                store(mins, 8 * half + u, m);
             }
         }
     }
-    let neg_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves(tile, 1));
-    (halves(tile, 0), neg_dmin)
+    let m_pairs = std::array::from_fn(|p| {
+        let (m0, m1) = (sub(m_lo, m_hi, 2 * p), sub(m_lo, m_hi, 2 * p + 1));
+        _mm512_or_si512(m0, _mm512_slli_epi32::<16>(m1))
+    });
+    Factors {
+        d: halves(tile, 0),
+        neg_dmin: _mm512_sub_ps(_mm512_setzero_ps(), halves(tile, 1)),
+        m_pairs,
+    }
 }
 
-/// A Q6_K super-block of sixteen rows (a tile's) expanded; returns `d_w`.
+/// A Q6_K super-block of sixteen rows (a tile's) expanded, with its factor `d_w`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn expand_q6_k(tile: &[u8], e: &mut Expanded) -> __m512 {
+fn expand_q6_k(tile: &[u8], e: &mut Expanded) -> Factors {
     let nibble = _mm512_set1_epi8(0x0f);
     let top = _mm512_set1_epi8(0x30);
     let offset = _mm512_set1_epi8(32);
@@ -467,12 +508,16 @@ fn expand_q6_k(tile: &[u8], e: &mut Expanded) -> __m512 {
                     let lo = bytes(&|x| _mm512_and_si512(x, low7));
                     // Weight 64·step + 4·k4 + (0..4): step = 2·half + k/2, k4 = 8(k%2) + q.
                     let (step, k4) = (2 * half + k / 2, 8 * (k % 2) + q);
-                    let [hi_part, lo_part, _] = &mut e.lines[step];
+                    let [hi_part, lo_part] = &mut e.lines[step];
                     store(hi_part, k4, hi);
                     store(lo_part, k4, lo);
                 }
             }
         }
     }
-    halves(tile, 0)
+    Factors {
+        d: halves(tile, 0),
+        neg_dmin: _mm512_setzero_ps(),
+        m_pairs: [_mm512_setzero_si512(); 4],
+    }
 }

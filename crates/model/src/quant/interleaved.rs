@@ -314,6 +314,12 @@ impl<F: Interleave> InterleavedMatrix<F> {
         })
     }
 
+    /// Whether prefill-sized products run on AMX: the CPU has it and the tiles exist (a
+    /// deferred repack's file rows run the tokens-in-lanes kernel). Once true, it stays.
+    fn on_amx(&self) -> bool {
+        cpu::has_amx() && matches!(self.layout(), Layout::Tiles(_))
+    }
+
     /// The tiles of rows `r0..r0 + nr` where they are whole tiles.
     fn tiles_of(&self, r0: usize, nr: usize) -> Option<&[u8]> {
         if !r0.is_multiple_of(TILE_ROWS) || !nr.is_multiple_of(TILE_ROWS) {
@@ -341,10 +347,11 @@ impl<F: Interleave> InterleavedMatrix<F> {
             unsafe { kernel::tile_rows(F::FORMAT, tiles, nb, acts.q8_k, n, out) };
             return true;
         }
-        if cpu::has_amx() {
-            // SAFETY: the CPU has AMX (`has_amx` asked the OS for the tile state), and the
-            // matrix exists only where `applies` found the rest of the features.
-            unsafe { k_quant_amx(F::FORMAT, tiles, nb, acts.q8_k, n, out) };
+        if !acts.q8_k_tiles.is_empty() {
+            // SAFETY: the product asked for the AMX tiles only where the CPU has AMX
+            // (`has_amx` asked the OS for the tile state), and the matrix exists only where
+            // `applies` found the rest of the features.
+            unsafe { k_quant_amx(F::FORMAT, tiles, nb, acts.q8_k, acts.q8_k_tiles, n, out) };
             return true;
         }
         if acts.q8_k_lanes.is_empty() || !F::wants_lanes(n) {
@@ -383,10 +390,11 @@ impl<F: Interleave> WeightRows for InterleavedMatrix<F> {
     }
 
     fn wants_q8_k_lanes(&self, n: usize) -> bool {
-        // The AMX kernel reads the Q8_K blocks themselves, once the tiles exist (a
-        // deferred repack's file rows still run the lanes kernel).
-        let on_amx = cpu::has_amx() && matches!(self.layout(), Layout::Tiles(_));
-        n > ROWS_LANES_MAX && F::wants_lanes(n) && !on_amx
+        n > ROWS_LANES_MAX && F::wants_lanes(n) && !self.on_amx()
+    }
+
+    fn wants_q8_k_tiles(&self, n: usize) -> bool {
+        n > ROWS_LANES_MAX && self.on_amx()
     }
 
     fn prepares_rows(&self, n: usize) -> bool {

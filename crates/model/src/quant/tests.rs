@@ -32,12 +32,7 @@ fn in_memory(ty: GgmlType, rows: usize, cols: usize, bytes: Vec<u8>) -> Box<dyn 
 
 /// `n` rows of `x` (`nb` super-blocks each) quantized to Q8_K, and laid out as lanes where
 /// a product of `m` takes them.
-fn q8_k_inputs(
-    m: &dyn WeightRows,
-    x: &[f32],
-    n: usize,
-    nb: usize,
-) -> (Vec<BlockQ8K>, Vec<crate::blocks::LanesQ8K>) {
+fn q8_k_inputs(m: &dyn WeightRows, x: &[f32], n: usize, nb: usize) -> Q8KInputs {
     let mut xk = vec![BlockQ8K::default(); n * nb];
     for (row, o) in x.chunks_exact(nb * QK_K).zip(xk.chunks_exact_mut(nb)) {
         quantize_row_q8_k(row, o);
@@ -47,18 +42,32 @@ fn q8_k_inputs(
     } else {
         Vec::new()
     };
-    (xk, lanes)
+    let tiles = if m.wants_q8_k_tiles(n) {
+        crate::kernels::q8_k_tiles(&xk, n, nb)
+    } else {
+        Vec::new()
+    };
+    Q8KInputs { xk, lanes, tiles }
 }
 
-/// The Q8_K forms as a product's inputs.
-fn q8_k_acts<'a>(xk: &'a [BlockQ8K], lanes: &'a [crate::blocks::LanesQ8K]) -> Acts<'a> {
-    Acts {
-        f32: &[],
-        q8_1: &[],
-        q8_k: xk,
-        tile_scales: &[],
-        q8_k_lanes: lanes,
-        q8_1_lanes: &[],
+/// A product's Q8_K inputs in the forms the matrix asked for.
+struct Q8KInputs {
+    xk: Vec<BlockQ8K>,
+    lanes: Vec<crate::blocks::LanesQ8K>,
+    tiles: Vec<crate::blocks::TilesQ8K>,
+}
+
+impl Q8KInputs {
+    fn acts(&self) -> Acts<'_> {
+        Acts {
+            f32: &[],
+            q8_1: &[],
+            q8_k: &self.xk,
+            tile_scales: &[],
+            q8_k_lanes: &self.lanes,
+            q8_k_tiles: &self.tiles,
+            q8_1_lanes: &[],
+        }
     }
 }
 
@@ -670,8 +679,8 @@ fn wide_k_quant_token_major_matches_row_major_bit_for_bit() {
         let m = in_memory(ty, rows, cols, ty.quantize(&vals));
         for n in [12, 4, 6, 37] {
             let x: Vec<f32> = (0..n * cols).map(|_| lcg(&mut s) * 5.0).collect();
-            let (xk, lanes) = q8_k_inputs(&*m, &x, n, nb);
-            let acts = q8_k_acts(&xk, &lanes);
+            let inputs = q8_k_inputs(&*m, &x, n, nb);
+            let acts = inputs.acts();
             let mut by_row = vec![0f32; rows * n];
             m.rows_kernel(0, rows, &acts, n, &mut by_row);
             let ld = rows + 3;
@@ -795,6 +804,7 @@ fn iq4_nl_products_match_the_definition_and_the_reference() {
             q8_k: &[],
             tile_scales: &[],
             q8_k_lanes: &[],
+            q8_k_tiles: &[],
             q8_1_lanes: &[],
         };
         let mut out = vec![0f32; rows * n];
@@ -914,8 +924,8 @@ fn interleaved_k_quants_give_the_definitions_bits() {
                         _ => lcg(s) * (1.0 + 37.0 * (i / cols % 5) as f32),
                     })
                     .collect();
-                let (xk, lanes) = q8_k_inputs(m, &x, n, nb);
-                let acts = q8_k_acts(&xk, &lanes);
+                let inputs = q8_k_inputs(m, &x, n, nb);
+                let (xk, lanes, acts) = (&inputs.xk, &inputs.lanes, inputs.acts());
                 // Whole tiles, and a run of rows that starts and ends inside tiles.
                 for (r0, nr) in [(0, rows), (16, 16), (3, 30)] {
                     let mut by_row = vec![f32::NAN; nr * n];
@@ -993,6 +1003,7 @@ fn block_chain_formats_give_the_definitions_bits() {
                     q8_k: &[],
                     tile_scales: &[],
                     q8_k_lanes: &[],
+                    q8_k_tiles: &[],
                     q8_1_lanes: &lanes,
                 };
                 let mut by_row = vec![0f32; rows * n];
