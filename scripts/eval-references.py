@@ -118,7 +118,7 @@ LORA_MISS = 10
 # Windows of that check: one (255 positions) shows a miss this wide.
 LORA_MISS_CHUNKS = 1
 # The kernels' instruction-set paths (KVWARDEN_CPU), narrowest first.
-PATHS = ["portable", "avx2", "avx512"]
+PATHS = ["portable", "avx2", "avx512", "amx"]
 PORTABLE_WINDOWS = 2
 
 
@@ -489,6 +489,28 @@ def invariance(name, kvwarden):
     return failures
 
 
+def amx_invariance(name, kvwarden):
+    """Where the CPU has AMX: the k-quant files' whole windows on the AMX tiles and on the
+    AVX-512 kernels, the same bytes (the first file, checked on every path, has no k-quant
+    matrix for the tiles)."""
+    out = ROOT / "target" / "eval-refs" / name
+    model = ROOT / "models" / f"{name}.gguf"
+    files = []
+    for path in ("amx", "avx512"):
+        files.append(out / f"whole-{path}.kld")
+        r = kvwarden_eval(kvwarden, ["--model", str(model), "--kl-base", str(out / "plain.kld"),
+                                     "--write-base", str(files[-1])], {"KVWARDEN_CPU": path}
+                          if path == "avx512" else {})
+        if path == "amx" and r["cpu"] != "amx":
+            print(f"eval-references: NOT RUN: {name} on the AMX tiles (this CPU runs "
+                  f"{r['cpu']})", file=sys.stderr)
+            return []
+    same = files[0].read_bytes() == files[1].read_bytes()
+    print(f"eval-references: {name} whole windows on amx against avx512: file "
+          f"{'identical' if same else 'DIFFERENT'}", file=sys.stderr)
+    return [] if same else [f"{name}: the AMX tiles changed the bits"]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("models", nargs="*")
@@ -530,6 +552,8 @@ def main():
             failures += [f"{name}: {b}" for b in bad]
     if args.invariance:
         failures += invariance(wanted[0][0], args.kvwarden)
+        for name, _ in wanted[1:]:
+            failures += amx_invariance(name, args.kvwarden)
     lora_rows = []
     if args.lora:
         fetches, no_lora_written = dict(known), set()

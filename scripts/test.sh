@@ -40,6 +40,13 @@ stage "deploy checks"
 stage "CPU-specific model tests"
 if grep -qw avx512_vnni /proc/cpuinfo 2>/dev/null; then
   cargo test -p model --lib -- --ignored
+  if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+    # This CPU ran the k-quants' prefill products on AMX tiles above: the tiles' tests once
+    # more on the AVX-512 kernels, which CPUs without AMX run.
+    KVWARDEN_CPU=avx512 cargo test -p model --lib -- --ignored interleaved
+  else
+    echo "test.sh: NOT RUN: the AMX tile kernels' tests (this CPU lacks AMX-INT8; the tests above ran its AVX-512 kernels)" >&2
+  fi
   # This CPU runs the AVX-512 kernels above; the whole-model references once more on the
   # 256-bit ones, which AVX2-only machines run.
   KVWARDEN_CPU=avx2 cargo test -p model --test golden_completions --test llama_references

@@ -59,6 +59,20 @@
 //!   quads are read as vectors for the same reason (30% on a four-token pass). Q6_K's tile
 //!   holds its words in the order the kernel reads them (one forward stream: 29 to 34
 //!   tokens/s).
+//! - `x86_amx.rs` (Q4_K, Q6_K): prefill-sized products (from 33 tokens) on AMX tiles where
+//!   the CPU has AMX-INT8 and the OS grants the tile state: each super-block of a repacked
+//!   tile of sixteen rows is expanded once per task into the tile-product layout (the
+//!   sub-block scales folded into the weights as two byte-sized parts, joined exactly after
+//!   the products), against the activations laid out once per product as tiles
+//!   (`blocks::TilesQ8K`), two groups of sixteen tokens per pass. On a 2-core Xeon
+//!   (Emerald Rapids, one thread) an 8,192 × 2,048 Q4_K product of 256 tokens took 9.2-10.7
+//!   ms against the AVX-512 kernel's 19.3-19.5: about 4.3 ms of tile products (the tile
+//!   unit runs `tdpbssd` at 4 ns, 16 × 16 × 64 multiply-adds, with its operands in
+//!   registers), 2.5 ms of float chains (Q4_K's mins on vector lanes; Q6_K's chains 1.0),
+//!   0.35 ms expanding (Q6_K 1.3) and 1.6 ms around them (the Q8_K quantization, the tile
+//!   layout, writing the output). Issuing each pair's products before the previous pair's
+//!   float chains gained 4%; loading the activations from the Q8_K blocks themselves (rows
+//!   292 bytes apart, across cache lines) cost 15%.
 //! - `x86_512_low_kquants.rs` (Q2_K, Q3_K): llama.cpp's eight lanes per token, two tokens
 //!   per register; each weight first replaced by its group-scaled value through a
 //!   per-group byte table (`sc·q`, or `sc·(q − 4) + 127` with the offset taken back once per

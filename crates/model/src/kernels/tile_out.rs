@@ -48,6 +48,33 @@ impl Out<'_> {
         }
     }
 
+    /// Token `t`'s results for rows `r0..r0 + 16`. Token-major, a whole aligned line is
+    /// written with a streaming store: a prefill product's output (megabytes, each token's
+    /// line of it written once per row tile) otherwise cost a read of every line it wrote, a
+    /// tenth of the AMX kernel's time. The caller fences before the output is read.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) fn put_16_rows_of_token(&mut self, r0: usize, t: usize, v: __m512) {
+        let mut vals = [0f32; 16];
+        match self {
+            Out::TokenMajor { out, ld } => {
+                let dst = &mut out[t * *ld + r0..t * *ld + r0 + 16];
+                if dst.as_ptr().addr().is_multiple_of(64) {
+                    // SAFETY: `dst` is 16 writable f32 (sliced above), 64-byte aligned.
+                    unsafe { _mm512_stream_ps(dst.as_mut_ptr(), v) };
+                    return;
+                }
+                // SAFETY: as above; the store is unaligned.
+                unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), v) };
+            }
+            Out::RowMajor { .. } => {
+                // SAFETY: `vals` is 16 writable f32; the store is unaligned.
+                unsafe { _mm512_storeu_ps(vals.as_mut_ptr(), v) };
+                self.put_rows_of_token(r0, t, &vals);
+            }
+        }
+    }
+
     /// Row `r`'s results for tokens `t0..t0 + tokens` (`tokens` ≤ 8), lanes in token order.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
