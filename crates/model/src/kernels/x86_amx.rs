@@ -44,6 +44,11 @@ const DEPTH: usize = 64;
 const STEPS: usize = gguf::QK_K / DEPTH;
 /// Tile parts per step: the scaled weights' high and low parts.
 const PARTS: usize = 2;
+/// Row tiles whose super-block is expanded at once, so that each pair of token groups'
+/// activation tiles, read from L2, serves them all from L1 (the driver's row blocks are
+/// 64 rows). With one row tile at a time the activations' loads from L2 were the largest
+/// share of the kernel.
+const ROW_TILES: usize = 4;
 
 /// Whether this CPU has AMX-INT8 (CPUID leaf 7: AMX-TILE, AMX-INT8) and Linux granted the
 /// process the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once). Without the
@@ -118,6 +123,19 @@ struct Factors {
     m_pairs: [__m512i; 4],
 }
 
+impl Factors {
+    /// For row tiles a call does not have.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn none() -> Factors {
+        Factors {
+            d: _mm512_setzero_ps(),
+            neg_dmin: _mm512_setzero_ps(),
+            m_pairs: [_mm512_setzero_si512(); 4],
+        }
+    }
+}
+
 /// Every whole tile of sixteen rows of `tiles` (`format`, `nb` super-blocks a row,
 /// `[group * nb + i]`) against the `n` tokens of `x` (`nb` blocks each, token-major; the
 /// same quants as `a_tiles`, `[token group * nb + i]`), into `out` (rows numbered from the
@@ -145,16 +163,19 @@ pub(crate) unsafe fn k_quant_amx(
     SCRATCH.with_borrow_mut(|scratch| {
         let scratch = scratch.get_or_insert_with(|| {
             Box::new(Scratch {
-                expanded: Expanded {
-                    lines: [[[0; TILE_BYTES]; PARTS]; STEPS],
-                },
+                expanded: [const {
+                    Expanded {
+                        lines: [[[0; TILE_BYTES]; PARTS]; STEPS],
+                    }
+                }; ROW_TILES],
                 sums: [const { Sums([[[[0; TILE_ROWS]; TOKENS]; PARTS]; 2]) }; 2],
                 acc: Vec::new(),
             })
         });
+        let groups = (tiles.len() / (nb * format.tile_bytes())).min(ROW_TILES);
         scratch
             .acc
-            .resize(token_groups * TOKENS, _mm512_setzero_ps());
+            .resize(groups * token_groups * TOKENS, _mm512_setzero_ps());
         // SAFETY: as this function's.
         unsafe { tiles_against_tokens(format, tiles, nb, x, a_tiles, n, out, scratch) };
     });
@@ -164,7 +185,7 @@ pub(crate) unsafe fn k_quant_amx(
 /// they are read, they need no zeroing (which showed as 2-4% of a prefill when allocated
 /// per call).
 struct Scratch {
-    expanded: Expanded,
+    expanded: [Expanded; ROW_TILES],
     sums: [Sums; 2],
     acc: Vec<__m512>,
 }
@@ -192,6 +213,7 @@ unsafe fn tiles_against_tokens(
     let tile_bytes = format.tile_bytes();
     let groups = tiles.len() / (nb * tile_bytes);
     let token_groups = n.div_ceil(TOKENS);
+    let per_group = token_groups * TOKENS;
     let Scratch {
         expanded,
         sums,
@@ -200,50 +222,61 @@ unsafe fn tiles_against_tokens(
     // SAFETY: `CONFIG` is a valid palette-1 configuration (64 bytes, aligned); loading it
     // sets this thread's tile shapes and zeroes the tiles.
     unsafe { asm!("ldtilecfg [{}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly)) };
-    for g in 0..groups {
+    for g0 in (0..groups).step_by(ROW_TILES) {
+        let gs = ROW_TILES.min(groups - g0);
         acc.fill(_mm512_setzero_ps());
         for i in 0..nb {
-            let tile = &tiles[(g * nb + i) * tile_bytes..][..tile_bytes];
-            let f = match format {
-                Format::Q4K => expand_q4_k(tile, expanded),
-                Format::Q6K => expand_q6_k(tile, expanded),
-            };
-            // Each pair's tile products are issued before the previous pair's sums are
-            // taken into the float chains (the sums double-buffered), so that the tile unit
-            // works while the vector units do.
-            let mut pending: Option<(usize, bool, usize)> = None;
-            let mut tg = 0;
-            while tg < token_groups || pending.is_some() {
-                let issued = (tg < token_groups).then(|| {
+            let f: [Factors; ROW_TILES] = std::array::from_fn(|g| {
+                if g >= gs {
+                    return Factors::none();
+                }
+                let tile = &tiles[((g0 + g) * nb + i) * tile_bytes..][..tile_bytes];
+                match format {
+                    Format::Q4K => expand_q4_k(tile, &mut expanded[g]),
+                    Format::Q6K => expand_q6_k(tile, &mut expanded[g]),
+                }
+            });
+            // Each pair of token groups meets the row tiles in turn, its activation tiles
+            // read from L2 once and from L1 for the others. Each product is issued before
+            // the previous one's sums are taken into the float chains (the sums
+            // double-buffered).
+            let mut pending: Option<(usize, bool, usize, usize)> = None;
+            let mut buffer = 0;
+            let units = token_groups.div_ceil(2) * gs;
+            for unit in 0..=units {
+                let issued = (unit < units).then(|| {
+                    let (tg, g) = (unit / gs * 2, unit % gs);
                     let pair = tg + 1 < token_groups;
-                    let buffer = tg / 2 % 2;
                     let a = [
                         &a_tiles[tg * nb + i],
                         &a_tiles[(tg + usize::from(pair)) * nb + i],
                     ];
-                    products(pair, a, expanded, &mut sums[buffer]);
-                    (tg, pair, buffer)
+                    buffer ^= 1;
+                    products(pair, a, &expanded[g], &mut sums[buffer]);
+                    (tg, pair, g, buffer)
                 });
-                if let Some((tg, pair, buffer)) = pending {
+                if let Some((tg, pair, g, buffer)) = pending {
                     for k in 0..1 + usize::from(pair) {
                         let first = (tg + k) * TOKENS;
                         let chains = Chains {
                             format,
-                            f: &f,
+                            f: &f[g],
                             sums: &sums[buffer].0[k],
                             x: &x[first * nb + i..],
                             nb,
                             sum_pairs: &a_tiles[(tg + k) * nb + i].sum_pairs,
                         };
-                        chains.add(&mut acc[first..first + TOKENS.min(n - first)]);
+                        let acc = &mut acc[g * per_group..][first..first + TOKENS.min(n - first)];
+                        chains.add(acc);
                     }
                 }
                 pending = issued;
-                tg += 2;
             }
         }
-        for (t, &v) in acc.iter().take(n).enumerate() {
-            out.put_16_rows_of_token(g * TILE_ROWS, t, v);
+        for g in 0..gs {
+            for (t, &v) in acc[g * per_group..].iter().take(n).enumerate() {
+                out.put_16_rows_of_token((g0 + g) * TILE_ROWS, t, v);
+            }
         }
     }
     // The streaming stores above are ordered before whatever this thread does next (the
