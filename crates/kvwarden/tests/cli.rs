@@ -243,6 +243,22 @@ fn an_unknown_or_unavailable_kernel_path_is_refused_at_start() {
         assert_eq!(out.status.code(), Some(1), "{value:?}: {stderr}");
         assert!(stderr.contains(want), "{value:?}: {stderr}");
     }
+    // The AMX path where the CPU has AMX-INT8 (and Linux, which lists it, grants the tile
+    // state), refused where not.
+    let amx = std::fs::read_to_string("/proc/cpuinfo")
+        .is_ok_and(|info| info.split_whitespace().any(|flag| flag == "amx_int8"));
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwarden"))
+        .args(["tokenize", "--text", "hi"])
+        .env("KVWARDEN_CPU", "amx")
+        .output()
+        .expect("run kvwarden");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if amx {
+        assert!(!stderr.contains("KVWARDEN_CPU"), "{stderr}");
+    } else {
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("cannot run"), "{stderr}");
+    }
     // The portable path runs on every CPU, so it is always accepted.
     let out = Command::new(env!("CARGO_BIN_EXE_kvwarden"))
         .args([

@@ -143,11 +143,11 @@ impl TilesQ8K {
     };
 
     /// Tokens `x[0..]` (at most [`LANE_TOKENS`], each `nb` super-blocks) as `nb` tile
-    /// blocks, super-block `i` at `out[i]`.
+    /// blocks, super-block `i` at `out[i]`, which must be [`TilesQ8K::EMPTY`] (the tokens
+    /// past `x`'s stay zero).
     pub fn fill(x: &[&[BlockQ8K]], out: &mut [TilesQ8K]) {
         assert!(x.len() <= LANE_TOKENS, "tiles: too many tokens");
         for (i, o) in out.iter_mut().enumerate() {
-            *o = TilesQ8K::EMPTY;
             for (t, row) in x.iter().enumerate() {
                 let b = &row[i];
                 for (s, step) in o.q.iter_mut().enumerate() {

@@ -525,25 +525,25 @@ fn expand_q4_k(tile: &[u8], e: &mut Expanded) -> Factors {
 fn expand_q6_k(tile: &[u8], e: &mut Expanded) -> Factors {
     let nibble = _mm512_set1_epi8(0x0f);
     let top = _mm512_set1_epi8(0x30);
-    let offset = _mm512_set1_epi8(32);
-    let low7 = _mm512_set1_epi16(127);
-    // Row r's 16-bit value in the four lanes of its bytes, rows 0..8 and 8..16.
-    let spread: [__m512i; 2] = std::array::from_fn(|h| {
-        let idx: [i16; 32] = std::array::from_fn(|e| (8 * h + e / 4) as i16);
-        // SAFETY: `idx` is 64 readable bytes; the load is unaligned.
-        unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
-    });
+    let low_byte = _mm512_set1_epi16(0xff);
+    let low7s = _mm512_set1_epi8(0x7f);
     for half in 0..2 {
         for upper in 0..2 {
-            // The group scales of this pass, k = 0..4: group 8·half + 2k + upper, each
-            // row's signed byte as a 16-bit value (rows in the low 16 of 32 lanes).
-            let sc: [[__m512i; 2]; 4] = std::array::from_fn(|k| {
+            // The group scales of this pass, k = 0..4 (group 8·half + 2k + upper): each
+            // row's signed byte in the even bytes of its lane and in the odd ones (for
+            // `maddubs`, which multiplies each byte of a pair and adds them), and `32·sc`
+            // in both halves (the weights' offset).
+            let sc: [[__m512i; 3]; 4] = std::array::from_fn(|k| {
                 let group = 8 * half + 2 * k + upper;
                 let scales = line(tile, 32, 48 + group / 4);
                 let up = _mm512_set1_epi32(24 - 8 * (group % 4) as i32);
                 let sc32 = _mm512_srai_epi32::<24>(_mm512_sllv_epi32(scales, up));
-                let sc16 = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(sc32));
-                spread.map(|s| _mm512_permutexvar_epi16(s, sc16))
+                let even = both_halves(_mm512_and_si512(sc32, _mm512_set1_epi32(0xff)));
+                [
+                    even,
+                    _mm512_slli_epi32::<8>(even),
+                    both_halves(_mm512_slli_epi32::<5>(sc32)),
+                ]
             });
             for q in 4 * upper..4 * upper + 4 {
                 let slot = 12 * (2 * half + upper) + 3 * (q - 4 * upper);
@@ -570,23 +570,22 @@ fn expand_q6_k(tile: &[u8], e: &mut Expanded) -> Factors {
                     ),
                 ];
                 for (k, &v) in v.iter().enumerate() {
-                    let signed = _mm512_sub_epi8(v, offset);
-                    let words = [
-                        _mm512_cvtepi8_epi16(_mm512_castsi512_si256(signed)),
-                        _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64::<1>(signed)),
-                    ];
-                    let w = [
-                        _mm512_mullo_epi16(words[0], sc[k][0]),
-                        _mm512_mullo_epi16(words[1], sc[k][1]),
-                    ];
-                    let bytes = |f: &dyn Fn(__m512i) -> __m512i| {
-                        _mm512_inserti64x4::<1>(
-                            _mm512_castsi256_si512(_mm512_cvtepi16_epi8(f(w[0]))),
-                            _mm512_cvtepi16_epi8(f(w[1])),
-                        )
+                    // `sc·(q − 32)` of the even bytes and of the odd ones, as 16-bit lanes
+                    // (at most 4,096 in size).
+                    let [sc_even, sc_odd, sc32] = sc[k];
+                    let w_even = _mm512_sub_epi16(_mm512_maddubs_epi16(v, sc_even), sc32);
+                    let w_odd = _mm512_sub_epi16(_mm512_maddubs_epi16(v, sc_odd), sc32);
+                    // Each lane's even value in its low byte, the odd one in its high byte:
+                    // `(a & 0xff) | (b << 8)` (ternary-logic table 0xD8: where the third
+                    // operand, the low byte's mask, has a bit, the second's, else the first's).
+                    let join = |a: __m512i, b: __m512i| {
+                        _mm512_ternarylogic_epi32::<0xD8>(_mm512_slli_epi16::<8>(b), a, low_byte)
                     };
-                    let hi = bytes(&|x| _mm512_srai_epi16::<7>(x));
-                    let lo = bytes(&|x| _mm512_and_si512(x, low7));
+                    let hi = join(
+                        _mm512_srai_epi16::<7>(w_even),
+                        _mm512_srai_epi16::<7>(w_odd),
+                    );
+                    let lo = _mm512_and_si512(join(w_even, w_odd), low7s);
                     // Weight 64·step + 4·k4 + (0..4): step = 2·half + k/2, k4 = 8(k%2) + q.
                     let (step, k4) = (2 * half + k / 2, 8 * (k % 2) + q);
                     let [hi_part, lo_part] = &mut e.lines[step];
