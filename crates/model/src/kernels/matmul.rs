@@ -44,7 +44,7 @@ pub trait WeightRows: Send + Sync {
         false
     }
     /// Whether a product of `n` tokens prepares each weight row once per task for every
-    /// token of it (so tasks should be long: [`lanes_block`]).
+    /// token of it (so tasks should be long: `lanes_block`).
     fn prepares_rows(&self, n: usize) -> bool {
         self.wants_q8_k_lanes(n) || self.wants_q8_1_lanes(n)
     }
