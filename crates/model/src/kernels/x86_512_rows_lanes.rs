@@ -51,7 +51,7 @@ const PREFETCH_TILES: usize = 2;
 /// the same line [`PREFETCH_TILES`] tiles on is requested.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn word(tile: &[u8], f16s: usize, w: usize, ahead: bool) -> __m512i {
+pub(crate) fn word(tile: &[u8], f16s: usize, w: usize, ahead: bool) -> __m512i {
     let at = 32 * f16s + 64 * w;
     let src = &tile[at..at + 64];
     if ahead {
@@ -70,7 +70,7 @@ fn word(tile: &[u8], f16s: usize, w: usize, ahead: bool) -> __m512i {
 /// Half-precision field `k` of a tile's sixteen rows, widened.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn halves(tile: &[u8], k: usize) -> __m512 {
+pub(crate) fn halves(tile: &[u8], k: usize) -> __m512 {
     let src = &tile[32 * k..32 * k + 32];
     // SAFETY: `src` is 32 readable bytes (sliced above); the load is unaligned.
     _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(src.as_ptr().cast()) })
@@ -212,8 +212,6 @@ impl Rows<'_> {
         let mut acc: [__m512; T] = std::array::from_fn(|t| sums[t]);
         let zero = _mm512_setzero_si512();
         let nibble = _mm512_set1_epi8(0x0f);
-        let six = _mm512_set1_epi8(0x3f);
-        let top = _mm512_set1_epi8(0x30);
         let ahead = T > 1 || super::cpu::one_token_prefetch();
         for i in blocks {
             let tile = &self.tiles[i * Q4_K_TILE..(i + 1) * Q4_K_TILE];
@@ -223,16 +221,7 @@ impl Rows<'_> {
                 word(tile, 2, 1, ahead),
                 word(tile, 2, 2, ahead),
             );
-            let sc_lo = _mm512_and_si512(a, six);
-            let m_lo = _mm512_and_si512(b, six);
-            let sc_hi = _mm512_or_si512(
-                _mm512_and_si512(c, nibble),
-                _mm512_and_si512(_mm512_srli_epi32::<2>(a), top),
-            );
-            let m_hi = _mm512_or_si512(
-                _mm512_and_si512(_mm512_srli_epi32::<4>(c), nibble),
-                _mm512_and_si512(_mm512_srli_epi32::<2>(b), top),
-            );
+            let [sc_lo, sc_hi, m_lo, m_hi] = q4_k_scale_words(a, b, c);
             let sc: [__m512i; 8] = std::array::from_fn(|j| {
                 bytes_of_lanes(if j < 4 { sc_lo } else { sc_hi }, j % 4, false)
             });
@@ -289,8 +278,6 @@ impl Rows<'_> {
     fn q6_k<const T: usize>(&self, blocks: Range<usize>, sums: &mut [__m512]) {
         let mut acc: [__m512; T] = std::array::from_fn(|t| sums[t]);
         let zero = _mm512_setzero_si512();
-        let nibble = _mm512_set1_epi8(0x0f);
-        let top = _mm512_set1_epi8(0x30);
         let ahead = T > 1 || super::cpu::one_token_prefetch();
         for i in blocks {
             let tile = &self.tiles[i * Q6_K_TILE..(i + 1) * Q6_K_TILE];
@@ -306,25 +293,7 @@ impl Rows<'_> {
                         let ql0 = word(tile, 1, slot, ahead);
                         let ql1 = word(tile, 1, slot + 1, ahead);
                         let h = word(tile, 1, slot + 2, ahead);
-                        // ggml's element 128·half + 32k + l: a nibble of `ql`, two bits of `qh`.
-                        let v = [
-                            _mm512_or_si512(
-                                _mm512_and_si512(ql0, nibble),
-                                _mm512_and_si512(_mm512_slli_epi16::<4>(h), top),
-                            ),
-                            _mm512_or_si512(
-                                _mm512_and_si512(ql1, nibble),
-                                _mm512_and_si512(_mm512_slli_epi16::<2>(h), top),
-                            ),
-                            _mm512_or_si512(
-                                _mm512_and_si512(_mm512_srli_epi16::<4>(ql0), nibble),
-                                _mm512_and_si512(h, top),
-                            ),
-                            _mm512_or_si512(
-                                _mm512_and_si512(_mm512_srli_epi16::<4>(ql1), nibble),
-                                _mm512_and_si512(_mm512_srli_epi16::<2>(h), top),
-                            ),
-                        ];
+                        let v = q6_k_values(ql0, ql1, h);
                         for t in 0..T {
                             let a = self.act(t, i);
                             for k in 0..4 {
@@ -367,6 +336,58 @@ impl Rows<'_> {
             out.put_rows_of_token(self.r0, self.t0 + t, &vals);
         }
     }
+}
+
+/// A Q4_K tile's three scale words `a`, `b`, `c` (`gguf::k4_scale_min`, lane by lane for
+/// sixteen rows): each row's scales 0..4 and 4..8, then its mins 0..4 and 4..8, a byte each.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) fn q4_k_scale_words(a: __m512i, b: __m512i, c: __m512i) -> [__m512i; 4] {
+    let nibble = _mm512_set1_epi8(0x0f);
+    let six = _mm512_set1_epi8(0x3f);
+    let top = _mm512_set1_epi8(0x30);
+    let sc_hi = _mm512_or_si512(
+        _mm512_and_si512(c, nibble),
+        _mm512_and_si512(_mm512_srli_epi32::<2>(a), top),
+    );
+    let m_hi = _mm512_or_si512(
+        _mm512_and_si512(_mm512_srli_epi32::<4>(c), nibble),
+        _mm512_and_si512(_mm512_srli_epi32::<2>(b), top),
+    );
+    [
+        _mm512_and_si512(a, six),
+        sc_hi,
+        _mm512_and_si512(b, six),
+        m_hi,
+    ]
+}
+
+/// A Q6_K tile's quad `q` of a pass, from its words `ql0`, `ql1` (the low nibbles) and `h`
+/// (the high bits): ggml's elements `128·half + 32k + 4q + (0..4)` of each row for
+/// `k = 0..4`, as 0..63.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) fn q6_k_values(ql0: __m512i, ql1: __m512i, h: __m512i) -> [__m512i; 4] {
+    let nibble = _mm512_set1_epi8(0x0f);
+    let top = _mm512_set1_epi8(0x30);
+    [
+        _mm512_or_si512(
+            _mm512_and_si512(ql0, nibble),
+            _mm512_and_si512(_mm512_slli_epi16::<4>(h), top),
+        ),
+        _mm512_or_si512(
+            _mm512_and_si512(ql1, nibble),
+            _mm512_and_si512(_mm512_slli_epi16::<2>(h), top),
+        ),
+        _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16::<4>(ql0), nibble),
+            _mm512_and_si512(h, top),
+        ),
+        _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi16::<4>(ql1), nibble),
+            _mm512_and_si512(_mm512_srli_epi16::<2>(h), top),
+        ),
+    ]
 }
 
 /// Sixteen rows' words `w0..w0 + 16` of a tile (`f16s` half-precision fields in front)

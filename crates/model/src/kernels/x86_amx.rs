@@ -31,7 +31,7 @@ use std::sync::OnceLock;
 
 use super::tile_out::Out;
 use super::x86_512_lanes::Format;
-use super::x86_512_rows_lanes::TILE_ROWS;
+use super::x86_512_rows_lanes::{halves, q4_k_scale_words, q6_k_values, word, TILE_ROWS};
 use crate::blocks::{BlockQ8K, TilesQ8K};
 
 /// Tokens per tile product (a tile's rows).
@@ -427,24 +427,6 @@ fn products(pair: bool, a: [&TilesQ8K; 2], w: &Expanded, sums: &mut Sums) {
     }
 }
 
-/// Line `w` of a tile (64 bytes at `at + 64 w`).
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn line(tile: &[u8], at: usize, w: usize) -> __m512i {
-    let src = &tile[at + 64 * w..at + 64 * w + 64];
-    // SAFETY: `src` is 64 readable bytes (sliced above); the load is unaligned.
-    unsafe { _mm512_loadu_si512(src.as_ptr().cast()) }
-}
-
-/// Half-precision field `k` of a tile's sixteen rows, widened.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn halves(tile: &[u8], k: usize) -> __m512 {
-    let src = &tile[32 * k..32 * k + 32];
-    // SAFETY: `src` is 32 readable bytes (sliced above); the load is unaligned.
-    _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(src.as_ptr().cast()) })
-}
-
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn store(dst: &mut [u8; TILE_BYTES], k4: usize, v: __m512i) {
@@ -474,20 +456,12 @@ fn both_halves(v: __m512i) -> __m512i {
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn expand_q4_k(tile: &[u8], e: &mut Expanded) -> Factors {
     let nibble = _mm512_set1_epi8(0x0f);
-    let six = _mm512_set1_epi8(0x3f);
-    let top = _mm512_set1_epi8(0x30);
-    // Words a, b, c of each row's 12 scale bytes (`gguf::k4_scale_min`, lane by lane).
-    let (a, b, c) = (line(tile, 64, 0), line(tile, 64, 1), line(tile, 64, 2));
-    let sc_lo = _mm512_and_si512(a, six);
-    let m_lo = _mm512_and_si512(b, six);
-    let sc_hi = _mm512_or_si512(
-        _mm512_and_si512(c, nibble),
-        _mm512_and_si512(_mm512_srli_epi32::<2>(a), top),
+    let (a, b, c) = (
+        word(tile, 2, 0, false),
+        word(tile, 2, 1, false),
+        word(tile, 2, 2, false),
     );
-    let m_hi = _mm512_or_si512(
-        _mm512_and_si512(_mm512_srli_epi32::<4>(c), nibble),
-        _mm512_and_si512(_mm512_srli_epi32::<2>(b), top),
-    );
+    let [sc_lo, sc_hi, m_lo, m_hi] = q4_k_scale_words(a, b, c);
     let sub = |lo: __m512i, hi: __m512i, j: usize| byte_lane(if j < 4 { lo } else { hi }, j % 4);
     for step in 0..STEPS {
         let [hi_part, lo_part] = &mut e.lines[step];
@@ -497,7 +471,7 @@ fn expand_q4_k(tile: &[u8], e: &mut Expanded) -> Factors {
             let sh = both_halves(_mm512_srli_epi32::<3>(sc));
             let sl = both_halves(_mm512_and_si512(sc, _mm512_set1_epi32(7)));
             for u in 0..8 {
-                let w = line(tile, 64, 3 + 8 * step + u);
+                let w = word(tile, 2, 3 + 8 * step + u, false);
                 let q = if half == 0 {
                     _mm512_and_si512(w, nibble)
                 } else {
@@ -523,8 +497,6 @@ fn expand_q4_k(tile: &[u8], e: &mut Expanded) -> Factors {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn expand_q6_k(tile: &[u8], e: &mut Expanded) -> Factors {
-    let nibble = _mm512_set1_epi8(0x0f);
-    let top = _mm512_set1_epi8(0x30);
     let low_byte = _mm512_set1_epi16(0xff);
     let low7s = _mm512_set1_epi8(0x7f);
     for half in 0..2 {
@@ -535,7 +507,7 @@ fn expand_q6_k(tile: &[u8], e: &mut Expanded) -> Factors {
             // in both halves (the weights' offset).
             let sc: [[__m512i; 3]; 4] = std::array::from_fn(|k| {
                 let group = 8 * half + 2 * k + upper;
-                let scales = line(tile, 32, 48 + group / 4);
+                let scales = word(tile, 1, 48 + group / 4, false);
                 let up = _mm512_set1_epi32(24 - 8 * (group % 4) as i32);
                 let sc32 = _mm512_srai_epi32::<24>(_mm512_sllv_epi32(scales, up));
                 let even = both_halves(_mm512_and_si512(sc32, _mm512_set1_epi32(0xff)));
@@ -547,28 +519,10 @@ fn expand_q6_k(tile: &[u8], e: &mut Expanded) -> Factors {
             });
             for q in 4 * upper..4 * upper + 4 {
                 let slot = 12 * (2 * half + upper) + 3 * (q - 4 * upper);
-                let ql0 = line(tile, 32, slot);
-                let ql1 = line(tile, 32, slot + 1);
-                let h = line(tile, 32, slot + 2);
-                // Element 128·half + 32k + 4q + (0..4) of each row, as 0..63.
-                let v = [
-                    _mm512_or_si512(
-                        _mm512_and_si512(ql0, nibble),
-                        _mm512_and_si512(_mm512_slli_epi16::<4>(h), top),
-                    ),
-                    _mm512_or_si512(
-                        _mm512_and_si512(ql1, nibble),
-                        _mm512_and_si512(_mm512_slli_epi16::<2>(h), top),
-                    ),
-                    _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(ql0), nibble),
-                        _mm512_and_si512(h, top),
-                    ),
-                    _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(ql1), nibble),
-                        _mm512_and_si512(_mm512_srli_epi16::<2>(h), top),
-                    ),
-                ];
+                let ql0 = word(tile, 1, slot, false);
+                let ql1 = word(tile, 1, slot + 1, false);
+                let h = word(tile, 1, slot + 2, false);
+                let v = q6_k_values(ql0, ql1, h);
                 for (k, &v) in v.iter().enumerate() {
                     // `sc·(q − 32)` of the even bytes and of the odd ones, as 16-bit lanes
                     // (at most 4,096 in size).
