@@ -72,7 +72,12 @@
 //!   0.35 ms expanding (Q6_K 1.3) and 1.6 ms around them (the Q8_K quantization, the tile
 //!   layout, writing the output). Issuing each pair's products before the previous pair's
 //!   float chains gained 4%; loading the activations from the Q8_K blocks themselves (rows
-//!   292 bytes apart, across cache lines) cost 15%.
+//!   292 bytes apart, across cache lines) cost 15%. The tile unit and the vector units
+//!   do not overlap within a thread (16 `tdpbssd` with their loads 96 ns, a vector block
+//!   68 ns, both 189 ns), so tile time plus float-chain time is this design's floor. The
+//!   output is written with streaming stores (a 1B-shaped prefill 8% faster), which makes
+//!   the `kernels` bench, whose output stays cached between runs, read 14 ms: compare
+//!   this kernel's changes on the `throughput` bench.
 //! - `x86_512_low_kquants.rs` (Q2_K, Q3_K): llama.cpp's eight lanes per token, two tokens
 //!   per register; each weight first replaced by its group-scaled value through a
 //!   per-group byte table (`sc·q`, or `sc·(q − 4) + 127` with the offset taken back once per
