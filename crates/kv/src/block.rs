@@ -10,8 +10,9 @@
 
 use std::fmt::Debug;
 
-/// One block of [`KvBlock::VALUES`] stored values.
-pub trait KvBlock: Copy + PartialEq + Debug + Send + Sync + 'static {
+/// One block of [`KvBlock::VALUES`] stored values: plain bytes (`Pod`), so a page of them
+/// can live in a mapping (`crate::page_memory`).
+pub trait KvBlock: bytemuck::Pod + PartialEq + Debug + Send + Sync {
     /// Values per block.
     const VALUES: usize = 32;
     /// Bytes of one block on the wire (and of llama.cpp's struct).

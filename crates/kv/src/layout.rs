@@ -5,6 +5,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use crate::block::{dequantize_into, from_wire, quantize_into, KvBlock};
+use crate::page_memory::PageMemory;
 use crate::q4::Q4Block;
 use crate::q8::Q8Block;
 
@@ -100,14 +101,10 @@ impl KvLayout {
 }
 
 pub(crate) enum PageData {
-    F16(Box<[f16]>),
-    F32(Box<[f32]>),
-    Q8_0(Box<[Q8Block]>),
-    Q4_0(Box<[Q4Block]>),
-}
-
-fn zeroed_blocks<B: KvBlock>(elems: usize) -> Box<[B]> {
-    vec![B::ZERO; elems / B::VALUES].into_boxed_slice()
+    F16(PageMemory<f16>),
+    F32(PageMemory<f32>),
+    Q8_0(PageMemory<Q8Block>),
+    Q4_0(PageMemory<Q4Block>),
 }
 
 /// One row into the blocks of a block-format page, from `at` (a block boundary).
@@ -120,14 +117,32 @@ fn store_blocks<B: KvBlock>(d: &mut [B], at: usize, values: usize, row: Row<'_>)
 }
 
 impl PageData {
-    /// A page of `elems` values, all zero.
-    pub(crate) fn zeroed(dtype: KvDtype, elems: usize) -> Self {
-        match dtype {
-            KvDtype::F16 => PageData::F16(vec![f16::ZERO; elems].into_boxed_slice()),
-            KvDtype::F32 => PageData::F32(vec![0f32; elems].into_boxed_slice()),
-            KvDtype::Q8_0 => PageData::Q8_0(zeroed_blocks(elems)),
-            KvDtype::Q4_0 => PageData::Q4_0(zeroed_blocks(elems)),
+    /// `count` pages of `elems` values, all zero and committed (`PageMemory::commit`):
+    /// every page mapped before any is touched, so that neighbours can share huge pages.
+    pub(crate) fn zeroed_pages(dtype: KvDtype, elems: usize, count: usize) -> Vec<Self> {
+        let mut pages: Vec<Self> = (0..count)
+            .map(|_| match dtype {
+                KvDtype::F16 => PageData::F16(PageMemory::zeroed_uncommitted(elems)),
+                KvDtype::F32 => PageData::F32(PageMemory::zeroed_uncommitted(elems)),
+                KvDtype::Q8_0 => {
+                    PageData::Q8_0(PageMemory::zeroed_uncommitted(elems / Q8Block::VALUES))
+                }
+                KvDtype::Q4_0 => {
+                    PageData::Q4_0(PageMemory::zeroed_uncommitted(elems / Q4Block::VALUES))
+                }
+            })
+            .collect();
+        for page in &mut pages {
+            match page {
+                PageData::F16(d) => d.commit(),
+                PageData::F32(d) => d.commit(),
+                PageData::Q8_0(d) => d.commit(),
+                // Zero bytes read as -0.0 in Q4_0 (`0 * (0 - 8)`): its zero block has other
+                // bytes, and writing them commits the page.
+                PageData::Q4_0(d) => d.fill(Q4Block::ZERO),
+            }
         }
+        pages
     }
 
     pub(crate) fn fill(&mut self, value: f32) {
@@ -313,7 +328,9 @@ mod tests {
     fn fresh_pages_read_zero_in_every_element_type() {
         let elems = 64 * 1024;
         for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Q8_0, KvDtype::Q4_0] {
-            let page = PageData::zeroed(dtype, elems);
+            let [page]: [PageData; 1] = PageData::zeroed_pages(dtype, elems, 1)
+                .try_into()
+                .unwrap_or_else(|_| panic!("one page asked for"));
             assert_eq!(page.values(), elems, "{dtype:?}");
             assert!(page.to_f32().iter().all(|&v| v.to_bits() == 0), "{dtype:?}");
             match &page {

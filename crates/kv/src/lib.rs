@@ -27,6 +27,7 @@ mod error;
 mod evict;
 mod layout;
 mod lease;
+mod page_memory;
 mod pool;
 mod prefix;
 mod q4;

@@ -8,7 +8,7 @@ use crate::block::KvBlock;
 
 /// 32 values `d * (q - 8)`: value `i` in the low nibble of `qs[i]`, value `16 + i` in its
 /// high nibble (llama.cpp's order).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 #[repr(C)]
 pub struct Q4Block {
     pub d: f16,

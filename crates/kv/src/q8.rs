@@ -13,7 +13,7 @@ use crate::block::KvBlock;
 pub const Q8_VALUES: usize = 32;
 
 /// 32 values `d * qs[i]`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 #[repr(C)]
 pub struct Q8Block {
     pub d: f16,

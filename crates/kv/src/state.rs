@@ -49,16 +49,11 @@ impl PoolInner {
             layout.dtype.values_per_element(),
             layout.kv_dim
         );
-        let elems = layout.page_elems();
-        let free = (0..pages)
+        let free = PageData::zeroed_pages(layout.dtype, layout.page_elems(), pages)
+            .into_iter()
+            .zip(0..pages as u32)
             .rev()
-            .map(|i| {
-                let data = PageData::zeroed(layout.dtype, elems);
-                PageBuf {
-                    index: i as u32,
-                    data,
-                }
-            })
+            .map(|(data, index)| PageBuf { index, data })
             .collect();
         PoolInner {
             layout,
