@@ -29,7 +29,18 @@ for file in $FILES; do
     ours="$ours $(BENCH_MODEL=$file BENCH_PP=$np BENCH_TG=$ng RAYON_NUM_THREADS=$threads \
       cargo bench -q -p model --bench throughput 2>/dev/null | tail -1)"
   done
-  theirs=$("$llama_bench" -m "models/$file" -p "$np" -n "$ng" -t "$threads" -fa 1 -o json 2>/dev/null)
+  # Where llama.cpp's default path cannot run (its AMX kernels die with SIGILL on some Xeon
+  # VMs), it runs without repacking (`--repack 0`, its tiled matmul still on), as
+  # bench/serve.py does, and the output says so.
+  status=0
+  theirs=$("$llama_bench" -m "models/$file" -p "$np" -n "$ng" -t "$threads" -fa 1 -o json \
+    2>/dev/null) || status=$?
+  if [ "$status" -ne 0 ]; then
+    [ "$status" -gt 128 ] && why="died by signal $((status - 128))" || why="failed ($status)"
+    echo "$q: llama.cpp's default path $why here: 'llama.cpp' below is llama.cpp --repack 0"
+    theirs=$("$llama_bench" -m "models/$file" -p "$np" -n "$ng" -t "$threads" -fa 1 \
+      --repack 0 -o json 2>/dev/null)
+  fi
   # llama.cpp again with its plain kernels only (no weight repacking, no tiled K-quant
   # matmul): the reference arithmetic (scripts/record-llama-references.py).
   plain=$(GGML_CPU_TILED_MM=0 "$llama_bench" -m "models/$file" -p "$np" -n "$ng" -t "$threads" \
