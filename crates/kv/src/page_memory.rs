@@ -16,7 +16,6 @@
 //! reached) the page falls back to the heap. The values are the same bytes either way.
 
 use std::hint::black_box;
-use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 
 use bytemuck::Pod;
@@ -28,7 +27,6 @@ const COMMIT_STRIDE: usize = 4096;
 /// `len` values of `T`, all bytes zero until written.
 pub(crate) struct PageMemory<T: Pod> {
     backing: Backing<T>,
-    _values: PhantomData<T>,
 }
 
 enum Backing<T> {
@@ -53,10 +51,7 @@ impl<T: Pod> PageMemory<T> {
                 Err(_) => Backing::Heap(bytemuck::zeroed_slice_box(len)),
             },
         };
-        PageMemory {
-            backing,
-            _values: PhantomData,
-        }
+        PageMemory { backing }
     }
 
     /// Makes the system back every byte now (a write per 4 KiB, of the zero already there),
