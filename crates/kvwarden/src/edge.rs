@@ -78,6 +78,12 @@ pub struct EdgeArgs {
     /// Unset, it is the chat template's family.
     #[arg(long)]
     pub tool_format: Option<String>,
+    /// Where a thinking model's thoughts go in a chat answer (templates that write
+    /// `<think>` blocks: Qwen3, QwQ, DeepSeek-R1 distillations): deepseek (llama.cpp's
+    /// default) returns them in the message's `reasoning_content`, apart from its content;
+    /// none leaves them in the content, tags and all.
+    #[arg(long, default_value = "deepseek")]
+    pub reasoning_format: String,
 }
 
 /// Applies `--lora-access` to the adapters already in the state's catalog; warns about an
@@ -144,6 +150,16 @@ impl EdgeArgs {
 
     /// Applies the connection limits to the state; refuses limits the process cannot keep.
     pub fn configure(&self, state: &mut server::AppState) -> Result<()> {
+        state.reasoning_format = server::reasoning::ReasoningFormat::from_name(
+            &self.reasoning_format,
+        )
+        .with_context(|| {
+            format!(
+                "--reasoning-format {:?} is not one of {}",
+                self.reasoning_format,
+                server::reasoning::ReasoningFormat::NAMES
+            )
+        })?;
         if let Some(name) = &self.tool_format {
             state.tool_format = server::tools::ToolFormat::from_name(name).with_context(|| {
                 format!(

@@ -12,7 +12,8 @@
 //! they cannot be swapped for markers): every string in them, keys included, is refused if
 //! it holds control-token text or could complete one beside the template's text
 //! ([`tokenizer::ControlTexts::could_form`]). A tool's answer is a message's content, marked like
-//! any other.
+//! any other. The same holds for the other client text a template prints as its own: an
+//! earlier answer's `reasoning_content` and the request's `chat_template_kwargs`.
 
 use serde_json::Value;
 use tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
@@ -40,7 +41,44 @@ pub fn prompt_tokens(
     fits: &dyn Fn(usize) -> Result<(), ApiError>,
     cancel: &Cancel,
 ) -> Result<Vec<u32>, ApiError> {
-    check_template_text(tok, messages, tools)?;
+    let chat = ChatInput {
+        messages,
+        tools,
+        variables: None,
+    };
+    render_prompt(tok, template, &chat, fits, cancel).map(|p| p.tokens)
+}
+
+/// What a chat request gives its template.
+pub struct ChatInput<'a> {
+    pub messages: &'a [ChatMessage],
+    pub tools: Option<&'a Value>,
+    /// The request's own template variables (`chat_template_kwargs`).
+    pub variables: Option<&'a serde_json::Map<String, Value>>,
+}
+
+/// A conversation's prompt.
+pub struct ChatPrompt {
+    pub tokens: Vec<u32>,
+    /// The rendering with a marker in place of each message's content: what the template
+    /// itself wrote (where the generation prompt leaves the answer, say).
+    pub skeleton: String,
+}
+
+/// [`prompt_tokens`] with the request's template variables, and the template's own text.
+pub fn render_prompt(
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    chat: &ChatInput<'_>,
+    fits: &dyn Fn(usize) -> Result<(), ApiError>,
+    cancel: &Cancel,
+) -> Result<ChatPrompt, ApiError> {
+    let ChatInput {
+        messages,
+        tools,
+        variables,
+    } = *chat;
+    check_template_text(tok, messages, tools, variables)?;
     let placeholders: Vec<ChatMessage> = messages
         .iter()
         .enumerate()
@@ -54,9 +92,9 @@ pub fn prompt_tokens(
             ..m.clone()
         })
         .collect();
-    let skeleton = template.render_with_tools(&placeholders, tools, true)?;
+    let skeleton = template.render_with_variables(&placeholders, tools, variables, true)?;
     cancel.check()?;
-    let real = template.render_with_tools(messages, tools, true)?;
+    let real = template.render_with_variables(messages, tools, variables, true)?;
     cancel.check()?;
     fits(real.len())?;
 
@@ -64,7 +102,8 @@ pub fn prompt_tokens(
     // transforms content (trims it, say) renders differently from the substituted
     // skeleton, and falls back to the check below.
     if substitute(&skeleton, messages) == real {
-        return split_encode(tok, &skeleton, messages, cancel);
+        let tokens = split_encode(tok, &skeleton, messages, cancel)?;
+        return Ok(ChatPrompt { tokens, skeleton });
     }
 
     // Fallback: tokenize the real rendering, and accept it only if it holds exactly the
@@ -77,7 +116,7 @@ pub fn prompt_tokens(
             .collect()
     };
     if controls(&tokens) == controls(&tok.encode(&skeleton)) {
-        Ok(tokens)
+        Ok(ChatPrompt { tokens, skeleton })
     } else {
         Err(ApiError::invalid(
             "invalid_messages",
@@ -93,6 +132,7 @@ fn check_template_text(
     tok: &Tokenizer,
     messages: &[ChatMessage],
     tools: Option<&Value>,
+    variables: Option<&serde_json::Map<String, Value>>,
 ) -> Result<(), ApiError> {
     let refuse = |param: String| {
         Err(ApiError::invalid(
@@ -105,6 +145,15 @@ fn check_template_text(
     if tools.is_some_and(|t| unsafe_literals(&controls, json_strings(t))) {
         return refuse("tools".into());
     }
+    if let Some(variables) = variables {
+        for (name, v) in variables {
+            let mut strings = json_strings(v);
+            strings.push(name);
+            if unsafe_literals(&controls, strings) {
+                return refuse(format!("chat_template_kwargs.{name}"));
+            }
+        }
+    }
     for (i, m) in messages.iter().enumerate() {
         if m.tool_calls
             .as_ref()
@@ -112,7 +161,11 @@ fn check_template_text(
         {
             return refuse(format!("messages[{i}].tool_calls"));
         }
-        for (field, v) in [("tool_call_id", &m.tool_call_id), ("name", &m.name)] {
+        for (field, v) in [
+            ("tool_call_id", &m.tool_call_id),
+            ("name", &m.name),
+            ("reasoning_content", &m.reasoning_content),
+        ] {
             if v.as_deref()
                 .is_some_and(|s| unsafe_literals(&controls, vec![s]))
             {

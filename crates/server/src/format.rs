@@ -7,6 +7,7 @@ use serde_json::{json, Map, Value};
 use tokenizer::Tokenizer;
 
 use crate::generation::{Chunk, TokenOut};
+use crate::reasoning::{self, Thinking};
 use crate::tools::{Call, ToolCalling, ToolFormat};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +26,9 @@ pub struct ResponseMeta {
     pub tok: Arc<Tokenizer>,
     /// The request's tools: a chat answer is parsed for their calls.
     pub tools: Option<Arc<ToolCalling>>,
+    /// A thinking model's chat answer: its thoughts go to `reasoning_content`, and only
+    /// the rest is content (and parsed for calls).
+    pub thinking: Option<Thinking>,
 }
 
 pub fn finish_reason(r: FinishReason) -> &'static str {
@@ -188,40 +192,53 @@ impl ResponseMeta {
 
     /// Choice `index` of the whole response.
     fn choice(&self, index: usize, output: &Chunk, reason: FinishReason) -> Value {
-        let parsed = match (&self.tools, self.api, reason) {
-            (Some(t), Api::Chat, FinishReason::Stop) => {
-                Some(t.format.parse(&output.text, &t.tools)).filter(|p| !p.calls.is_empty())
+        if self.api == Api::Completion {
+            return json!({
+                "index": index,
+                "text": output.text,
+                "logprobs": self.logprobs_json(&output.tokens),
+                "finish_reason": finish_reason(reason),
+            });
+        }
+        let parts = match self.thinking {
+            Some(thinking) => reasoning::split(thinking, &output.text),
+            None => reasoning::Parts {
+                thoughts: String::new(),
+                content: output.text.clone(),
+            },
+        };
+        let parsed = match (&self.tools, reason) {
+            (Some(t), FinishReason::Stop) => {
+                Some(t.format.parse(&parts.content, &t.tools)).filter(|p| !p.calls.is_empty())
             }
             _ => None,
         };
-        match (self.api, parsed) {
-            (Api::Chat, Some(parsed)) => {
+        let (mut message, finish) = match parsed {
+            Some(parsed) => {
                 let calls: Vec<Value> = parsed
                     .calls
                     .iter()
                     .enumerate()
                     .map(|(i, c)| self.call_json(index, i, c))
                     .collect();
-                json!({
-                    "index": index,
-                    "message": { "role": "assistant", "content": parsed.content, "tool_calls": calls },
-                    "logprobs": self.logprobs_json(&output.tokens),
-                    "finish_reason": "tool_calls",
-                })
+                let message =
+                    json!({ "role": "assistant", "content": parsed.content, "tool_calls": calls });
+                (message, "tool_calls")
             }
-            (Api::Chat, None) => json!({
-                "index": index,
-                "message": { "role": "assistant", "content": output.text },
-                "logprobs": self.logprobs_json(&output.tokens),
-                "finish_reason": finish_reason(reason),
-            }),
-            (Api::Completion, _) => json!({
-                "index": index,
-                "text": output.text,
-                "logprobs": self.logprobs_json(&output.tokens),
-                "finish_reason": finish_reason(reason),
-            }),
+            None => (
+                json!({ "role": "assistant", "content": parts.content }),
+                finish_reason(reason),
+            ),
+        };
+        if !parts.thoughts.is_empty() {
+            message["reasoning_content"] = Value::from(parts.thoughts);
         }
+        json!({
+            "index": index,
+            "message": message,
+            "logprobs": self.logprobs_json(&output.tokens),
+            "finish_reason": finish,
+        })
     }
 
     /// The opening chunk of a chat stream's choice `index`, which names the role.
@@ -244,14 +261,31 @@ impl ResponseMeta {
         finish: Option<FinishReason>,
         include_usage: bool,
     ) -> Value {
+        self.delta_chunk_thinking(index, "", chunk, finish, include_usage)
+    }
+
+    /// [`Self::delta_chunk`] of a thinking model's answer, with `thoughts`, the part of
+    /// the chunk's text that is thoughts (the chunk's own text is its content).
+    pub fn delta_chunk_thinking(
+        &self,
+        index: usize,
+        thoughts: &str,
+        chunk: &Chunk,
+        finish: Option<FinishReason>,
+        include_usage: bool,
+    ) -> Value {
         let reason = finish.map(finish_reason);
         let choice = match self.api {
             Api::Chat => {
-                let delta = if chunk.text.is_empty() && finish.is_some() {
-                    json!({})
-                } else {
-                    json!({ "content": chunk.text })
-                };
+                let mut delta =
+                    if chunk.text.is_empty() && (finish.is_some() || !thoughts.is_empty()) {
+                        json!({})
+                    } else {
+                        json!({ "content": chunk.text })
+                    };
+                if !thoughts.is_empty() {
+                    delta["reasoning_content"] = Value::from(thoughts);
+                }
                 json!({
                     "index": index,
                     "delta": delta,

@@ -25,6 +25,7 @@ pub mod format;
 pub mod generation;
 pub mod metrics;
 pub mod prep;
+pub mod reasoning;
 pub mod request;
 mod routes;
 pub mod stop;
@@ -94,6 +95,8 @@ pub struct AppState {
     /// The call syntax tool calling expects: the chat template's family, or the
     /// operator's choice (`--tool-format`).
     pub tool_format: tools::ToolFormat,
+    /// Whether a thinking model's thoughts go to `reasoning_content` (`--reasoning-format`).
+    pub reasoning_format: reasoning::ReasoningFormat,
     /// The LoRA adapters requests may select, and who may use each (none unless
     /// configured).
     pub adapters: Arc<adapters::Catalog>,
@@ -122,6 +125,7 @@ impl AppState {
                 Arc::new(engine::Adapters::new()),
             )),
             tool_format,
+            reasoning_format: reasoning::ReasoningFormat::default(),
             vocabulary,
             backend,
             max_bytes_per_token: tokenizer.max_bytes_per_token(),

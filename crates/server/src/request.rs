@@ -183,6 +183,9 @@ pub struct Message {
     /// What OpenAI's own responses carry (null unless the model refused), so a client may
     /// send an earlier answer's message back as it got it.
     pub refusal: Option<Value>,
+    /// An assistant turn's thoughts, as this server returns them apart from the content
+    /// (`crate::reasoning`), so a client may send its earlier answers back as it got them.
+    pub reasoning_content: Option<Value>,
 }
 
 openai_request! {
@@ -198,5 +201,8 @@ openai_request! {
         pub functions: Option<Value>,
         pub function_call: Option<Value>,
         pub parallel_tool_calls: Option<Value>,
+        /// Variables for the chat template (vLLM's and llama.cpp's extension), such as
+        /// `enable_thinking`.
+        pub chat_template_kwargs: Option<Value>,
     }
 }

@@ -20,6 +20,7 @@ use crate::conn::ConnectionControl;
 use crate::error::ApiError;
 use crate::format::{Api, ResponseMeta};
 use crate::generation::{Chunk, Generation, Step};
+use crate::reasoning::ReasoningStream;
 use crate::tools::stream::ToolStream;
 use crate::validation::{self, PromptInput, ServedModel, Settings, ValidChat};
 use crate::{body, chat_prompt, AppState, MetricsAccess};
@@ -188,6 +189,7 @@ async fn start_completion(
             prompt,
             constraint,
             tools: None,
+            thinking: None,
         },
         req.settings,
         req.logprobs,
@@ -210,6 +212,7 @@ async fn start_chat(
             messages,
             template,
             tools,
+            template_variables,
         },
     ) = accept(app, headers, body, validation::chat).await?;
     let permit = app.tenants.acquire(tenant.tenant_name(), 0)?;
@@ -229,18 +232,18 @@ async fn start_chat(
         .as_ref()
         .filter(|t| t.format.template_renders_tools())
         .map(|t| t.declared.clone());
-    let prompt = app
+    let reasoning = app.reasoning_format;
+    let (prompt, thinking) = app
         .prompt_workers
         .run(tenant.tenant_name(), move |cancel| {
-            chat_prompt::prompt_tokens(
-                &tok,
-                &template,
-                &messages,
-                rendered_tools.as_ref(),
-                &fits,
-                cancel,
-            )
-            .map(|t| tok.with_bos(t))
+            let chat = chat_prompt::ChatInput {
+                messages: &messages,
+                tools: rendered_tools.as_ref(),
+                variables: template_variables.as_ref(),
+            };
+            let rendered = chat_prompt::render_prompt(&tok, &template, &chat, &fits, cancel)?;
+            let thinking = reasoning.for_prompt(template.source(), &rendered.skeleton);
+            Ok((tok.with_bos(rendered.tokens), thinking))
         })
         .await?;
     start(
@@ -250,6 +253,7 @@ async fn start_chat(
             prompt,
             constraint,
             tools,
+            thinking,
         },
         settings,
         logprobs,
@@ -333,6 +337,8 @@ struct Prepared {
     prompt: Vec<u32>,
     constraint: Option<constraint::RowConstraint>,
     tools: Option<Arc<crate::tools::ToolCalling>>,
+    /// Where the answer's thoughts are, for a thinking model's chat answer.
+    thinking: Option<crate::reasoning::Thinking>,
 }
 
 async fn start(
@@ -342,6 +348,7 @@ async fn start(
         prompt,
         constraint,
         tools,
+        thinking,
     }: Prepared,
     settings: Settings,
     logprobs: Option<usize>,
@@ -440,6 +447,7 @@ async fn start(
             logprobs: logprobs.is_some(),
             tok: app.tokenizer.clone(),
             tools,
+            thinking,
         },
         settings,
         permit,
@@ -597,6 +605,9 @@ struct StreamState {
     /// Per choice, holds back text that may be a tool call, when the request declared
     /// tools.
     tool_streams: Vec<Option<ToolStream>>,
+    /// Per choice, sorts a thinking model's thoughts from its content, ahead of the tool
+    /// stream (which sees the content only).
+    reasoning_streams: Vec<Option<ReasoningStream>>,
     usage: Usage,
     meta: ResponseMeta,
     include_usage: bool,
@@ -676,8 +687,12 @@ fn stream(
     let tool_streams = (0..choices.len())
         .map(|_| tools.clone().map(ToolStream::new))
         .collect();
+    let reasoning_streams = (0..choices.len())
+        .map(|_| started.meta.thinking.map(ReasoningStream::new))
+        .collect();
     let state = StreamState {
         tool_streams,
+        reasoning_streams,
         choices,
         usage: NO_USAGE,
         meta: started.meta,
@@ -719,14 +734,25 @@ fn stream(
                     st.finished = true;
                 }
                 Some((i, Step::Chunk(mut c))) => {
+                    let mut thoughts = String::new();
+                    if let Some(reasoning) = &mut st.reasoning_streams[i] {
+                        let parts = reasoning.push(&c.text);
+                        (thoughts, c.text) = (parts.thoughts, parts.content);
+                    }
                     if let Some(tools) = &mut st.tool_streams[i] {
                         c.text = tools.push(&c.text);
-                        if c.text.is_empty() && !st.meta.logprobs {
-                            continue;
-                        }
                     }
-                    st.queue
-                        .push_back(data(&st.meta.delta_chunk(i, &c, None, st.include_usage)));
+                    let holds = st.tool_streams[i].is_some() || st.reasoning_streams[i].is_some();
+                    if holds && c.text.is_empty() && thoughts.is_empty() && !st.meta.logprobs {
+                        continue;
+                    }
+                    st.queue.push_back(data(&st.meta.delta_chunk_thinking(
+                        i,
+                        &thoughts,
+                        &c,
+                        None,
+                        st.include_usage,
+                    )));
                 }
                 Some((
                     i,
@@ -737,6 +763,14 @@ fn stream(
                     },
                 )) => {
                     add_usage(&mut st.usage, i, &usage);
+                    let mut thoughts = String::new();
+                    if let Some(reasoning) = &mut st.reasoning_streams[i] {
+                        let mut parts = reasoning.push(&tail.text);
+                        let end = reasoning.finish();
+                        parts.thoughts.push_str(&end.thoughts);
+                        parts.content.push_str(&end.content);
+                        (thoughts, tail.text) = (parts.thoughts, parts.content);
+                    }
                     let calls = match &mut st.tool_streams[i] {
                         Some(tools) => {
                             let (rest, calls) =
@@ -747,16 +781,18 @@ fn stream(
                         None => Vec::new(),
                     };
                     if calls.is_empty() {
-                        st.queue.push_back(data(&st.meta.delta_chunk(
+                        st.queue.push_back(data(&st.meta.delta_chunk_thinking(
                             i,
+                            &thoughts,
                             &tail,
                             Some(reason),
                             st.include_usage,
                         )));
                     } else {
-                        if !tail.text.is_empty() || st.meta.logprobs {
-                            st.queue.push_back(data(&st.meta.delta_chunk(
+                        if !tail.text.is_empty() || !thoughts.is_empty() || st.meta.logprobs {
+                            st.queue.push_back(data(&st.meta.delta_chunk_thinking(
                                 i,
+                                &thoughts,
                                 &tail,
                                 None,
                                 st.include_usage,

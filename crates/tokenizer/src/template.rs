@@ -26,6 +26,10 @@ pub struct ChatMessage {
     /// A tool turn's function name, or a participant's name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An earlier assistant turn's thoughts, as the server returned them apart from its
+    /// content (Qwen3's template shows those of the turns after the last question).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 impl ChatMessage {
@@ -36,6 +40,7 @@ impl ChatMessage {
             tool_calls: None,
             tool_call_id: None,
             name: None,
+            reasoning_content: None,
         }
     }
 
@@ -53,6 +58,9 @@ impl ChatMessage {
         }
         if let Some(name) = &self.name {
             pairs.push(("name", Value::from(name.clone())));
+        }
+        if let Some(thoughts) = &self.reasoning_content {
+            pairs.push(("reasoning_content", Value::from(thoughts.clone())));
         }
         Value::from_pairs(pairs)
     }
@@ -96,6 +104,20 @@ impl std::fmt::Debug for ChatTemplate {
 }
 
 impl ChatTemplate {
+    /// The variables the renderer defines itself, which a request's own variables may not
+    /// set: the conversation, the tools, the generation prompt's switch, the special
+    /// tokens, the date and the renderer's functions.
+    pub const RENDERER_VARIABLES: [&'static str; 8] = [
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "bos_token",
+        "eos_token",
+        "date_string",
+        "raise_exception",
+        "strftime_now",
+    ];
+
     /// Compiles `source`. `bos_token` and `eos_token` render as empty strings unless set
     /// with [`Self::with_special_tokens`].
     pub fn new(source: &str) -> Result<Self, TemplateError> {
@@ -175,6 +197,21 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
+        self.render_with_variables(messages, tools, None, add_generation_prompt)
+    }
+
+    /// As [`Self::render_with_tools`], with a request's own template variables (OpenAI-
+    /// compatible servers' `chat_template_kwargs`, e.g. `enable_thinking: false`). They
+    /// may set any variable but those the renderer itself defines
+    /// ([`Self::RENDERER_VARIABLES`], which win over them): a variable cannot replace the
+    /// conversation, the tools or the special tokens.
+    pub fn render_with_variables(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        variables: Option<&serde_json::Map<String, serde_json::Value>>,
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
         let messages: Value = messages.iter().map(ChatMessage::to_value).collect();
         let template = self
             .env
@@ -183,19 +220,33 @@ impl ChatTemplate {
         let tools = tools.map_or(Value::UNDEFINED, |t| {
             Value::from(minijinja::value::Serde(t))
         });
+        // The renderer's functions are globals, which a context variable would shadow.
+        let requested: std::collections::BTreeMap<String, Value> = variables
+            .into_iter()
+            .flatten()
+            .filter(|(name, _)| !Self::RENDERER_VARIABLES.contains(&name.as_str()))
+            .map(|(name, v)| (name.clone(), Value::from(minijinja::value::Serde(v))))
+            .collect();
+        let requested = Value::from(requested);
+        // What llama.cpp's server passes every template, where a request does not say
+        // otherwise: thinking left on for templates with a reasoning switch (as their own
+        // default is).
+        let defaults = context! { enable_thinking => true };
+        let own = context! {
+            messages,
+            tools,
+            add_generation_prompt,
+            bos_token => self.bos_token.clone(),
+            eos_token => self.eos_token.clone(),
+            // Today's date for the templates that print it (Llama 3.x), as llama.cpp's
+            // server passes it.
+            date_string => today("%d %b %Y"),
+        };
+        // The last map that holds a name gives its value (minijinja 3's `merge_maps`; the
+        // corpus test and `request_variables_set_defaults_but_never_the_renderers_own`
+        // would see the order turned round).
         template
-            .render(context! {
-                messages,
-                tools,
-                add_generation_prompt,
-                bos_token => self.bos_token.clone(),
-                eos_token => self.eos_token.clone(),
-                // What llama.cpp's server passes every template: today's date for the
-                // templates that print it (Llama 3.x), and thinking left on for those with
-                // a reasoning switch (as their own default is).
-                date_string => today("%d %b %Y"),
-                enable_thinking => true,
-            })
+            .render(minijinja::value::merge_maps([defaults, requested, own]))
             .map_err(|e| match raised_message(&e) {
                 Some(msg) => TemplateError::Raised(msg),
                 None => TemplateError::Render(e),

@@ -130,3 +130,38 @@ fn model_template_binds_its_bos_and_eos() {
     assert!(out.starts_with("<|im_start|>system\n"), "{out}");
     assert!(out.ends_with("<|im_start|>user\nHi<|im_end|>\n"), "{out}");
 }
+
+/// A request's own variables (`chat_template_kwargs`) reach the template and override the
+/// renderer's defaults (`enable_thinking`), but never what the renderer defines itself: the
+/// conversation, the special tokens and its functions.
+#[test]
+fn request_variables_set_defaults_but_never_the_renderers_own() {
+    let source = "{{ bos_token }}{% if enable_thinking %}think{% else %}plain{% endif %}|{{ style }}|{{ messages | length }}|{% if raise_exception is string %}shadowed{% else %}fn{% endif %}";
+    let t = ChatTemplate::new(source)
+        .expect("compiles")
+        .with_special_tokens("<s>", "</s>");
+    let msgs = vec![ChatMessage::new("user", "Hi")];
+    let vars = |v: serde_json::Value| v.as_object().cloned().expect("an object");
+    assert_eq!(
+        t.render(&msgs, true).expect("renders"),
+        "<s>think||1|fn",
+        "without variables thinking is on and unknown names are undefined"
+    );
+    let off = vars(serde_json::json!({"enable_thinking": false, "style": "terse"}));
+    assert_eq!(
+        t.render_with_variables(&msgs, None, Some(&off), true)
+            .expect("renders"),
+        "<s>plain|terse|1|fn"
+    );
+    let hostile = vars(serde_json::json!({
+        "messages": [1, 2, 3],
+        "bos_token": "<evil>",
+        "raise_exception": "not a function",
+    }));
+    assert_eq!(
+        t.render_with_variables(&msgs, None, Some(&hostile), true)
+            .expect("renders"),
+        "<s>think||1|fn",
+        "a request's variable replaced one the renderer defines"
+    );
+}

@@ -31,6 +31,10 @@ pub const MAX_LOGIT_BIAS: usize = 1024;
 /// Most choices (`n`) one request may ask for: each is a sequence of its own in the engine,
 /// counted against the tenant's limits like a request.
 pub const MAX_CHOICES: u64 = 16;
+/// Most variables `chat_template_kwargs` may set (templates read a few switches).
+pub const MAX_TEMPLATE_VARIABLES: usize = 32;
+/// Longest name of one, in bytes.
+pub const MAX_TEMPLATE_VARIABLE_NAME: usize = 64;
 
 /// What a request is checked against: the model this server serves, and the adapters its
 /// tenant may select.
@@ -88,6 +92,8 @@ pub struct ValidChat {
     pub template: Arc<ChatTemplate>,
     /// The request's tools, when it declares some and may call them.
     pub tools: Option<ToolCalling>,
+    /// The request's own template variables (`chat_template_kwargs`), names checked.
+    pub template_variables: Option<serde_json::Map<String, Value>>,
 }
 
 /// `/v1/completions`: model, parameters, then the prompt.
@@ -149,6 +155,7 @@ pub fn chat(req: &ChatRequest, model: &ServedModel) -> Result<ValidChat, ApiErro
         if let Some(calls) = m.tool_calls.as_ref().filter(|v| !v.is_null()) {
             message.tool_calls = Some(crate::tools::history_calls(calls, i)?);
         }
+        message.reasoning_content = m.thoughts(i)?;
         if role == "tool" {
             message.tool_call_id = match m.tool_call_id.as_ref() {
                 None | Some(Value::Null) => None,
@@ -186,13 +193,70 @@ pub fn chat(req: &ChatRequest, model: &ServedModel) -> Result<ValidChat, ApiErro
             "This model has no chat template; use /v1/completions.",
         ));
     };
+    let template_variables = template_variables(req.chat_template_kwargs.as_ref())?;
     Ok(ValidChat {
         settings,
         logprobs,
         messages,
         template,
         tools,
+        template_variables,
     })
+}
+
+/// `chat_template_kwargs`: an object of at most [`MAX_TEMPLATE_VARIABLES`] names, each an
+/// identifier (as a template can read it) that the renderer does not define itself. The
+/// values are the client's JSON; `chat_prompt` refuses strings in them that would read as
+/// control tokens, since the template prints them as its own text.
+fn template_variables(
+    v: Option<&Value>,
+) -> Result<Option<serde_json::Map<String, Value>>, ApiError> {
+    const P: &str = "chat_template_kwargs";
+    let map = match v {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(map)) => map,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "invalid_type",
+                Some(P.to_owned()),
+                format!("'{P}' must be an object."),
+            ))
+        }
+    };
+    if map.len() > MAX_TEMPLATE_VARIABLES {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            Some(P.to_owned()),
+            format!("'{P}' may set at most {MAX_TEMPLATE_VARIABLES} variables."),
+        ));
+    }
+    for name in map.keys() {
+        let identifier = name.len() <= MAX_TEMPLATE_VARIABLE_NAME
+            && name
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        // Client-chosen: only a bounded prefix is echoed.
+        let shown: String = name.chars().take(MAX_TEMPLATE_VARIABLE_NAME).collect();
+        if !identifier {
+            return Err(ApiError::invalid(
+                "invalid_value",
+                Some(P.to_owned()),
+                format!("'{P}' names must be identifiers of at most {MAX_TEMPLATE_VARIABLE_NAME} letters, digits or '_'; got {shown:?}."),
+            ));
+        }
+        if ChatTemplate::RENDERER_VARIABLES.contains(&name.as_str()) {
+            return Err(ApiError::invalid(
+                "invalid_value",
+                Some(format!("{P}.{shown}")),
+                format!(
+                    "'{P}' cannot set '{shown}': the server renders it from the request itself."
+                ),
+            ));
+        }
+    }
+    Ok(Some(map.clone()))
 }
 
 /// A `required` or named `tool_choice`: the answer is constrained to the call grammar,
@@ -832,6 +896,25 @@ impl Message {
             ));
         }
         Ok(())
+    }
+
+    /// An assistant turn's thoughts (`reasoning_content`), a string or null.
+    fn thoughts(&self, index: usize) -> Result<Option<String>, ApiError> {
+        match &self.reasoning_content {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) if self.role == "assistant" => Ok(Some(s.clone())),
+            Some(Value::String(_)) => Err(ApiError::unsupported(
+                &format!("messages[{index}].reasoning_content"),
+                format!(
+                    "messages[{index}].reasoning_content is supported on assistant messages only."
+                ),
+            )),
+            Some(_) => Err(ApiError::invalid(
+                "invalid_type",
+                Some(format!("messages[{index}].reasoning_content")),
+                format!("'messages[{index}].reasoning_content' must be a string."),
+            )),
+        }
     }
 
     /// The message's text: a string, or the concatenation of its text parts.

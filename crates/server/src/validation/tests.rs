@@ -434,6 +434,99 @@ fn tool_fields_of_a_message_are_taken_only_where_their_role_carries_them() {
     assert_eq!(e.param(), Some("functions"));
 }
 
+/// `chat_template_kwargs`: an object of identifier names the renderer does not define, at
+/// most [`MAX_TEMPLATE_VARIABLES`]; an assistant turn may carry its earlier thoughts, no
+/// other turn.
+#[test]
+fn template_variables_and_earlier_thoughts_are_checked() {
+    let template =
+        Arc::new(ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}").unwrap());
+    let catalog = Catalog::new("m", Arc::new(engine::Adapters::new()));
+    let served = ServedModel {
+        name: "m",
+        tenant: "t",
+        adapters: &catalog,
+        max_context: 100,
+        vocab_size: VOCAB,
+        template: Some(&template),
+        tool_format: crate::tools::ToolFormat::Hermes,
+        tool_marker: None,
+    };
+    let run = |extra: &str| {
+        let body = format!(r#"{{{M}{extra}}}"#);
+        let req: ChatRequest = decode(body.as_bytes()).unwrap();
+        super::chat(&req, &served)
+    };
+    let ok = run(r#","chat_template_kwargs":{"enable_thinking":false,"_x9":{"a":[1]}}"#).unwrap();
+    let vars = ok.template_variables.expect("variables kept");
+    assert_eq!(vars["enable_thinking"], Value::Bool(false));
+    assert_eq!(vars.len(), 2);
+    assert!(run(r#","chat_template_kwargs":null"#)
+        .unwrap()
+        .template_variables
+        .is_none());
+    let refused = |extra: &str| {
+        let e = run(extra).map(|_| ()).unwrap_err();
+        assert_eq!(e.status().as_u16(), 400, "{extra}");
+        (e.code(), e.param().map(str::to_owned))
+    };
+    let p = Some("chat_template_kwargs".to_owned());
+    assert_eq!(
+        refused(r#","chat_template_kwargs":[]"#),
+        ("invalid_type", p.clone())
+    );
+    assert_eq!(
+        refused(r#","chat_template_kwargs":"x""#),
+        ("invalid_type", p.clone())
+    );
+    for name in ["1a", "a-b", "", "é", &"a".repeat(65)] {
+        let extra = format!(r#","chat_template_kwargs":{{"{name}":1}}"#);
+        assert_eq!(refused(&extra), ("invalid_value", p.clone()), "{name:?}");
+    }
+    for name in ChatTemplate::RENDERER_VARIABLES {
+        let extra = format!(r#","chat_template_kwargs":{{"{name}":1}}"#);
+        assert_eq!(
+            refused(&extra),
+            (
+                "invalid_value",
+                Some(format!("chat_template_kwargs.{name}"))
+            )
+        );
+    }
+    let many: Vec<String> = (0..=MAX_TEMPLATE_VARIABLES)
+        .map(|i| format!(r#""v{i}":1"#))
+        .collect();
+    let extra = format!(r#","chat_template_kwargs":{{{}}}"#, many.join(","));
+    assert_eq!(refused(&extra), ("invalid_value", p));
+
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo","reasoning_content":"they greet"}]}"#;
+    let req: ChatRequest = decode(body.as_bytes()).unwrap();
+    let ok = super::chat(&req, &served).unwrap();
+    assert_eq!(
+        ok.messages[1].reasoning_content.as_deref(),
+        Some("they greet")
+    );
+    let body =
+        r#"{"model":"m","messages":[{"role":"user","content":"hi","reasoning_content":"x"}]}"#;
+    let req: ChatRequest = decode(body.as_bytes()).unwrap();
+    let e = super::chat(&req, &served).unwrap_err();
+    assert_eq!(
+        (e.code(), e.param()),
+        (
+            "unsupported_parameter",
+            Some("messages[0].reasoning_content")
+        )
+    );
+    let body =
+        r#"{"model":"m","messages":[{"role":"assistant","content":"hi","reasoning_content":7}]}"#;
+    let req: ChatRequest = decode(body.as_bytes()).unwrap();
+    let e = super::chat(&req, &served).unwrap_err();
+    assert_eq!(
+        (e.code(), e.param()),
+        ("invalid_type", Some("messages[0].reasoning_content"))
+    );
+}
+
 /// An adapter set of references by name (a router's kind: no weights needed to select).
 struct Named(Vec<&'static str>);
 
