@@ -112,3 +112,28 @@ fn llama_cpp_templates_render_as_llama_cpp_or_refuse_by_name() {
         templates.len()
     );
 }
+
+/// The reasoning switch of real templates, as a request's `chat_template_kwargs` sets it:
+/// Qwen3's generation prompt holds an empty thinking block when it is off and none when it
+/// is on; DeepSeek-R1's distillation opens the block itself, and closes it again when off.
+#[test]
+fn request_variables_switch_real_templates_thinking() {
+    let tok = common::tokenizer();
+    let dir = common::llama_cpp_models_dir().join("templates");
+    let messages = vec![ChatMessage::new("user", "Why?")];
+    let off = serde_json::json!({"enable_thinking": false});
+    let off = off.as_object().unwrap();
+    let render = |name: &str, variables| {
+        let source = std::fs::read_to_string(dir.join(name))
+            .unwrap_or_else(|e| panic!("{name} is not in the corpus: {e}"));
+        tok.compile_template_source(&source)
+            .and_then(|t| t.render_with_variables(&messages, None, variables, true))
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    let qwen3 = "Qwen-Qwen3-0.6B.jinja";
+    assert!(render(qwen3, None).ends_with("<|im_start|>assistant\n"));
+    assert!(render(qwen3, Some(off)).ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+    let r1 = "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja";
+    assert!(render(r1, None).ends_with("<think>\n"));
+    assert!(render(r1, Some(off)).ends_with("<think>\n</think>"));
+}
