@@ -250,6 +250,7 @@ ROUTER_FLAGS = {
     "--first-header-timeout",
     "--body-timeout", "--send-timeout", "--metrics-listen", "--tenant-max-requests",
     "--tenant-max-tokens", "--max-connections-per-address", "--chat-template", "--tool-format",
+    "--reasoning-format",
 }
 ROUTER_AND_NODE_FLAGS = {"--max-context"}
 
