@@ -106,3 +106,17 @@ def test_bad_template_variables_are_400s_naming_their_field(thinking_server, ext
                              {"model": MODEL_NAME, "messages": QUESTION, "max_tokens": 2, **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_json_answer_may_follow_thoughts(thinking_server, server):
+    """A JSON schema describes only the answer: with a thinking template the grammar lets a
+    block come first (a bias towards `<` opens and fills one), without one JSON begins at
+    the first token. Split, the decode node compiles the same grammar from the wire."""
+    angle = thinking_server.post("/tokenize", {"content": "<"}).json()["tokens"]
+    assert len(angle) == 1
+    kw = dict(model=MODEL_NAME, messages=QUESTION, max_tokens=8, temperature=0,
+              response_format={"type": "json_object"}, logit_bias={str(angle[0]): 100})
+    thought = thinking_server.client.chat.completions.create(**kw).choices[0].message
+    assert thought.content == "" and "<<<" in thoughts_of(thought), thought
+    plain = server.client.chat.completions.create(**kw).choices[0].message
+    assert plain.content.startswith("{") and thoughts_of(plain) is None, plain

@@ -23,7 +23,18 @@ pub enum ConstraintSpec {
     Lark(String),
     /// llama.cpp's GBNF, translated into Lark ([`gbnf_to_lark`]).
     Gbnf(String),
+    /// A reasoning model's answer: free thoughts in a `<think>…</think>` block first
+    /// (`opened`: the prompt already opened it; otherwise the block is optional), then
+    /// whitespace, then `answer`, which the constraint holds from there on.
+    AfterThoughts {
+        opened: bool,
+        answer: Box<ConstraintSpec>,
+    },
 }
+
+/// Thoughts up to and including the first closing tag, and nothing after it: a lexeme that
+/// ends exactly where the block does, whatever the thoughts hold.
+const THOUGHTS_TO_CLOSE: &str = r"/(?s:.*)<\/think>/ & ~/(?s:.*)<\/think>(?s:.+)/";
 
 impl ConstraintSpec {
     /// The name this form has on the node protocol and in errors.
@@ -35,6 +46,7 @@ impl ConstraintSpec {
             Self::Choice(_) => "choice",
             Self::Lark(_) => "lark",
             Self::Gbnf(_) => "gbnf",
+            Self::AfterThoughts { .. } => "after_thoughts",
         }
     }
 
@@ -44,6 +56,10 @@ impl ConstraintSpec {
             Self::JsonObject => String::new(),
             Self::JsonSchema(s) | Self::Regex(s) | Self::Lark(s) | Self::Gbnf(s) => s.clone(),
             Self::Choice(c) => Value::from(c.clone()).to_string(),
+            Self::AfterThoughts { opened, answer } => {
+                let (kind, text) = answer.to_parts();
+                json!({"opened": opened, "kind": kind, "text": text}).to_string()
+            }
         };
         (self.kind(), text)
     }
@@ -59,6 +75,24 @@ impl ConstraintSpec {
                 serde_json::from_str(text)
                     .map_err(|e| ConstraintError::Invalid(format!("choice list: {e}")))?,
             ),
+            "after_thoughts" => {
+                let invalid = || ConstraintError::Invalid("an after_thoughts constraint".into());
+                let v: Value = serde_json::from_str(text).map_err(|_| invalid())?;
+                let (Some(opened), Some(kind), Some(text)) = (
+                    v["opened"].as_bool(),
+                    v["kind"].as_str(),
+                    v["text"].as_str(),
+                ) else {
+                    return Err(invalid());
+                };
+                if kind == "after_thoughts" {
+                    return Err(invalid());
+                }
+                Self::AfterThoughts {
+                    opened,
+                    answer: Box::new(Self::from_parts(kind, text)?),
+                }
+            }
             other => {
                 return Err(ConstraintError::Invalid(format!(
                     "unknown constraint kind {other:?}"
@@ -87,6 +121,14 @@ impl ConstraintSpec {
                     )));
                 }
                 c.iter().map(String::len).sum()
+            }
+            Self::AfterThoughts { answer, .. } => {
+                if matches!(**answer, Self::AfterThoughts { .. }) {
+                    return Err(ConstraintError::Invalid(
+                        "thoughts come once, before the answer".into(),
+                    ));
+                }
+                return answer.check_size();
             }
         };
         if bytes > MAX_SOURCE_BYTES {
@@ -135,6 +177,26 @@ impl ConstraintSpec {
             }
             Self::Lark(src) => Ok(TopLevelGrammar::from_lark(src.clone())),
             Self::Gbnf(src) => Ok(TopLevelGrammar::from_lark(gbnf_to_lark(src)?)),
+            Self::AfterThoughts { opened, answer } => {
+                // The answer's grammars follow this one, which refers to the first by name.
+                let mut inner = answer.to_grammar()?;
+                let Some(first) = inner.grammars.first_mut() else {
+                    return Err(ConstraintError::Invalid("an empty answer grammar".into()));
+                };
+                first.name = Some("answer".into());
+                let start = match opened {
+                    true => "start: THOUGHTS GAP? @answer",
+                    false => "start: \"<think>\" THOUGHTS GAP? @answer | @answer",
+                };
+                let lark =
+                    format!("{start}\nTHOUGHTS: {THOUGHTS_TO_CLOSE}\nGAP: /[ \\t\\r\\n]+/\n");
+                let mut grammars = vec![llguidance::api::GrammarWithLexer::from_lark(lark)];
+                grammars.append(&mut inner.grammars);
+                Ok(TopLevelGrammar {
+                    grammars,
+                    max_tokens: inner.max_tokens,
+                })
+            }
         }
     }
 }

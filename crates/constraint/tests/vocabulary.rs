@@ -260,3 +260,84 @@ fn hostile_constraints_are_refused_within_the_limits() {
         assert!(!refused(bad).is_empty());
     }
 }
+
+/// Feeds `text`'s tokens to `row`; true if every one was allowed and the row may end.
+fn accepts(row: &mut RowConstraint, text: &str) -> bool {
+    let m = model();
+    let eos = m.tokenizer.eos_id().unwrap();
+    for token in m.tokenizer.encode_ordinary(text) {
+        if !row.mask().unwrap().allows(token) {
+            return false;
+        }
+        row.advance(token).unwrap();
+    }
+    row.is_finished() || row.mask().unwrap().allows(eos)
+}
+
+/// A reasoning model's constrained answer: any thoughts in a leading block (or, where the
+/// prompt opened it, up to the first closing tag), whitespace, then the answer the
+/// constraint holds; without a block, the answer alone. Nothing after the answer, and no
+/// second block.
+#[test]
+fn thoughts_come_free_before_the_constrained_answer() {
+    let m = model();
+    let after = |opened, answer: ConstraintSpec| ConstraintSpec::AfterThoughts {
+        opened,
+        answer: Box::new(answer),
+    };
+    let yes_no = || ConstraintSpec::Choice(vec!["yes".into(), "no".into()]);
+    let cases = [
+        (
+            false,
+            "<think>\nIs it? {\"x\": < </thin > maybe.\n</think>\n\n{\"a\": 1}",
+            true,
+        ),
+        (false, "{\"a\": 1}", true),
+        (false, "<think></think>{\"a\": 1}", true),
+        (false, "<think>\nhm\n</think>\n\n{\"a\": 1} trailing", false),
+        (false, "<think>a</think><think>b</think>{\"a\": 1}", false),
+        (false, "<think>never closed {\"a\": 1}", false),
+        (false, "Sure: {\"a\": 1}", false),
+        (true, "hm, { or [ ...\n</think>\n\n{\"a\": 1}", true),
+        (true, "{\"a\": 1}", false),
+    ];
+    for (opened, text, ok) in cases {
+        let spec = after(opened, ConstraintSpec::JsonObject);
+        let mut row = m.vocab.compile(&spec).unwrap();
+        assert_eq!(accepts(&mut row, text), ok, "{opened} {text:?}");
+    }
+    let mut row = m.vocab.compile(&after(false, yes_no())).unwrap();
+    assert!(accepts(&mut row, "<think>\nmaybe yes\n</think>\nno"));
+    let mut row = m.vocab.compile(&after(false, yes_no())).unwrap();
+    assert!(!accepts(&mut row, "<think>\nmaybe\n</think>\nmaybe"));
+
+    // Past the block, walks (which would think forever inside it) end in an answer.
+    for seed in 0..6 {
+        let regex = ConstraintSpec::Regex("[0-9]{3}-[A-Z]{2}".into());
+        let opened = seed % 2 == 0;
+        let mut row = m.vocab.compile(&after(opened, regex)).unwrap();
+        let thoughts = if opened {
+            "why\n</think>\n\n"
+        } else {
+            "<think>why</think>\n"
+        };
+        for token in m.tokenizer.encode_ordinary(thoughts) {
+            row.advance(token).unwrap();
+        }
+        let (answer, _) = walk(&mut row, seed, 0);
+        let b = answer.trim_start().as_bytes();
+        assert!(
+            b.len() == 6 && b[..3].iter().all(u8::is_ascii_digit) && b[3] == b'-',
+            "{answer:?}"
+        );
+    }
+
+    // The wire form round-trips; thoughts come once.
+    let spec = after(true, yes_no());
+    let (kind, text) = spec.to_parts();
+    assert_eq!(ConstraintSpec::from_parts(kind, &text).unwrap(), spec);
+    let nested = after(false, after(false, yes_no()));
+    assert!(m.vocab.compile(&nested).is_err());
+    let (kind, text) = nested.to_parts();
+    assert!(ConstraintSpec::from_parts(kind, &text).is_err());
+}

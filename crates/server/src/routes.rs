@@ -207,7 +207,7 @@ async fn start_chat(
     let (
         tenant,
         ValidChat {
-            settings,
+            mut settings,
             logprobs,
             messages,
             template,
@@ -216,7 +216,6 @@ async fn start_chat(
         },
     ) = accept(app, headers, body, validation::chat).await?;
     let permit = app.tenants.acquire(tenant.tenant_name(), 0)?;
-    let constraint = compile_constraint(app, &tenant, &settings).await?;
     let tok = app.tokenizer.clone();
     let admission = *app.backend.admission();
     let (per_token, max_tokens) = (app.max_bytes_per_token, settings.max_tokens);
@@ -246,6 +245,18 @@ async fn start_chat(
             Ok((tok.with_bos(rendered.tokens), thinking))
         })
         .await?;
+    // A thinking model thinks first: a JSON schema or a forced call holds the answer after
+    // its thoughts, as vLLM's reasoning-aware structured outputs do. A regular expression,
+    // a choice or a grammar describes the whole text, thoughts included where wanted.
+    if let (Some(thinking), Some(requested)) = (thinking, settings.constraint.as_mut()) {
+        if crate::structured::describes_answer_only(requested) {
+            requested.spec = constraint::ConstraintSpec::AfterThoughts {
+                opened: thinking.starts_inside,
+                answer: Box::new(requested.spec.clone()),
+            };
+        }
+    }
+    let constraint = compile_constraint(app, &tenant, &settings).await?;
     start(
         app,
         Caller { tenant, permit },

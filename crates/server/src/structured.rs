@@ -16,6 +16,17 @@ pub struct Requested {
     pub param: &'static str,
 }
 
+/// Whether a constraint describes only the answer (a JSON schema or object, or the call a
+/// `tool_choice` forces), so a thinking model's thoughts may come before it; a regular
+/// expression, a choice or a grammar describes the whole text.
+pub fn describes_answer_only(requested: &Requested) -> bool {
+    requested.param == "tools"
+        || matches!(
+            requested.spec,
+            ConstraintSpec::JsonObject | ConstraintSpec::JsonSchema(_)
+        )
+}
+
 /// A 400 `invalid_value` naming `param`.
 pub(crate) fn invalid(param: &str, message: impl Into<String>) -> ApiError {
     ApiError::invalid("invalid_value", Some(param.to_owned()), message)

@@ -270,3 +270,35 @@ async fn calls_are_parsed_from_the_content_after_the_thoughts() {
     assert_eq!(s_content, "");
     assert_eq!(finish, "tool_calls");
 }
+
+/// A JSON schema describes only the answer: a thinking model may think before it (the
+/// grammar allows a leading block), where a model without thoughts must answer in JSON
+/// from its first token. A bias towards `<` shows which grammar holds: it opens a block
+/// and fills it where one is allowed, and cannot be chosen where JSON must begin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_json_answer_may_follow_thoughts() {
+    let tok = tokenizer();
+    let angle = tok.encode_ordinary("<");
+    assert_eq!(angle.len(), 1);
+    let body = json!({
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Why?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "response_format": {"type": "json_object"},
+        "logit_bias": {angle[0].to_string(): 100},
+    });
+    let (thinking, _a) = server_with(QWEN_STYLE, ReasoningFormat::Deepseek).await;
+    let r = chat(thinking, &body).await;
+    assert_eq!(message(&r)["content"], "", "{r}");
+    let thoughts = message(&r)["reasoning_content"].as_str().unwrap();
+    assert!(thoughts.contains("<<<"), "{thoughts:?}");
+
+    let (plain, _b) = server_with(PLAIN, ReasoningFormat::Deepseek).await;
+    let r = chat(plain, &body).await;
+    assert!(
+        message(&r)["content"].as_str().unwrap().starts_with('{'),
+        "{r}"
+    );
+    assert!(message(&r).get("reasoning_content").is_none());
+}
