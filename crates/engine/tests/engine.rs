@@ -841,3 +841,34 @@ fn a_long_prompts_deep_chunks_are_shorter() {
     );
     wait_for_no_leases(&engine);
 }
+
+/// Every end-of-generation token ends an answer, not only the file's end-of-sequence token
+/// (the synthetic vocabulary's EOS is `<|im_end|>`; `<|endoftext|>` ends a generation in
+/// llama.cpp too), unless the request ignores the end.
+#[test]
+fn every_end_of_generation_token_ends_the_answer() {
+    let engine = start(EngineConfig::default());
+    let model = synth_model(4096);
+    assert_eq!(model.config.eos_token, Some(2));
+    assert_eq!(
+        model.config.end_tokens,
+        vec![0, 2],
+        "<|endoftext|> and <|im_end|>"
+    );
+    for end in [0u32, 2] {
+        let mut req = request("t", prompt(1, 12), 6);
+        req.ignore_eos = false;
+        req.sampling.logit_bias = Arc::from([(end, 100.0)]);
+        let out = run(&engine, req.clone());
+        assert_eq!(out.finish, FinishReason::Stop, "token {end}");
+        assert!(
+            out.tokens.is_empty(),
+            "token {end} was emitted: {:?}",
+            out.tokens
+        );
+        req.ignore_eos = true;
+        let out = run(&engine, req);
+        assert_eq!(out.finish, FinishReason::Length, "token {end}");
+        assert_eq!(out.tokens.len(), 6);
+    }
+}

@@ -152,8 +152,8 @@ pub(super) fn accept_token(
     metrics: &EngineMetrics,
 ) -> Outcome {
     let id = token.id;
-    let eos =
-        Some(id) == config.eos_token && (!p.request.ignore_eos || p.request.constraint.is_some());
+    let eos = config.end_tokens.binary_search(&id).is_ok()
+        && (!p.request.ignore_eos || p.request.constraint.is_some());
     if eos {
         return Outcome::Done(Event::Finished {
             reason: FinishReason::Stop,

@@ -5,6 +5,7 @@ use gguf::GgufFile;
 
 use crate::ModelError;
 
+mod end_tokens;
 mod gemma3;
 
 /// The GGUF `general.architecture` values this forward pass implements. Each is the llama
@@ -95,6 +96,9 @@ pub struct LlamaConfig {
     pub rms_eps: f32,
     /// End-of-sequence token from the tokenizer metadata, if the file names one.
     pub eos_token: Option<u32>,
+    /// Every token that ends a generation, sorted: llama.cpp's end-of-generation set
+    /// (`end_tokens.rs`), the end-of-sequence token among them.
+    pub end_tokens: Vec<u32>,
     /// Per layer: window and RoPE (all alike but in Gemma 3).
     pub layers: Vec<LayerAttention>,
     /// Factor applied to token embeddings before the first layer (Gemma: `sqrt(dim)`).
@@ -279,6 +283,7 @@ impl LlamaConfig {
                 .get("tokenizer.ggml.eos_token_id")
                 .and_then(|v| v.as_u64())
                 .map(|v| v as u32),
+            end_tokens: end_tokens::end_tokens(f, vocab_size),
         })
     }
 
