@@ -302,3 +302,25 @@ async fn a_json_answer_may_follow_thoughts() {
     );
     assert!(message(&r).get("reasoning_content").is_none());
 }
+
+/// Each answer is sorted by its own stream: two requests decoded in the same steps, one
+/// thinking and one not (its template variables switch thinking off), each get only their
+/// own thoughts and content, as they do alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_answers_are_sorted_each_by_its_own_stream() {
+    let (addr, _s) = server_with(QWEN_STYLE, ReasoningFormat::Deepseek).await;
+    let thinking = request(&format!("{THOUGHTS}{ANSWER}"), json!({}));
+    let plain = request(
+        ANSWER,
+        json!({"chat_template_kwargs": {"enable_thinking": false}}),
+    );
+    let alone = (
+        streamed(addr, &thinking).await,
+        streamed(addr, &plain).await,
+    );
+    for _ in 0..3 {
+        let together = tokio::join!(streamed(addr, &thinking), streamed(addr, &plain));
+        assert_eq!(together, alone);
+    }
+    assert!(!alone.0 .0.is_empty() && alone.1 .0.is_empty(), "{alone:?}");
+}

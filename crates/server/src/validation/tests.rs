@@ -390,24 +390,43 @@ fn unknown_fields_are_refused_by_name() {
     assert!(completion(r#"{"model":"m","prompt":"x","cache_prompt":true}"#).is_ok());
 }
 
+/// A model with a plain chat template, Hermes tool calls and no adapters.
+struct ChatModel {
+    template: Arc<ChatTemplate>,
+    catalog: Catalog,
+}
+
+impl ChatModel {
+    fn new() -> Self {
+        Self {
+            template: Arc::new(
+                ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}").unwrap(),
+            ),
+            catalog: Catalog::new("m", Arc::new(engine::Adapters::new())),
+        }
+    }
+
+    fn served(&self) -> ServedModel<'_> {
+        ServedModel {
+            name: "m",
+            tenant: "t",
+            adapters: &self.catalog,
+            max_context: 100,
+            vocab_size: VOCAB,
+            template: Some(&self.template),
+            tool_format: crate::tools::ToolFormat::Hermes,
+            tool_marker: None,
+        }
+    }
+}
+
 /// Tool calls belong to assistant turns and call ids to tool turns: elsewhere they are
 /// refused, never dropped; an earlier answer's message sent back as OpenAI returns it
 /// (refusal null) is accepted.
 #[test]
 fn tool_fields_of_a_message_are_taken_only_where_their_role_carries_them() {
-    let template =
-        Arc::new(ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}").unwrap());
-    let catalog = Catalog::new("m", Arc::new(engine::Adapters::new()));
-    let served = ServedModel {
-        name: "m",
-        tenant: "t",
-        adapters: &catalog,
-        max_context: 100,
-        vocab_size: VOCAB,
-        template: Some(&template),
-        tool_format: crate::tools::ToolFormat::Hermes,
-        tool_marker: None,
-    };
+    let chat_model = ChatModel::new();
+    let served = chat_model.served();
     let run = |body: &str| {
         let req: ChatRequest = decode(body.as_bytes()).unwrap();
         super::chat(&req, &served).map(|_| ())
@@ -439,19 +458,8 @@ fn tool_fields_of_a_message_are_taken_only_where_their_role_carries_them() {
 /// other turn.
 #[test]
 fn template_variables_and_earlier_thoughts_are_checked() {
-    let template =
-        Arc::new(ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}").unwrap());
-    let catalog = Catalog::new("m", Arc::new(engine::Adapters::new()));
-    let served = ServedModel {
-        name: "m",
-        tenant: "t",
-        adapters: &catalog,
-        max_context: 100,
-        vocab_size: VOCAB,
-        template: Some(&template),
-        tool_format: crate::tools::ToolFormat::Hermes,
-        tool_marker: None,
-    };
+    let chat_model = ChatModel::new();
+    let served = chat_model.served();
     let run = |extra: &str| {
         let body = format!(r#"{{{M}{extra}}}"#);
         let req: ChatRequest = decode(body.as_bytes()).unwrap();
