@@ -109,6 +109,25 @@ def test_streamed_and_whole_answers_agree_under_penalties(server):
     assert streamed == whole
 
 
+def test_stop_token_ids_end_and_min_tokens_hold_the_end_off(server):
+    """A stop token ends the answer before it (also past ignore_eos); min_tokens keeps every
+    ending token, forced here by a bias, off until the answer has that many."""
+    free = ids(steps(server, n=8))
+    stop = free[3]
+    r = server.client.chat.completions.create(
+        model=MODEL_NAME, messages=PROMPT, temperature=0, max_tokens=8, logprobs=True,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
+    assert ids(r.choices[0].logprobs.content) == free[:free.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    eos = 2  # the default model's <|im_end|>
+    for min_tokens in (0, 5):
+        r = server.client.chat.completions.create(
+            model=MODEL_NAME, messages=PROMPT, temperature=0, max_tokens=8,
+            logit_bias={str(eos): 100}, extra_body={"min_tokens": min_tokens})
+        assert r.usage.completion_tokens == min_tokens, min_tokens
+        assert r.choices[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize(
     "field, value, param",
     [
@@ -175,6 +194,9 @@ HONOURED = {
     # Tool calling (tests/python/test_tools.py).
     "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
     "parallel_tool_calls": True,
+    # vLLM's end controls (test_stop_token_ids_end_and_min_tokens_hold_the_end_off) and
+    # template variables (tests/python/test_reasoning.py).
+    "stop_token_ids": [5], "min_tokens": 1, "chat_template_kwargs": {"enable_thinking": False},
     # Accepted without effect: the answer is the same either way.
     "cache_prompt": True, "user": "u1",
 }

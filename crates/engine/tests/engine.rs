@@ -872,3 +872,37 @@ fn every_end_of_generation_token_ends_the_answer() {
         assert_eq!(out.tokens.len(), 6);
     }
 }
+
+/// A request's own stop tokens end its answer (even with `ignore_eos`), and `min_tokens`
+/// holds every token that would end it off until the answer has that many: the biased end
+/// token comes right after them.
+#[test]
+fn stop_tokens_end_and_min_tokens_hold_the_end_off() {
+    let engine = start(EngineConfig::default());
+    let free = run(&engine, request("t", prompt(3, 12), 8));
+    let third = free.tokens[2].0;
+    let mut req = request("t", prompt(3, 12), 8);
+    req.sampling.stop_tokens = Arc::from([third]);
+    let out = run(&engine, req);
+    assert_eq!(out.finish, FinishReason::Stop);
+    let first = free.tokens.iter().position(|&(t, _)| t == third).unwrap();
+    assert_eq!(
+        out.tokens,
+        free.tokens[..first],
+        "ends before the stop token"
+    );
+
+    for (end, ignore_eos) in [(2u32, false), (third, true)] {
+        let mut req = request("t", prompt(3, 12), 8);
+        req.ignore_eos = ignore_eos;
+        req.sampling.logit_bias = Arc::from([(end, 100.0)]);
+        if ignore_eos {
+            req.sampling.stop_tokens = Arc::from([end]);
+        }
+        req.sampling.min_tokens = 3;
+        let out = run(&engine, req);
+        assert_eq!(out.finish, FinishReason::Stop, "end {end}");
+        assert_eq!(out.tokens.len(), 3, "end {end}: {:?}", out.tokens);
+        assert!(out.tokens.iter().all(|&(t, _)| t != end));
+    }
+}

@@ -37,6 +37,12 @@ pub struct SamplingParams {
     pub penalties: Penalties,
     /// Added to the logits of these tokens, sorted by token id, each id once.
     pub logit_bias: Arc<[(u32, f32)]>,
+    /// Tokens that end the answer besides the model's own end-of-generation tokens (vLLM's
+    /// `stop_token_ids`), sorted, each once. The engine applies them.
+    pub stop_tokens: Arc<[u32]>,
+    /// The answer's fewest tokens: until it has this many, no token that would end it may
+    /// be chosen (vLLM's `min_tokens`; 0 disables). The engine applies it.
+    pub min_tokens: usize,
 }
 
 impl Default for SamplingParams {
@@ -49,6 +55,8 @@ impl Default for SamplingParams {
             seed: 0,
             penalties: Penalties::default(),
             logit_bias: Arc::from([]),
+            stop_tokens: Arc::from([]),
+            min_tokens: 0,
         }
     }
 }

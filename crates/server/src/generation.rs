@@ -96,6 +96,8 @@ pub struct Generation {
     guard: OutcomeGuard,
     /// The LoRA adapter's name, for the per-adapter counters.
     adapter: Option<Arc<str>>,
+    /// Stop strings match only the text of the tokens after this many (`min_tokens`).
+    stops_after: usize,
 }
 
 impl Drop for Generation {
@@ -120,6 +122,7 @@ impl Generation {
             handle: Some(handle),
             tok,
             decoder: IncrementalDecoder::new(),
+            stops_after: 0,
             stop: StopMatcher::new(stops),
             pending: VecDeque::new(),
             decoded_chars: 0,
@@ -174,6 +177,13 @@ impl Generation {
         }
     }
 
+    /// Stop strings match only the text of the tokens after the first `min_tokens` (vLLM's
+    /// `min_tokens`: nothing ends the answer before it has that many).
+    pub fn with_min_tokens(mut self, min_tokens: usize) -> Self {
+        self.stops_after = min_tokens;
+        self
+    }
+
     fn on_token(&mut self, t: TokenEvent) -> Option<Step> {
         let now = Instant::now();
         match self.last_token_at {
@@ -195,6 +205,11 @@ impl Generation {
             start,
             end: self.decoded_chars,
         });
+        if self.completion_tokens <= self.stops_after {
+            // Nothing is held back yet: the matcher has seen no text.
+            let chunk = self.release(piece, false);
+            return (!chunk.is_empty()).then_some(Step::Chunk(chunk));
+        }
         match self.stop.push(&piece) {
             StopPush::Text(text) => {
                 let chunk = self.release(text, false);

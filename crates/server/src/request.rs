@@ -72,6 +72,10 @@ macro_rules! openai_request {
             pub cache_salt: Option<String>,
             /// vLLM's extension: keep generating past EOS until `max_tokens`.
             pub ignore_eos: Option<bool>,
+            /// vLLM's extensions: more tokens that end the answer, and the fewest tokens
+            /// before anything may end it.
+            pub stop_token_ids: Option<Vec<u64>>,
+            pub min_tokens: Option<u64>,
             /// llama.cpp's adapter selection: `[{"id": I, "scale": S}, ...]`, ids as
             /// `GET /lora-adapters` lists them ([`crate::adapters`]).
             pub lora: Option<Value>,
@@ -106,6 +110,8 @@ macro_rules! openai_request {
                     logit_bias: self.logit_bias.as_ref(),
                     cache_salt: self.cache_salt.as_deref(),
                     ignore_eos: self.ignore_eos,
+                    stop_token_ids: self.stop_token_ids.as_deref(),
+                    min_tokens: self.min_tokens,
                     response_format: self.response_format.as_ref(),
                     json_schema: self.json_schema.as_ref(),
                     grammar: self.grammar.as_ref(),
@@ -138,6 +144,8 @@ pub struct Common<'a> {
     pub logit_bias: Option<&'a serde_json::Map<String, Value>>,
     pub cache_salt: Option<&'a str>,
     pub ignore_eos: Option<bool>,
+    pub stop_token_ids: Option<&'a [u64]>,
+    pub min_tokens: Option<u64>,
     pub response_format: Option<&'a Value>,
     pub json_schema: Option<&'a Value>,
     pub grammar: Option<&'a Value>,

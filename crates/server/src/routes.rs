@@ -430,6 +430,7 @@ async fn start(
             app.metrics.clone(),
             adapter.clone(),
         )
+        .with_min_tokens(settings.sampling.min_tokens)
     };
     let mut generations = vec![generation(handle)];
     let mut first_step = None;

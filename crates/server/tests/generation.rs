@@ -212,3 +212,22 @@ async fn dropping_the_generation_cancels_the_request() {
     drop(g);
     assert!(tx.is_closed());
 }
+
+/// With `min_tokens`, stop strings match only the text of the tokens after the first
+/// `min_tokens`: a stop string among them is sent as text, the next one ends the answer.
+#[tokio::test]
+async fn stop_strings_match_only_after_min_tokens() {
+    let tok = tokenizer();
+    let text = tok.encode(" a.\n b.\n c.");
+    let newline = tok.encode("\n")[0];
+    let second = text.iter().skip(3).position(|&t| t == newline).unwrap() + 3;
+    let (g, tx) = generation(&tok, &["\n"]);
+    let mut g = g.with_min_tokens(3 + 1);
+    for &id in &text {
+        let _ = tx.send(token(id));
+    }
+    let (out, reason, usage) = drain(&mut g).await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(reason, FinishReason::Stop);
+    assert_eq!(out.text, " a.\n b.");
+    assert_eq!(usage.completion_tokens, second + 1);
+}

@@ -18,6 +18,8 @@ use crate::pb;
 const MAX_TOP_LOGPROBS: u32 = 20;
 /// Most logit_bias entries (the public API's limit).
 const MAX_LOGIT_BIAS: usize = 1024;
+/// Most stop_token_ids (the public API's limit).
+const MAX_STOP_TOKEN_IDS: usize = 64;
 
 pub fn request_to_pb(request_id: &str, r: &GenerateRequest) -> pb::GenerateRequest {
     pb::GenerateRequest {
@@ -50,6 +52,8 @@ pub fn request_to_pb(request_id: &str, r: &GenerateRequest) -> pb::GenerateReque
                     text,
                 }
             }),
+            stop_token_ids: r.sampling.stop_tokens.to_vec(),
+            min_tokens: r.sampling.min_tokens as u64,
         }),
         ignore_eos: r.ignore_eos,
         logprobs: r.logprobs.map(|k| k as u32),
@@ -256,6 +260,9 @@ pub fn request_from_pb(
         Some(_) if r.ignore_eos => {
             return Err(invalid("constraint: cannot be combined with ignore_eos").into())
         }
+        Some(_) if sampling.min_tokens > 0 => {
+            return Err(invalid("constraint: cannot be combined with min_tokens").into())
+        }
         Some(c) => {
             let spec = ConstraintSpec::from_parts(&c.kind, &c.text)
                 .map_err(|e| invalid(&format!("constraint: {e}")))?;
@@ -315,6 +322,12 @@ fn sampling_from_pb(s: pb::Sampling) -> Result<SamplingParams, Status> {
     if s.logit_bias.len() > MAX_LOGIT_BIAS {
         return Err(invalid("too many logit_bias entries"));
     }
+    let stops_sorted = s.stop_token_ids.windows(2).all(|w| w[0] < w[1]);
+    if s.stop_token_ids.len() > MAX_STOP_TOKEN_IDS || !stops_sorted {
+        return Err(invalid(
+            "stop_token_ids must be sorted, unique and at most 64",
+        ));
+    }
     let sorted = s.logit_bias.windows(2).all(|w| w[0].token < w[1].token);
     if !sorted || !s.logit_bias.iter().all(|b| in_range(b.bias, -100.0, 100.0)) {
         return Err(invalid(
@@ -334,6 +347,8 @@ fn sampling_from_pb(s: pb::Sampling) -> Result<SamplingParams, Status> {
             repeat_last_n: usize::try_from(s.repeat_last_n).unwrap_or(usize::MAX),
         },
         logit_bias: s.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
+        stop_tokens: s.stop_token_ids.into(),
+        min_tokens: usize::try_from(s.min_tokens).unwrap_or(usize::MAX),
     })
 }
 
@@ -569,6 +584,8 @@ mod tests {
                     repeat_last_n: usize::MAX,
                 },
                 logit_bias: std::sync::Arc::from([(2, -100.0), (7, 3.5)]),
+                stop_tokens: std::sync::Arc::from([5, 9]),
+                min_tokens: 0,
             },
             ignore_eos: false,
             logprobs: Some(3),
@@ -587,12 +604,29 @@ mod tests {
 
     #[test]
     fn every_sampling_parameter_crosses_the_wire() {
-        let sent = request();
+        let mut sent = request();
+        sent.sampling.min_tokens = 2;
         let (_, got) =
             request_from_pb(request_to_pb("r1", &sent), &vocabulary(), &Adapters::new()).unwrap();
         assert_eq!(got.sampling, sent.sampling);
         assert_eq!(got.weight, 7, "the tenant's weight reaches the nodes");
         assert!(got.constraint.is_none());
+        // Stop tokens out of order, or min_tokens beside a constraint, are refused.
+        let mut pb = request_to_pb("r1", &sent);
+        pb.sampling.as_mut().unwrap().stop_token_ids = vec![9, 5];
+        invalid_status(
+            request_from_pb(pb, &vocabulary(), &Adapters::new()),
+            "unsorted stop_token_ids",
+        );
+        let mut pb = request_to_pb("r1", &sent);
+        pb.sampling.as_mut().unwrap().constraint = Some(pb::Constraint {
+            kind: "regex".into(),
+            text: "a".into(),
+        });
+        invalid_status(
+            request_from_pb(pb, &vocabulary(), &Adapters::new()),
+            "min_tokens with a constraint",
+        );
     }
 
     #[test]

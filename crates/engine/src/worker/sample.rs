@@ -24,6 +24,11 @@ fn sampled_token(
         output: &p.output,
     };
     let token = match p.request.constraint.as_mut() {
+        None if p.output.len() < p.request.sampling.min_tokens => {
+            let held = ending_tokens(&p.request, config);
+            p.sampler
+                .sample_allowed(logits, history, &all_but(vocab, &held))
+        }
         None => p.sampler.sample(logits, history),
         Some(row) => {
             // Computed beside the forward pass; here only if that thread failed.
@@ -48,6 +53,35 @@ fn sampled_token(
         top_logprobs: top,
         cached_prompt_tokens: p.cached_tokens.unwrap_or(0),
     })
+}
+
+/// The tokens that would end `request`'s answer: the model's end-of-generation tokens
+/// (unless it ignores them) and its own stop tokens.
+fn ending_tokens(request: &crate::GenerateRequest, config: &model::LlamaConfig) -> Vec<u32> {
+    let ends: &[u32] = match request.ignore_eos {
+        true => &[],
+        false => &config.end_tokens,
+    };
+    let mut held: Vec<u32> = ends
+        .iter()
+        .chain(request.sampling.stop_tokens.iter())
+        .copied()
+        .collect();
+    held.sort_unstable();
+    held.dedup();
+    held
+}
+
+/// A mask (token `t` is bit `t % 32` of word `t / 32`) allowing every token of the
+/// vocabulary but `held`.
+fn all_but(vocab: usize, held: &[u32]) -> Vec<u32> {
+    let mut bits = vec![u32::MAX; vocab.div_ceil(32)];
+    for &t in held {
+        if let Some(w) = bits.get_mut(t as usize / 32) {
+            *w &= !(1 << (t % 32));
+        }
+    }
+    bits
 }
 
 fn constraint_failed(e: constraint::ConstraintError) -> Event {
@@ -154,7 +188,7 @@ pub(super) fn accept_token(
     let id = token.id;
     let eos = config.end_tokens.binary_search(&id).is_ok()
         && (!p.request.ignore_eos || p.request.constraint.is_some());
-    if eos {
+    if eos || p.request.sampling.stop_tokens.binary_search(&id).is_ok() {
         return Outcome::Done(Event::Finished {
             reason: FinishReason::Stop,
             usage: p.usage(),

@@ -31,6 +31,8 @@ pub const MAX_LOGIT_BIAS: usize = 1024;
 /// Most choices (`n`) one request may ask for: each is a sequence of its own in the engine,
 /// counted against the tenant's limits like a request.
 pub const MAX_CHOICES: u64 = 16;
+/// Most `stop_token_ids` one request may give: each is looked up per generated token.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
 /// Most variables `chat_template_kwargs` may set (templates read a few switches).
 pub const MAX_TEMPLATE_VARIABLES: usize = 32;
 /// Longest name of one, in bytes.
@@ -655,6 +657,22 @@ impl Common<'_> {
                     format!("ignore_eos cannot be combined with {}: the answer ends when it is complete.", c.param),
                 ));
             }
+            if self.min_tokens.is_some_and(|m| m > 0) {
+                return Err(ApiError::invalid(
+                    "invalid_value",
+                    param("min_tokens"),
+                    format!("min_tokens cannot be combined with {}: the answer ends when it is complete.", c.param),
+                ));
+            }
+        }
+        let stop_tokens = stop_token_ids(self.stop_token_ids.unwrap_or_default(), vocab_size)?;
+        let min_tokens = usize::try_from(self.min_tokens.unwrap_or(0)).unwrap_or(usize::MAX);
+        if let Some(max) = max_tokens.filter(|&max| min_tokens > max) {
+            return Err(ApiError::invalid(
+                "invalid_value",
+                param("min_tokens"),
+                format!("min_tokens ({min_tokens}) must not exceed max_tokens ({max})."),
+            ));
         }
         Ok(Settings {
             n,
@@ -673,6 +691,8 @@ impl Common<'_> {
                     repeat_last_n,
                 },
                 logit_bias,
+                stop_tokens,
+                min_tokens,
             },
             stops,
             stream,
@@ -687,6 +707,43 @@ impl Common<'_> {
             adapter: None,
         })
     }
+}
+
+/// vLLM's `stop_token_ids`: at most [`MAX_STOP_TOKEN_IDS`] ids of this vocabulary, sorted
+/// and each once for the engine's lookup.
+fn stop_token_ids(ids: &[u64], vocab_size: usize) -> Result<Arc<[u32]>, ApiError> {
+    if ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(ApiError::invalid(
+            "invalid_value",
+            param("stop_token_ids"),
+            format!(
+                "stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} tokens; got {}.",
+                ids.len()
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(ids.len());
+    for &id in ids {
+        match u32::try_from(id)
+            .ok()
+            .filter(|&t| (t as usize) < vocab_size)
+        {
+            Some(t) => out.push(t),
+            None => {
+                return Err(ApiError::invalid(
+                    "invalid_value",
+                    param("stop_token_ids"),
+                    format!(
+                        "{id} in 'stop_token_ids' is not a token id of this model (0 to {}).",
+                        vocab_size.saturating_sub(1)
+                    ),
+                ))
+            }
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(out.into())
 }
 
 /// OpenAI's `logit_bias`: token ids (as the object's keys) to a bias in [-100, 100], sorted

@@ -358,6 +358,51 @@ fn penalty_bias_and_min_p_refusals() {
     assert_eq!(e.param(), Some("logit_bias"));
 }
 
+/// vLLM's `stop_token_ids` (ids of this vocabulary, at most [`MAX_STOP_TOKEN_IDS`], sorted
+/// and each once for the engine) and `min_tokens` (at most `max_tokens`, never beside a
+/// structured output, which ends when it is complete).
+#[test]
+fn stop_token_ids_and_min_tokens() {
+    let (s, _) = chat(&format!(
+        r#"{{{M},"stop_token_ids":[9,3,9],"min_tokens":4,"max_tokens":4}}"#
+    ))
+    .unwrap();
+    assert_eq!(&*s.sampling.stop_tokens, &[3, 9]);
+    assert_eq!(s.sampling.min_tokens, 4);
+    let (s, _) = completion(r#"{"model":"m","prompt":"x"}"#).unwrap();
+    assert!(s.sampling.stop_tokens.is_empty() && s.sampling.min_tokens == 0);
+    let many: Vec<usize> = (0..=MAX_STOP_TOKEN_IDS).collect();
+    for (body, code_and_param) in [
+        (
+            r#""stop_token_ids":[1000]"#.to_owned(),
+            ("invalid_value", "stop_token_ids"),
+        ),
+        (
+            format!(r#""stop_token_ids":{many:?}"#),
+            ("invalid_value", "stop_token_ids"),
+        ),
+        (
+            r#""stop_token_ids":[-1]"#.to_owned(),
+            ("invalid_value", "stop_token_ids[0]"),
+        ),
+        (
+            r#""min_tokens":5,"max_tokens":4"#.to_owned(),
+            ("invalid_value", "min_tokens"),
+        ),
+        (
+            r#""min_tokens":2,"response_format":{"type":"json_object"}"#.to_owned(),
+            ("invalid_value", "min_tokens"),
+        ),
+    ] {
+        let (code, param) = code(chat(&format!("{{{M},{body}}}")));
+        assert_eq!(
+            (code, param.as_deref()),
+            (code_and_param.0, Some(code_and_param.1)),
+            "{body}"
+        );
+    }
+}
+
 /// Nothing is accepted and ignored: an unknown field is a 400 that names it, at any depth
 /// a client writes; the two accepted without effect are accepted.
 #[test]
